@@ -1,0 +1,23 @@
+"""Fast, numerically stable LayerNorm and RMSNorm for NumPy, CuPy, torch, Dask and any
+array-API array.
+
+Importing this package is cheap: it imports NumPy only. Numba, CuPy, torch and Dask
+are imported (and kernels compiled) on first use.
+"""
+
+from ._api import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
+from ._dispatch import backend_name
+from .layer import LayerNorm, RMSNorm
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LayerNorm",
+    "RMSNorm",
+    "__version__",
+    "backend_name",
+    "layer_norm",
+    "layer_norm_backward",
+    "rms_norm",
+    "rms_norm_backward",
+]

@@ -1,0 +1,137 @@
+"""Numba CPU backend: thin wrappers that pick serial or parallel kernels.
+
+Nothing here compiles at import; the kernels module (and Numba itself) is imported on
+first use, and every kernel is compiled lazily per signature with ``cache=True``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+#: Below this many elements a call runs on the calling thread: starting threads for a
+#: microsecond problem costs more than it saves.
+PARALLEL_MIN_ELEMENTS = 1 << 16
+
+#: Rows per block of the parameter-gradient reduction. Fixed (never derived from the
+#: thread count) so that grad_weight/grad_bias are bitwise identical for any threads.
+GRAD_ROW_BLOCK = 64
+
+# Numba's default "workqueue" threading layer aborts when two Python threads launch
+# parallel kernels at once. Only one thread at a time runs a parallel kernel; others run
+# the serial variant, which performs exactly the same arithmetic per row.
+_parallel_lock = threading.Lock()
+
+
+def _reset_lock_in_child() -> None:
+    global _parallel_lock
+    _parallel_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_in_child)
+
+
+@functools.cache
+def _kernels() -> Any:
+    from . import kernels
+
+    return kernels
+
+
+def _as_kernel_array(arr: Any, dtype: str) -> Any:
+    # Numba has no float16/bfloat16 on the CPU: the kernels see the raw bits and convert
+    # (int16 bits mean float16, uint16 bits mean bfloat16).
+    if dtype == "float16":
+        return arr.view(np.int16)
+    if dtype == "bfloat16":
+        return arr.view(np.uint16)
+    return arr
+
+
+def _rows_view(arr: Any) -> Any:
+    # (outer, n, 1) -> (outer, n): lets Numba see a C-contiguous 2-D array when it is one.
+    return arr[:, :, 0] if arr.shape[2] == 1 else arr
+
+
+def _acc_scalar(value: float, dtype: str) -> Any:
+    return np.float64(value) if dtype == "float64" else np.float32(value)
+
+
+class _Launch:
+    """Context manager choosing the parallel kernel when it pays and is safe."""
+
+    def __init__(self, elements: int) -> None:
+        self.parallel = False
+        self._want = elements >= PARALLEL_MIN_ELEMENTS and _num_threads() > 1
+
+    def __enter__(self) -> _Launch:
+        if self._want:
+            self.parallel = _parallel_lock.acquire(blocking=False)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.parallel:
+            _parallel_lock.release()
+
+
+def _num_threads() -> int:
+    import numba
+
+    return numba.get_num_threads()
+
+
+def _grad_partials(rows: int, n: int, acc: Any, count: int) -> Any:
+    blocks = max(1, -(-rows // GRAD_ROW_BLOCK))
+    return np.zeros((count, blocks, n), dtype=acc)
+
+
+def layer_norm_forward(x3, weight, bias, eps, y3, mean, rstd, dtype) -> None:  # noqa: ANN001
+    """LayerNorm forward into ``y3``; fills ``mean`` and ``rstd``."""
+    k = _kernels()
+    x = _rows_view(_as_kernel_array(x3, dtype))
+    y = _rows_view(_as_kernel_array(y3, dtype))
+    with _Launch(x3.size) as launch:
+        fn = k.ln_forward_parallel if launch.parallel else k.ln_forward_serial
+        fn(x, weight, bias, _acc_scalar(eps, dtype), y, mean, rstd)
+
+
+def rms_norm_forward(x3, weight, eps, y3, rstd, dtype) -> None:  # noqa: ANN001
+    """RMSNorm forward into ``y3``; fills ``rstd``."""
+    k = _kernels()
+    x = _rows_view(_as_kernel_array(x3, dtype))
+    y = _rows_view(_as_kernel_array(y3, dtype))
+    with _Launch(x3.size) as launch:
+        fn = k.rms_forward_parallel if launch.parallel else k.rms_forward_serial
+        fn(x, weight, _acc_scalar(eps, dtype), y, rstd)
+
+
+def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype):  # noqa: ANN001, ANN201
+    """LayerNorm backward into ``gx3``; returns ``(grad_weight, grad_bias)``."""
+    k = _kernels()
+    gy = _rows_view(_as_kernel_array(gy3, dtype))
+    x = _rows_view(_as_kernel_array(x3, dtype))
+    gx = _rows_view(_as_kernel_array(gx3, dtype))
+    partials = _grad_partials(mean.shape[0], x3.shape[1], mean.dtype, 2)
+    with _Launch(x3.size) as launch:
+        fn = k.ln_backward_parallel if launch.parallel else k.ln_backward_serial
+        fn(gy, x, mean, rstd, weight, gx, partials, GRAD_ROW_BLOCK)
+    sums = k.sum_blocks(partials)
+    return sums[0], sums[1]
+
+
+def rms_norm_backward(gy3, x3, rstd, weight, gx3, dtype):  # noqa: ANN001, ANN201
+    """RMSNorm backward into ``gx3``; returns ``grad_weight``."""
+    k = _kernels()
+    gy = _rows_view(_as_kernel_array(gy3, dtype))
+    x = _rows_view(_as_kernel_array(x3, dtype))
+    gx = _rows_view(_as_kernel_array(gx3, dtype))
+    partials = _grad_partials(rstd.shape[0], x3.shape[1], rstd.dtype, 1)
+    with _Launch(x3.size) as launch:
+        fn = k.rms_backward_parallel if launch.parallel else k.rms_backward_serial
+        fn(gy, x, rstd, weight, gx, partials, GRAD_ROW_BLOCK)
+    return k.sum_blocks(partials)[0]

@@ -1,0 +1,69 @@
+"""Supported dtypes and the accumulation-precision policy, in one place.
+
+Every backend names dtypes by their canonical string ("float16", "bfloat16",
+"float32", "float64") so that NumPy, ml_dtypes, CuPy, torch and JAX dtypes can be
+compared without importing any of those libraries here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SUPPORTED: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64")
+
+#: Statistics are accumulated in float32 for 16- and 32-bit inputs, float64 for float64.
+ACCUMULATION: dict[str, str] = {
+    "float16": "float32",
+    "bfloat16": "float32",
+    "float32": "float32",
+    "float64": "float64",
+}
+
+#: C++ element and accumulation type names used by the CUDA kernels.
+CPP_TYPES: dict[str, str] = {
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+    "float32": "float",
+    "float64": "double",
+}
+
+#: Machine epsilon of each accumulation dtype (the default RMSNorm eps, as in torch).
+MACHINE_EPS: dict[str, float] = {
+    "float32": 1.1920928955078125e-07,
+    "float64": 2.220446049250313e-16,
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """Canonical short name of a dtype from any array library.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> dtype_name(np.dtype("float32"))
+    'float32'
+    >>> dtype_name(np.int64)
+    'int64'
+    """
+    name = getattr(dtype, "name", None)
+    if not isinstance(name, str):
+        # NumPy scalar types (np.float32) carry the name on their dtype.
+        inner = getattr(dtype, "dtype", None)
+        name = getattr(inner, "name", None) if inner is not None else None
+    if not isinstance(name, str):
+        # torch.float32 -> "torch.float32"; array_api_strict dtypes print similarly.
+        name = str(dtype)
+    name = name.rsplit(".", 1)[-1]
+    if name.startswith("dtype("):
+        name = name[6:].strip("')\"")
+    return name
+
+
+def is_supported(name: str) -> bool:
+    """Whether a canonical dtype name is one we normalize."""
+    return name in SUPPORTED
+
+
+def accumulation_name(name: str) -> str:
+    """Accumulation dtype name for a supported input dtype name."""
+    return ACCUMULATION[name]

@@ -1,0 +1,81 @@
+"""From the user's array and normalized axes to the ``(outer, n, inner)`` view kernels see.
+
+Kernels only ever see a 3-D view: ``n`` is the product of the normalized axes,
+``outer`` of the axes before them and ``inner`` of the axes after them. When the
+normalized axes are not adjacent (``axis=(0, 2)``) they are transposed to the end
+first, which may copy; adjacent axes never copy unless merging them needs it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How an array of ``shape`` maps onto the kernels' ``(outer, n, inner)`` view."""
+
+    shape: tuple[int, ...]
+    axes: tuple[int, ...]
+    outer: int
+    n: int
+    inner: int
+    #: transpose that moves non-adjacent normalized axes last, or None.
+    perm: tuple[int, ...] | None
+
+    @property
+    def rows(self) -> int:
+        """Number of independent rows (``outer * inner``)."""
+        return self.outer * self.inner
+
+    @property
+    def param_shape(self) -> tuple[int, ...]:
+        """Shape of ``weight``/``bias``: the normalized axes' sizes."""
+        return tuple(self.shape[a] for a in self.axes)
+
+    @property
+    def stats_shape(self) -> tuple[int, ...]:
+        """Shape of ``mean``/``rstd``: ``shape`` with normalized axes kept as 1."""
+        return tuple(1 if i in self.axes else s for i, s in enumerate(self.shape))
+
+    @property
+    def param_broadcast_shape(self) -> tuple[int, ...]:
+        """Shape that broadcasts ``weight`` against ``x``."""
+        return tuple(s if i in self.axes else 1 for i, s in enumerate(self.shape))
+
+
+def plan(shape: tuple[int, ...], axes: tuple[int, ...]) -> Layout:
+    """The layout for normalizing ``axes`` (sorted, non-negative) of ``shape``.
+
+    Examples
+    --------
+    >>> plan((8, 3, 4, 5), (1,))
+    Layout(shape=(8, 3, 4, 5), axes=(1,), outer=8, n=3, inner=20, perm=None)
+    >>> plan((8, 3, 4), (0, 2)).perm
+    (1, 0, 2)
+    """
+    first, last = axes[0], axes[-1]
+    n = math.prod(shape[a] for a in axes)
+    if last - first + 1 == len(axes):
+        return Layout(shape, axes, math.prod(shape[:first]), n, math.prod(shape[last + 1 :]), None)
+    kept = tuple(i for i in range(len(shape)) if i not in axes)
+    return Layout(shape, axes, math.prod(shape[i] for i in kept), n, 1, kept + axes)
+
+
+def canonical(arr: Any, layout: Layout) -> Any:
+    """The ``(outer, n, inner)`` view of ``arr`` (a copy only when no view exists)."""
+    if layout.perm is not None:
+        arr = arr.transpose(layout.perm)
+    return arr.reshape(layout.outer, layout.n, layout.inner)
+
+
+def writable_canonical(out: Any, layout: Layout, may_share_memory: Any) -> Any | None:
+    """The canonical view of ``out`` if it is a true view, else None (compute, then copy)."""
+    if layout.perm is not None:
+        return None
+    view = out.reshape(layout.outer, layout.n, layout.inner)
+    if view.size and not may_share_memory(view, out):
+        return None
+    return view

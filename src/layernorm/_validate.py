@@ -1,0 +1,169 @@
+"""Argument checks and their error messages: one place, one wording.
+
+Every message names the argument, what was expected and what was given.
+Nothing here imports an array library; arrays are only asked for ``shape``
+and ``dtype``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+from ._dtypes import SUPPORTED, dtype_name
+
+_SUPPORTED_TEXT = "float16, bfloat16, float32 or float64"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def shape_of(arr: Any) -> tuple[int, ...]:
+    """The shape of an array as a tuple of Python ints."""
+    return tuple(int(s) for s in arr.shape)
+
+
+def check_eps(eps: Any, name: str = "eps") -> float:
+    """Return ``eps`` as a Python float, or raise ``ValueError``.
+
+    Examples
+    --------
+    >>> check_eps(1e-5)
+    1e-05
+    >>> check_eps(-1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: eps must be a finite float >= 0, got -1.0
+    """
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise ValueError(f"{name} must be a finite float >= 0, got {eps!r} of type "
+                         f"{type(eps).__name__}")
+    value = float(eps)
+    if not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"{name} must be a finite float >= 0, got {eps!r}")
+    return value
+
+
+def check_float_dtype(arr: Any, name: str) -> str:
+    """Canonical dtype name of ``arr``; ``TypeError`` unless it is a supported float."""
+    dname = dtype_name(arr.dtype)
+    if dname not in SUPPORTED:
+        raise TypeError(f"{name} must have dtype {_SUPPORTED_TEXT}, got dtype {dname}")
+    return dname
+
+
+def _as_int_tuple(value: Any, name: str) -> tuple[int, ...]:
+    if _is_int(value):
+        return (int(value),)
+    if isinstance(value, Sequence) or hasattr(value, "__iter__"):
+        items = tuple(value)
+        if all(_is_int(v) for v in items):
+            return tuple(int(v) for v in items)
+    raise TypeError(f"{name} must be an int or a tuple of ints, got {value!r}")
+
+
+def resolve_axes(shape: tuple[int, ...], normalized_shape: Any, axis: Any) -> tuple[int, ...]:
+    """Sorted, non-negative normalized axes of an array of ``shape``.
+
+    ``normalized_shape`` names trailing dimensions (PyTorch style); ``axis`` names
+    any axes. Giving both is a ``TypeError``; giving neither means ``axis=-1``.
+
+    Examples
+    --------
+    >>> resolve_axes((2, 3, 4), None, None)
+    (2,)
+    >>> resolve_axes((2, 3, 4), (3, 4), None)
+    (1, 2)
+    >>> resolve_axes((2, 3, 4, 5), None, 1)
+    (1,)
+    >>> resolve_axes((2, 3), 4, None)
+    Traceback (most recent call last):
+    ...
+    ValueError: normalized_shape=(4,) expects input whose trailing dimensions are (4,), got input of shape (2, 3)
+    """
+    ndim = len(shape)
+    if normalized_shape is not None and axis is not None:
+        raise TypeError(
+            "give either normalized_shape or axis, not both "
+            f"(got normalized_shape={normalized_shape!r}, axis={axis!r})"
+        )
+    if normalized_shape is not None:
+        ns = _as_int_tuple(normalized_shape, "normalized_shape")
+        if len(ns) == 0:
+            raise ValueError("normalized_shape must name at least one dimension, got ()")
+        if any(d < 0 for d in ns):
+            raise ValueError(f"normalized_shape must be non-negative, got {ns}")
+        if len(ns) > ndim or shape[ndim - len(ns):] != ns:
+            raise ValueError(
+                f"normalized_shape={ns} expects input whose trailing dimensions are {ns}, "
+                f"got input of shape {shape}"
+            )
+        return tuple(range(ndim - len(ns), ndim))
+    axes = (-1,) if axis is None else _as_int_tuple(axis, "axis")
+    if len(axes) == 0:
+        raise ValueError("axis must name at least one axis, got ()")
+    resolved = []
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(
+                f"axis {a} is out of range for input of shape {shape} (ndim={ndim}); "
+                f"expected an axis in [{-ndim}, {ndim - 1}]"
+            )
+        resolved.append(a % ndim)
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(f"axis contains duplicate axes: {axes} for input of shape {shape}")
+    return tuple(sorted(resolved))
+
+
+def normalized_dims(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of the normalized axes (the shape of ``weight`` and ``bias``)."""
+    return tuple(shape[a] for a in axes)
+
+
+def stats_shape(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of ``mean``/``rstd``: ``shape`` with every normalized axis kept as 1."""
+    return tuple(1 if i in axes else s for i, s in enumerate(shape))
+
+
+def check_param(param: Any, name: str, expected: tuple[int, ...], x_shape: tuple[int, ...]) -> str:
+    """Check ``weight``/``bias`` shape and dtype; return its canonical dtype name."""
+    got = shape_of(param)
+    if got != expected:
+        raise ValueError(
+            f"{name} must have the shape of the normalized axes {expected} "
+            f"(input shape {x_shape}), got shape {got}"
+        )
+    return check_float_dtype(param, name)
+
+
+def check_same_shape(arr: Any, name: str, expected: tuple[int, ...], what: str) -> None:
+    """``ValueError`` unless ``arr.shape == expected``."""
+    got = shape_of(arr)
+    if got != expected:
+        raise ValueError(f"{name} must have shape {expected} ({what}), got shape {got}")
+
+
+def check_out(out: Any, x_shape: tuple[int, ...], x_dtype: str) -> None:
+    """``out=`` must have exactly the shape and dtype of ``x``."""
+    check_same_shape(out, "out", x_shape, "the shape of x")
+    got = dtype_name(out.dtype)
+    if got != x_dtype:
+        raise ValueError(f"out must have the dtype of x ({x_dtype}), got dtype {got}")
+
+
+def check_stats_dtype(stat: Any, name: str, expected: str) -> None:
+    """``mean``/``rstd`` passed to a backward must carry the accumulation dtype."""
+    got = check_float_dtype(stat, name)
+    if got not in (expected, "float32", "float64"):
+        raise TypeError(f"{name} must have dtype {expected}, got dtype {got}")
+
+
+def check_backend_name(backend: Any) -> None:
+    """``backend=`` must be None or one of the known names."""
+    if backend is not None and backend not in ("numba", "cupy", "array_api"):
+        raise ValueError(
+            f"backend must be None, 'numba', 'cupy' or 'array_api', got {backend!r}"
+        )

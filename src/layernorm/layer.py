@@ -1,0 +1,219 @@
+"""``LayerNorm`` and ``RMSNorm`` layers: parameters, a forward call and its backward.
+
+They mirror :class:`torch.nn.LayerNorm` and :class:`torch.nn.RMSNorm` (constructor,
+attributes, ``state_dict`` keys and repr) for arrays of any supported library.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._api import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
+from ._validate import _as_int_tuple, check_eps
+
+
+def _resolve_dtype(xp: Any, dtype: Any) -> Any:
+    if not isinstance(dtype, str):
+        return dtype
+    if dtype == "bfloat16" and getattr(xp, "__name__", "") == "numpy":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    try:
+        return getattr(xp, dtype)
+    except AttributeError:
+        raise TypeError(f"dtype {dtype!r} is not a dtype of {xp.__name__}") from None
+
+
+def _to_host_array(value: Any) -> Any:
+    # torch tensors (e.g. a torch.nn.LayerNorm state dict) are accepted directly.
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        return value.detach().cpu().numpy()
+    return value
+
+
+class _Norm:
+    _param_names: tuple[str, ...] = ()
+
+    def __init__(self, normalized_shape: Any, eps: Any, elementwise_affine: bool,
+                 has_bias: bool, dtype: Any, xp: Any, device: Any) -> None:
+        if xp is None:
+            import numpy as xp
+        shape = _as_int_tuple(normalized_shape, "normalized_shape")
+        if len(shape) == 0 or any(d < 0 for d in shape):
+            raise ValueError(f"normalized_shape must be non-empty and non-negative, got {shape}")
+        self.normalized_shape: tuple[int, ...] = shape
+        self.eps = eps
+        self.elementwise_affine = bool(elementwise_affine)
+        self._xp = xp
+        self._device = device
+        self._dtype = _resolve_dtype(xp, dtype)
+        self.weight: Any = None
+        self.bias: Any = None
+        self._has_bias = bool(has_bias) and self.elementwise_affine
+        self._saved: tuple[Any, ...] | None = None
+        self.reset_parameters()
+
+    def _full(self, value: float) -> Any:
+        kwargs = {} if self._device is None else {"device": self._device}
+        return self._xp.full(self.normalized_shape, value, dtype=self._dtype, **kwargs)
+
+    def reset_parameters(self) -> None:
+        """Set ``weight`` to ones and ``bias`` to zeros (no-op without affine parameters)."""
+        if self.elementwise_affine:
+            self.weight = self._full(1.0)
+            self.bias = self._full(0.0) if self._has_bias else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The parameters under torch's names (``weight``, ``bias``) that exist."""
+        return {name: getattr(self, name) for name in self._names()}
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(n for n in self._param_names if getattr(self, n) is not None)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load ``weight``/``bias`` (NumPy arrays, or torch tensors, of the right shape)."""
+        expected = set(self._names())
+        missing = sorted(expected - set(state))
+        unexpected = sorted(set(state) - expected)
+        if missing or unexpected:
+            raise KeyError(
+                f"state_dict keys mismatch for {type(self).__name__}: missing {missing}, "
+                f"unexpected {unexpected}; expected exactly {sorted(expected)}"
+            )
+        values = {}
+        for name in expected:
+            value = _to_host_array(state[name])
+            shape = tuple(int(s) for s in getattr(value, "shape", ()))
+            if shape != self.normalized_shape:
+                raise ValueError(
+                    f"state_dict[{name!r}] must have shape {self.normalized_shape}, got {shape}"
+                )
+            kwargs = {} if self._device is None else {"device": self._device}
+            values[name] = self._xp.asarray(value, dtype=self._dtype, **kwargs)
+        for name, value in values.items():
+            setattr(self, name, value)
+
+    def _require_saved(self) -> tuple[Any, ...]:
+        if self._saved is None:
+            raise RuntimeError(f"{type(self).__name__}.backward() needs a forward call first")
+        return self._saved
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.extra_repr()})"
+
+    def extra_repr(self) -> str:
+        """Arguments shown by ``repr`` (torch's format)."""
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}")
+
+
+class LayerNorm(_Norm):
+    """Layer normalization over the trailing ``normalized_shape``, as ``torch.nn.LayerNorm``.
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple of int
+        Trailing dimensions to normalize.
+    eps : float, default 1e-5
+        Added to the variance.
+    elementwise_affine : bool, default True
+        Learnable ``weight`` (ones) and ``bias`` (zeros).
+    bias : bool, default True
+        Whether to have a ``bias`` when ``elementwise_affine``.
+    dtype : str or dtype, default "float32"
+        Parameter dtype.
+    xp : module, optional
+        Array namespace for the parameters (NumPy by default; ``cupy``, ...).
+    device : optional
+        Device for the parameters, passed to ``xp.full``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import layernorm as ln
+    >>> layer = ln.LayerNorm(4)
+    >>> layer
+    LayerNorm((4,), eps=1e-05, elementwise_affine=True, bias=True)
+    >>> y = layer(np.array([[1.0, 2.0, 3.0, 4.0]], dtype=np.float32))
+    >>> grad_x, grad_weight, grad_bias = layer.backward(np.ones_like(y))
+    >>> grad_bias
+    array([1., 1., 1., 1.], dtype=float32)
+    """
+
+    _param_names = ("weight", "bias")
+
+    def __init__(self, normalized_shape: Any, eps: float = 1e-5,
+                 elementwise_affine: bool = True, bias: bool = True, *,
+                 dtype: Any = "float32", xp: Any = None, device: Any = None) -> None:
+        super().__init__(normalized_shape, check_eps(eps), elementwise_affine, bias, dtype, xp,
+                         device)
+
+    def __call__(self, x: Any) -> Any:
+        """Normalize ``x`` and keep what ``backward`` needs."""
+        y, mean, rstd = layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
+                                   return_stats=True)
+        self._saved = (x, mean, rstd)
+        return y
+
+    def backward(self, grad_y: Any) -> tuple[Any, Any, Any]:
+        """``(grad_x, grad_weight, grad_bias)`` for the last call; None for absent params."""
+        x, mean, rstd = self._require_saved()
+        gx, gw, gb = layer_norm_backward(grad_y, x, mean, rstd, self.weight,
+                                         self.normalized_shape)
+        return (gx, gw if self.weight is not None else None,
+                gb if self.bias is not None else None)
+
+    def extra_repr(self) -> str:
+        """Arguments shown by ``repr``."""
+        return super().extra_repr() + f", bias={self._has_bias or not self.elementwise_affine}"
+
+
+class RMSNorm(_Norm):
+    """Root-mean-square normalization, as ``torch.nn.RMSNorm``.
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple of int
+        Trailing dimensions to normalize.
+    eps : float, optional
+        Added to the mean square; None means the accumulation dtype's machine epsilon.
+    elementwise_affine : bool, default True
+        Learnable ``weight`` (ones).
+    dtype : str or dtype, default "float32"
+        Parameter dtype.
+    xp : module, optional
+        Array namespace for the parameters (NumPy by default).
+    device : optional
+        Device for the parameters.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import layernorm as ln
+    >>> layer = ln.RMSNorm((2,))
+    >>> layer
+    RMSNorm((2,), eps=None, elementwise_affine=True)
+    >>> layer(np.array([[3.0, 4.0]], dtype=np.float32)).round(4)
+    array([[0.8485, 1.1314]], dtype=float32)
+    """
+
+    _param_names = ("weight",)
+
+    def __init__(self, normalized_shape: Any, eps: float | None = None,
+                 elementwise_affine: bool = True, *, dtype: Any = "float32", xp: Any = None,
+                 device: Any = None) -> None:
+        super().__init__(normalized_shape, None if eps is None else check_eps(eps),
+                         elementwise_affine, False, dtype, xp, device)
+
+    def __call__(self, x: Any) -> Any:
+        """Normalize ``x`` and keep what ``backward`` needs."""
+        y, rstd = rms_norm(x, self.normalized_shape, self.weight, self.eps, return_stats=True)
+        self._saved = (x, rstd)
+        return y
+
+    def backward(self, grad_y: Any) -> tuple[Any, Any]:
+        """``(grad_x, grad_weight)`` for the last call; grad_weight None without affine."""
+        x, rstd = self._require_saved()
+        gx, gw = rms_norm_backward(grad_y, x, rstd, self.weight, self.normalized_shape)
+        return gx, (gw if self.weight is not None else None)
