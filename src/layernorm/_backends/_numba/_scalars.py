@@ -45,11 +45,12 @@ def _f32_bits(typingctx, value):  # noqa: ANN001, ANN202, ARG001
 
 
 @intrinsic
-def _bits_f32(typingctx, bits):  # noqa: ANN001, ANN202, ARG001
+def _bfloat16_bits_to_f32(typingctx, bits):  # noqa: ANN001, ANN202, ARG001
     sig = types.float32(bits)
 
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202, ARG001
-        return builder.bitcast(args[0], ir.FloatType())
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
 
     return sig, codegen
 
@@ -74,7 +75,7 @@ def _widen(value):  # noqa: ANN001, ANN202
     if value == types.int16:
         return lambda value: _half_bits_to_f32(value)
     if value == types.uint16:
-        return lambda value: _bits_f32(np.uint32(value) << np.uint32(16))
+        return lambda value: _bfloat16_bits_to_f32(value)
     if value == types.float32 or value == types.float64:
         return lambda value: value
     return None
