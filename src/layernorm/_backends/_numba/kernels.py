@@ -66,7 +66,7 @@ def _row_count(x):  # noqa: ANN001, ANN202
 # --------------------------------------------------------------------------- statistics
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _row_moments(xr, like, lane_mean, lane_m2):  # noqa: ANN001, ANN202
     """(K, shifted mean, M2) of one row; ``like`` is an accumulation-typed scalar."""
     n = xr.shape[0]
@@ -138,7 +138,7 @@ def _row_moments(xr, like, lane_mean, lane_m2):  # noqa: ANN001, ANN202
     return shift, mean, m2
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _lane_sum(lanes):  # noqa: ANN001, ANN202
     """Fixed-tree sum of the LANES partial sums (destroys ``lanes``)."""
     h = LANES // 2
@@ -149,7 +149,7 @@ def _lane_sum(lanes):  # noqa: ANN001, ANN202
     return lanes[0]
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _row_sum_squares(xr, like, lanes):  # noqa: ANN001, ANN202
     """Sum of x**2 of one row: lane j sums elements j, j + LANES, ... in order."""
     n = xr.shape[0]
@@ -170,7 +170,7 @@ def _row_sum_squares(xr, like, lanes):  # noqa: ANN001, ANN202
 # --------------------------------------------------------------------------- forward
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _ln_forward_rows(x, w, b, eps, y, mean_out, rstd_out, r0, r1):  # noqa: ANN001, ANN202
     lane_mean = np.empty(LANES, dtype=mean_out.dtype)
     lane_m2 = np.empty(LANES, dtype=mean_out.dtype)
@@ -192,13 +192,13 @@ def _ln_forward_rows(x, w, b, eps, y, mean_out, rstd_out, r0, r1):  # noqa: ANN0
         rstd_out[r] = rstd
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def ln_forward_serial(x, w, b, eps, y, mean_out, rstd_out):  # noqa: ANN001, ANN201
     """LayerNorm forward on the calling thread."""
     _ln_forward_rows(x, w, b, eps, y, mean_out, rstd_out, 0, row_count(x))
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, error_model="numpy")
 def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out):  # noqa: ANN001, ANN201
     """LayerNorm forward, blocks of rows spread over Numba's threads."""
     rows = row_count(x)
@@ -209,7 +209,7 @@ def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out):  # noqa: ANN001, A
                          min(rows, r0 + FORWARD_ROW_BLOCK))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _rms_forward_rows(x, w, eps, y, rstd_out, r0, r1):  # noqa: ANN001, ANN202
     lanes = np.empty(LANES, dtype=rstd_out.dtype)
     one = cast(1.0, eps)
@@ -227,13 +227,13 @@ def _rms_forward_rows(x, w, eps, y, rstd_out, r0, r1):  # noqa: ANN001, ANN202
         rstd_out[r] = rstd
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def rms_forward_serial(x, w, eps, y, rstd_out):  # noqa: ANN001, ANN201
     """RMSNorm forward on the calling thread."""
     _rms_forward_rows(x, w, eps, y, rstd_out, 0, row_count(x))
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, error_model="numpy")
 def rms_forward_parallel(x, w, eps, y, rstd_out):  # noqa: ANN001, ANN201
     """RMSNorm forward, blocks of rows spread over Numba's threads."""
     rows = row_count(x)
@@ -246,7 +246,7 @@ def rms_forward_parallel(x, w, eps, y, rstd_out):  # noqa: ANN001, ANN201
 # --------------------------------------------------------------------------- backward
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _ln_backward_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):  # noqa: ANN001, ANN202
     lanes_g = np.zeros(LANES, dtype=mean_in.dtype)
     lanes_gx = np.zeros(LANES, dtype=mean_in.dtype)
@@ -286,7 +286,7 @@ def _ln_backward_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):  #
             db[i] = db[i] + dy
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def ln_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows):  # noqa: ANN001, ANN201
     """LayerNorm backward on the calling thread (same blocks as the parallel one)."""
     rows = row_count(x)
@@ -296,7 +296,7 @@ def ln_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows):  #
                           min(rows, r0 + block_rows))
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, error_model="numpy")
 def ln_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows):  # noqa: ANN001, ANN201
     """LayerNorm backward, row blocks spread over threads."""
     rows = row_count(x)
@@ -306,7 +306,7 @@ def ln_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows): 
                           min(rows, r0 + block_rows))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _rms_backward_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1):  # noqa: ANN001, ANN202
     lanes = np.zeros(LANES, dtype=rstd_in.dtype)
     zero = lanes[0]
@@ -337,7 +337,7 @@ def _rms_backward_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1):  # noqa: A
             dw[i] = dw[i] + dy * xhat
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows):  # noqa: ANN001, ANN201
     """RMSNorm backward on the calling thread."""
     rows = row_count(x)
@@ -346,7 +346,7 @@ def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows):  # noqa: A
         _rms_backward_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows))
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, error_model="numpy")
 def rms_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows):  # noqa: ANN001, ANN201
     """RMSNorm backward, row blocks spread over threads."""
     rows = row_count(x)
@@ -355,7 +355,7 @@ def rms_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows):  # noqa:
         _rms_backward_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def sum_blocks(partials):  # noqa: ANN001, ANN201
     """Sum ``partials[:, blk, :]`` over ``blk`` in increasing order (deterministic)."""
     count, blocks, n = partials.shape
