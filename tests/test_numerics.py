@@ -1,0 +1,116 @@
+"""Adversarial numerics: large offsets, constant rows, eps=0, NaN/Inf isolation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import layernorm as ln
+
+from . import reference
+from .conftest import DTYPES, asarray, to_numpy
+
+
+@pytest.mark.parametrize("n", [64, 768, 1024, 4096])
+@pytest.mark.parametrize(("loc", "scale", "bound"), [(1e4, 1.0, 1e-5), (100.0, 0.01, 1e-4)])
+def test_large_common_offset_keeps_full_accuracy(native_xp, n, loc, scale, bound):
+    rng = np.random.default_rng(n)
+    x = (loc + scale * rng.standard_normal((64, n))).astype(np.float32)
+    y = to_numpy(ln.layer_norm(asarray(native_xp, x, "float32")))
+    y_ref, _, _ = reference.layer_norm(x, (1,))
+    assert np.abs(y - y_ref.astype(np.float64)).max() <= bound
+
+
+def test_large_offset_is_not_computed_as_e_x2_minus_e2():
+    # Variance 1 under an offset of 3e4 in float32: E[x^2]-E[x]^2 would return garbage.
+    rng = np.random.default_rng(0)
+    x = (3e4 + rng.standard_normal((4, 2048))).astype(np.float32)
+    _, _, rstd = ln.layer_norm(x, return_stats=True)
+    _, _, rstd_ref = reference.layer_norm(x, (1,))
+    np.testing.assert_allclose(rstd, rstd_ref.astype(np.float64), rtol=1e-5)
+
+
+def test_outlier_first_element():
+    # The first element is the shift; make it the farthest from the mean.
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 1000)).astype(np.float32)
+    x[:, 0] = 1e4
+    y = ln.layer_norm(x)
+    y_ref, _, _ = reference.layer_norm(x, (1,))
+    np.testing.assert_allclose(y, y_ref.astype(np.float64), atol=2e-5 * np.abs(y_ref).max())
+
+
+@pytest.mark.parametrize("n", [1, 5, 128, 300])
+def test_constant_row_gives_exactly_bias(native_xp, dtype_name, n):
+    rng = np.random.default_rng(n)
+    values = np.array([0.1, -3.7, 1e4, 1 / 3])
+    x = np.repeat(values[:, None], n, axis=1).astype(DTYPES[dtype_name])
+    b = rng.standard_normal(n).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    y = ln.layer_norm(asarray(native_xp, x, dtype_name),
+                      weight=asarray(native_xp, w, "float32"),
+                      bias=asarray(native_xp, b, "float32"))
+    expected = np.broadcast_to(b.astype(DTYPES[dtype_name]).astype(np.float64), x.shape)
+    np.testing.assert_array_equal(to_numpy(y), expected)
+    y0 = to_numpy(ln.layer_norm(asarray(native_xp, x, dtype_name)))
+    np.testing.assert_array_equal(y0, np.zeros_like(y0))
+
+
+def test_constant_row_with_eps_zero_is_nan(native_xp):
+    x = np.full((2, 16), 2.5, np.float32)
+    x[1] = np.arange(16)
+    y = to_numpy(ln.layer_norm(asarray(native_xp, x, "float32"), eps=0.0))
+    assert np.isnan(y[0]).all()
+    assert np.isfinite(y[1]).all()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_and_inf_stay_in_their_row(native_xp, dtype_name, bad):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 200)).astype(DTYPES[dtype_name])
+    x[2, 57] = bad
+    clean = np.delete(x, 2, axis=0)
+    y = to_numpy(ln.layer_norm(asarray(native_xp, x, dtype_name)))
+    assert np.isnan(y[2]).all()
+    np.testing.assert_array_equal(np.delete(y, 2, axis=0),
+                                  to_numpy(ln.layer_norm(asarray(native_xp, clean, dtype_name))))
+    r = to_numpy(ln.rms_norm(asarray(native_xp, x, dtype_name)))
+    r_clean = to_numpy(ln.rms_norm(asarray(native_xp, clean, dtype_name)))
+    np.testing.assert_array_equal(np.delete(r, 2, axis=0), r_clean)
+    # RMSNorm follows torch: with an Inf, rstd = 1/sqrt(inf) = 0 and the row becomes x * 0
+    # (NaN where x is Inf, signed zeros elsewhere); with a NaN the whole row is NaN.
+    with np.errstate(invalid="ignore"):
+        expected_row = to_numpy(x[2]) * 0.0 if np.isinf(bad) else np.full(200, np.nan)
+    np.testing.assert_array_equal(r[2], expected_row)
+
+
+def test_rms_row_of_inf_matches_torch():
+    torch = pytest.importorskip("torch")
+    x = np.array([[1.0, np.inf, 3.0], [1.0, 2.0, 3.0]], np.float32)
+    np.testing.assert_array_equal(
+        ln.rms_norm(x), torch.nn.functional.rms_norm(torch.from_numpy(x), (3,)).numpy())
+
+
+def test_tiny_and_huge_magnitudes():
+    rng = np.random.default_rng(8)
+    # float32 variances must stay representable (scale**2 within float32's range).
+    for scale in (1e-15, 1e-3, 1e15):
+        x = (scale * rng.standard_normal((3, 500))).astype(np.float32)
+        y = ln.layer_norm(x, eps=0.0)
+        y_ref, _, _ = reference.layer_norm(x, (1,), eps=0.0)
+        np.testing.assert_allclose(y, y_ref.astype(np.float64), atol=1e-5, err_msg=str(scale))
+
+
+def test_float16_with_tiny_eps():
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 768)).astype(np.float16)
+    y = ln.layer_norm(x, eps=1e-12)
+    y_ref, _, _ = reference.layer_norm(x, (1,), eps=1e-12)
+    np.testing.assert_allclose(y.astype(np.float64), y_ref.astype(np.float64), atol=4e-3 * 4)
+
+
+def test_population_variance_not_unbiased():
+    x = np.array([[1.0, 3.0, 5.0, 7.0]])
+    _, mean, rstd = ln.layer_norm(x, eps=0.0, return_stats=True)
+    assert mean[0, 0] == 4.0
+    np.testing.assert_allclose(1.0 / rstd[0, 0] ** 2, 5.0, rtol=1e-15)
