@@ -1,0 +1,424 @@
+"""torch tensors in, torch tensors out: zero-copy routes, autograd, drop-in modules."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import layernorm as ln
+from tests import reference
+
+from .conftest import ATOL
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+lnt = pytest.importorskip("layernorm.torch")
+_torch = pytest.importorskip("layernorm._backends._torch")
+
+TORCH_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape: int, seed: int = 0, dtype=torch.float64, loc: float = 0.0) -> torch.Tensor:
+    return (loc + torch.randn(*shape, generator=_gen(seed), dtype=torch.float64)).to(dtype)
+
+
+def _np64(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float64).numpy()
+
+
+# --------------------------------------------------------------------------- import hygiene
+
+
+def test_import_layernorm_does_not_import_torch():
+    code = (
+        "import sys, numpy as np, layernorm as ln; "
+        "ln.backend_name(np.ones(2)); "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "assert 'dask' not in sys.modules, 'dask imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- forward parity
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+def test_layer_norm_matches_torch(dtype):
+    tdt = TORCH_DTYPES[dtype]
+    x = _randn(6, 5, 40, seed=1, dtype=tdt, loc=3.0)
+    w = _randn(40, seed=2, dtype=tdt)
+    b = _randn(40, seed=3, dtype=tdt)
+    y = ln.layer_norm(x, 40, w, b)
+    assert type(y) is torch.Tensor
+    assert y.dtype == tdt and y.device == x.device and y.shape == x.shape
+    assert y.is_contiguous()
+    expected = F.layer_norm(x.double(), (40,), w.double(), b.double()).to(tdt)
+    # Both are within one output rounding of the truth, so two roundings apart at most.
+    np.testing.assert_allclose(_np64(y), _np64(expected), rtol=0, atol=2 * ATOL[dtype])
+    assert ln.backend_name(x) == "numba"
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+def test_rms_norm_matches_torch(dtype):
+    tdt = TORCH_DTYPES[dtype]
+    x = _randn(7, 3, 33, seed=4, dtype=tdt)
+    w = _randn(3, 33, seed=5, dtype=tdt)
+    y = ln.rms_norm(x, (3, 33), w)
+    assert type(y) is torch.Tensor and y.dtype == tdt and y.shape == x.shape
+    # eps=None: both use the accumulation dtype's machine epsilon.
+    expected = F.rms_norm(x.double(), (3, 33), w.double(),
+                          eps=torch.finfo(torch.float32 if dtype != "float64"
+                                          else torch.float64).eps).to(tdt)
+    np.testing.assert_allclose(_np64(y), _np64(expected), rtol=0, atol=2 * ATOL[dtype])
+    assert torch.equal(y, ln.rms_norm(x, (3, 33), w, eps=None))
+    if dtype in ("float16", "bfloat16"):
+        # torch's own low-precision rms_norm (eps=None) agrees too.
+        direct = F.rms_norm(x, (3, 33), w)
+        np.testing.assert_allclose(_np64(y), _np64(direct), rtol=0, atol=2 * ATOL[dtype])
+
+
+def test_stats_are_tensors_with_keepdims_and_accumulation_dtype():
+    x = _randn(4, 3, 5, seed=6, dtype=torch.bfloat16)
+    y, mean, rstd = ln.layer_norm(x, axis=1, return_stats=True)
+    assert mean.shape == rstd.shape == (4, 1, 5)
+    assert mean.dtype == rstd.dtype == torch.float32
+    ry, rmean, rrstd = reference.layer_norm(_np64(x), (1,))
+    np.testing.assert_allclose(mean.numpy(), rmean, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(rstd.numpy(), rrstd, rtol=1e-5)
+    np.testing.assert_allclose(_np64(y), ry, atol=ATOL["bfloat16"])
+    _, rstd2 = ln.rms_norm(x.double(), axis=(0, 2), return_stats=True)
+    assert rstd2.shape == (1, 3, 1) and rstd2.dtype == torch.float64
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda t: t.transpose(0, 2),
+        lambda t: t[:, ::2, 1:],
+        lambda t: t.permute(2, 0, 1)[..., ::3],
+    ],
+    ids=["transpose", "slices", "permute-step"],
+)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_non_contiguous_tensors(view, dtype):
+    base = _randn(6, 8, 9, seed=7, dtype=TORCH_DTYPES[dtype])
+    x = view(base)
+    assert not x.is_contiguous()
+    before = base.clone()
+    n = x.shape[-1]
+    w = _randn(n, seed=8, dtype=TORCH_DTYPES[dtype])
+    y = ln.layer_norm(x, n, w)
+    assert torch.equal(y, ln.layer_norm(x.contiguous(), n, w))
+    ry, _, _ = reference.layer_norm(_np64(x), (x.ndim - 1,), _np64(w))
+    np.testing.assert_allclose(_np64(y), ry, atol=ATOL[dtype] * 4)
+    assert torch.equal(base, before)
+
+
+def test_cpu_tensors_reach_the_kernels_without_a_copy(monkeypatch):
+    seen = {}
+    real = ln._api.layer_norm
+
+    def spy(x, *args, **kwargs):
+        seen["x"] = x
+        seen["result"] = real(x, *args, **kwargs)
+        return seen["result"]
+
+    monkeypatch.setattr(ln._api, "layer_norm", spy)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        base = _randn(5, 12, seed=9, dtype=dtype)
+        x = base[:, 2:10:2]  # strided view
+        y, mean, _ = ln.layer_norm(x, return_stats=True)
+        xn = seen["x"]
+        # The NumPy array the kernels saw is the tensor's own memory, same strides.
+        assert xn.ctypes.data == x.data_ptr()
+        assert xn.strides == tuple(s * x.element_size() for s in x.stride())
+        # ... and the tensors returned are the NumPy results' memory.
+        yn, meann, _ = seen["result"]
+        assert y.data_ptr() == yn.ctypes.data and mean.data_ptr() == meann.ctypes.data
+
+
+def test_out_writes_into_tensor_and_in_place():
+    x = _randn(3, 16, seed=10, dtype=torch.float32)
+    out = torch.empty_like(x)
+    y = ln.layer_norm(x, out=out)
+    assert y is out
+    assert torch.equal(out, ln.layer_norm(x))
+    expected = ln.rms_norm(x)
+    x2 = x.clone()
+    assert ln.rms_norm(x2, out=x2) is x2
+    assert torch.equal(x2, expected)
+    with pytest.raises(ValueError, match="out"):
+        ln.layer_norm(x, out=torch.empty(3, 16, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="automatic differentiation"):
+        ln.layer_norm(x.clone().requires_grad_(), out=out)
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+def _gradcheck(fn, *inputs):
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("affine", ["none", "weight", "weight+bias"])
+@pytest.mark.parametrize("where", ["last", "channels-first", "two-trailing"])
+def test_layer_norm_gradcheck(affine, where):
+    shape, kw, pshape = {
+        "last": ((3, 4, 7), {"normalized_shape": 7}, (7,)),
+        "channels-first": ((2, 5, 3, 2), {"axis": 1}, (5,)),
+        "two-trailing": ((4, 3, 5), {"normalized_shape": (3, 5)}, (3, 5)),
+    }[where]
+    x = _randn(*shape, seed=11, loc=0.5).requires_grad_()
+    w = _randn(*pshape, seed=12).requires_grad_() if affine != "none" else None
+    b = _randn(*pshape, seed=13).requires_grad_() if affine == "weight+bias" else None
+    inputs = [t for t in (x, w, b) if t is not None]
+
+    def fn(*args):
+        it = iter(args)
+        xx = next(it)
+        ww = next(it) if w is not None else None
+        bb = next(it) if b is not None else None
+        y = ln.layer_norm(xx, weight=ww, bias=bb, **kw)
+        assert y.grad_fn.name() == "_NormFunctionBackward"
+        return y
+
+    _gradcheck(fn, *inputs)
+
+
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("where", ["last", "channels-first"])
+def test_rms_norm_gradcheck(affine, where):
+    shape, kw = {"last": ((3, 4, 6), {"normalized_shape": 6}),
+                 "channels-first": ((2, 6, 3), {"axis": 1})}[where]
+    x = _randn(*shape, seed=14).requires_grad_()
+    if affine:
+        w = _randn(6, seed=15).requires_grad_()
+        _gradcheck(lambda a, b: ln.rms_norm(a, weight=b, eps=1e-5, **kw), x, w)
+    else:
+        _gradcheck(lambda a: ln.rms_norm(a, eps=1e-5, **kw), x)
+
+
+def test_grads_match_torch_autograd_and_stats_are_not_differentiable():
+    x = _randn(5, 24, seed=16, loc=2.0).requires_grad_()
+    w = _randn(24, seed=17).requires_grad_()
+    b = _randn(24, seed=18).requires_grad_()
+    c = _randn(5, 24, seed=19)
+    y, mean, rstd = ln.layer_norm(x, 24, w, b, return_stats=True)
+    assert not mean.requires_grad and not rstd.requires_grad
+    (y * c).sum().backward()
+    ours = [t.grad.clone() for t in (x, w, b)]
+    for t in (x, w, b):
+        t.grad = None
+    (F.layer_norm(x, (24,), w, b) * c).sum().backward()
+    for mine, theirs in zip(ours, (x.grad, w.grad, b.grad), strict=True):
+        np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-10, atol=1e-12)
+    gx, gw, gb = reference.layer_norm_backward(c.numpy(), x.detach().numpy(), (1,),
+                                               w.detach().numpy())
+    np.testing.assert_allclose(ours[0].numpy(), gx, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(ours[1].numpy(), gw, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(ours[2].numpy(), gb, rtol=1e-9, atol=1e-12)
+
+
+def test_only_parameters_require_grad_and_mixed_param_dtype():
+    x = _randn(6, 32, seed=20, dtype=torch.bfloat16)
+    w = _randn(32, seed=21, dtype=torch.float32).requires_grad_()
+    b = _randn(32, seed=22, dtype=torch.float32).requires_grad_()
+    c = _randn(6, 32, seed=23, dtype=torch.bfloat16)
+    y = ln.layer_norm(x, 32, w, b)
+    assert y.dtype == torch.bfloat16 and y.requires_grad
+    y.backward(c)
+    assert x.grad is None
+    assert w.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
+    _, gw, gb = reference.layer_norm_backward(_np64(c), _np64(x), (1,), _np64(w))
+    np.testing.assert_allclose(w.grad.numpy(), gw, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(b.grad.numpy(), gb, rtol=2e-5, atol=2e-5)
+
+
+def test_no_grad_mode_gives_plain_tensor():
+    x = _randn(3, 8, seed=24).requires_grad_()
+    with torch.no_grad():
+        y = ln.layer_norm(x)
+    assert y.grad_fn is None and not y.requires_grad
+
+
+def test_functional_backward_on_tensors():
+    x = _randn(4, 3, 10, seed=25, dtype=torch.float32)
+    w = _randn(3, seed=26, dtype=torch.float32)
+    gy = _randn(4, 3, 10, seed=27, dtype=torch.float32)
+    _, mean, rstd = ln.layer_norm(x, weight=w, axis=1, return_stats=True)
+    gx, gw, gb = ln.layer_norm_backward(gy, x, mean, rstd, w, axis=1)
+    assert all(type(g) is torch.Tensor for g in (gx, gw, gb))
+    assert gx.dtype == torch.float32 and gw.shape == gb.shape == (3,)
+    rgx, rgw, rgb = reference.layer_norm_backward(gy.numpy(), x.numpy(), (1,), w.numpy())
+    np.testing.assert_allclose(gx.numpy(), rgx, atol=1e-4)
+    np.testing.assert_allclose(gw.numpy(), rgw, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gb.numpy(), rgb, rtol=1e-4, atol=1e-4)
+    _, rstd = ln.rms_norm(x, weight=w, axis=1, return_stats=True)
+    gx, gw = ln.rms_norm_backward(gy, x, rstd, w, axis=1)
+    rgx, rgw = reference.rms_norm_backward(gy.numpy(), x.numpy(), (1,), w.numpy())
+    np.testing.assert_allclose(gx.numpy(), rgx, atol=1e-4)
+    np.testing.assert_allclose(gw.numpy(), rgw, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- routes
+
+
+def test_array_api_backend_uses_torch_namespace_and_autograd():
+    x = _randn(4, 9, seed=28, dtype=torch.float64).requires_grad_()
+    w = _randn(9, seed=29).requires_grad_()
+    y = ln.layer_norm(x, 9, w, backend="array_api")
+    assert type(y) is torch.Tensor
+    assert y.grad_fn is not None and y.grad_fn.name() != "_NormFunctionBackward"
+    np.testing.assert_allclose(_np64(y), _np64(ln.layer_norm(x, 9, w)), atol=1e-13)
+    y.sum().backward()
+    _gradcheck(lambda a, b: ln.rms_norm(a, 9, b, backend="array_api"), x, w)
+
+
+def test_other_devices_use_the_generic_path():
+    x = torch.empty(2, 3, 4, device="meta")
+    assert ln.backend_name(x) == "array_api"
+    y, mean, rstd = ln.layer_norm(x, axis=1, return_stats=True)
+    assert y.device.type == "meta" and y.shape == (2, 3, 4)
+    assert mean.shape == rstd.shape == (2, 1, 4)
+    assert ln.rms_norm(x).device.type == "meta"
+
+
+def test_forced_backends_check_the_device():
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        ln.layer_norm(torch.ones(2, 3), backend="cupy")
+    with pytest.raises(ValueError, match="CPU tensor"):
+        ln.layer_norm(torch.ones(2, 3, device="meta"), backend="numba")
+    with pytest.raises(ValueError, match="backend"):
+        ln.layer_norm(torch.ones(2, 3), backend="jax")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+@pytest.mark.parametrize("kw", [{"axis": -1}, {"axis": 1}, {"axis": (0, 2)}], ids=str)
+def test_interface_driver_matches_the_numpy_route(dtype, kw):
+    # The CUDA route drives the backend interface directly (bits + dtype name). Run the
+    # same driver on CPU tensors with NumPy and the Numba backend: it must agree bitwise
+    # with the route through layernorm's public NumPy functions.
+    from layernorm._backends import _numba
+
+    drv = _torch._Interface(np, _numba, np.from_dlpack, torch.from_numpy)
+    tdt = TORCH_DTYPES[dtype]
+    x = _randn(4, 6, 5, seed=30, dtype=tdt, loc=1.0)
+    axes = tuple(a % 3 for a in np.atleast_1d(kw["axis"]))
+    pshape = tuple(x.shape[a] for a in sorted(axes))
+    w = _randn(*pshape, seed=31, dtype=tdt)
+    b = _randn(*pshape, seed=32, dtype=tdt)
+    gy = _randn(4, 6, 5, seed=33, dtype=tdt)
+    y, mean, rstd = drv.forward(False, x, None, w, b, 1e-5, kw["axis"], None)
+    ey, emean, erstd = ln.layer_norm(x, None, w, b, axis=kw["axis"], return_stats=True)
+    for got, exp in ((y, ey), (mean, emean), (rstd, erstd)):
+        assert got.dtype == exp.dtype and torch.equal(got, exp)
+    for got, exp in zip(drv.backward(False, gy, x, mean, rstd, w, None, kw["axis"]),
+                        ln.layer_norm_backward(gy, x, mean, rstd, w, axis=kw["axis"]),
+                        strict=True):
+        assert got.dtype == exp.dtype and torch.equal(got, exp)
+    y, _, rstd = drv.forward(True, x, None, None, None, None, kw["axis"], None)
+    assert torch.equal(y, ln.rms_norm(x, axis=kw["axis"]))
+    for got, exp in zip(drv.backward(True, gy, x, None, rstd, None, None, kw["axis"]),
+                        ln.rms_norm_backward(gy, x, rstd, axis=kw["axis"]), strict=True):
+        assert got.dtype == exp.dtype and torch.equal(got, exp)
+
+
+# --------------------------------------------------------------------------- mixed inputs
+
+
+def test_numpy_weight_with_torch_x_is_a_type_error():
+    x = _randn(2, 4, seed=34)
+    with pytest.raises(TypeError, match=r"weight.*numpy.*torch"):
+        ln.layer_norm(x, 4, np.ones(4))
+    with pytest.raises(TypeError, match=r"bias.*numpy.*torch"):
+        ln.layer_norm(x, 4, torch.ones(4, dtype=torch.float64), np.zeros(4))
+    with pytest.raises(TypeError, match=r"weight.*numpy.*torch"):
+        ln.rms_norm(x, 4, np.ones(4))
+    _, mean, rstd = ln.layer_norm(x, return_stats=True)
+    with pytest.raises(TypeError, match=r"grad_y.*numpy.*torch"):
+        ln.layer_norm_backward(np.ones((2, 4)), x, mean, rstd)
+
+
+def test_torch_weight_with_numpy_x_is_a_type_error():
+    with pytest.raises(TypeError, match=r"weight.*torch.*numpy"):
+        ln.layer_norm(np.ones((2, 4)), 4, torch.ones(4, dtype=torch.float64))
+
+
+def test_tensors_on_different_devices_are_a_type_error():
+    x = _randn(2, 4, seed=35)
+    with pytest.raises(TypeError, match=r"weight is on device meta but x is on device cpu"):
+        ln.layer_norm(x, 4, torch.ones(4, device="meta", dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"rstd is on device meta"):
+        ln.rms_norm_backward(x, x, torch.ones(2, 1, device="meta", dtype=torch.float64))
+
+
+def test_unsupported_tensor_dtype_is_named():
+    with pytest.raises(TypeError, match="int64"):
+        ln.layer_norm(torch.arange(6).reshape(2, 3))
+
+
+# --------------------------------------------------------------------------- drop-in modules
+
+
+def test_modules_are_drop_in_for_torch():
+    ref = torch.nn.LayerNorm((3, 8), eps=1e-6, bias=False)
+    ours = lnt.LayerNorm((3, 8), eps=1e-6, bias=False)
+    assert isinstance(ours, torch.nn.LayerNorm)
+    assert repr(ours) == repr(ref)
+    assert list(ours.state_dict()) == list(ref.state_dict()) == ["weight"]
+    with torch.no_grad():
+        ref.weight.copy_(_randn(3, 8, seed=36, dtype=torch.float32))
+    ours.load_state_dict(ref.state_dict())
+    x = _randn(5, 3, 8, seed=37, dtype=torch.float32)
+    np.testing.assert_allclose(ours(x).detach().numpy(), ref(x).detach().numpy(), atol=1e-5)
+    assert list(lnt.LayerNorm(4).state_dict()) == ["weight", "bias"]
+    assert list(lnt.LayerNorm(4, elementwise_affine=False).state_dict()) == []
+    rms = lnt.RMSNorm(8, dtype=torch.float64)
+    assert repr(rms) == repr(torch.nn.RMSNorm(8)) and rms.weight.dtype == torch.float64
+    assert isinstance(rms, torch.nn.RMSNorm)
+
+
+def _train(norm_cls, steps=5, **kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), norm_cls(16, **kwargs), torch.nn.GELU(), torch.nn.Linear(16, 3)
+    ).double()
+    with torch.no_grad():  # non-trivial norm parameters, the same for both models
+        model[1].weight.copy_(1.0 + 0.1 * _randn(16, seed=38))
+        if getattr(model[1], "bias", None) is not None:
+            model[1].bias.copy_(0.1 * _randn(16, seed=39))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, target = _randn(32, 6, seed=40), _randn(32, 3, seed=41)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(("ours", "theirs", "kwargs"), [
+    (lnt.LayerNorm, torch.nn.LayerNorm, {}),
+    (lnt.RMSNorm, torch.nn.RMSNorm, {"eps": 1e-6}),
+])
+def test_training_loop_matches_torch(ours, theirs, kwargs):
+    got_losses, got_params = _train(ours, **kwargs)
+    exp_losses, exp_params = _train(theirs, **kwargs)
+    assert got_losses[-1] < got_losses[0]  # it trains
+    np.testing.assert_allclose(got_losses, exp_losses, rtol=1e-10)
+    for g, e in zip(got_params, exp_params, strict=True):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-9, atol=1e-12)
