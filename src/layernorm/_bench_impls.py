@@ -1,0 +1,471 @@
+"""The implementations ``python -m layernorm bench`` times, one factory per library.
+
+Every factory takes a :class:`Case` (inputs already made) and returns a list of
+:class:`Impl`: a zero-argument callable plus the words that say what it measures.
+Peers are only built when their library is installed; their imports happen here,
+inside the factories, never at ``import layernorm``.
+
+Regimes (how the output memory is obtained; they change the numbers a lot for
+outputs of tens of MiB, where a fresh allocation is mapped and page-faulted):
+
+``prealloc``
+    Writes into memory allocated once before timing (``out=``, ``np.copyto``).
+``fresh``
+    A new output every call, with the process's allocator as it comes.
+``heap reuse``
+    A new output every call, with glibc malloc told never to return memory to the OS
+    (no ``mmap`` for large blocks, no trimming), so a freed output is reused without
+    page faults. Applied process-wide by :func:`enable_heap_reuse`, after every
+    ``fresh`` measurement of the run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._cli import installed
+
+OPS = ("layer_norm", "rms_norm")
+DIRECTIONS = ("forward", "backward")
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+EPS = 1e-5
+
+#: Kinds of implementation: the copy baselines, our own paths, and other libraries.
+COPY, OURS, PEER = "copy", "layernorm", "peer"
+
+
+@dataclass
+class Case:
+    """One cell of the grid: an operation, a direction, a dtype and a shape, with inputs."""
+
+    op: str
+    direction: str
+    dtype: str
+    shape: tuple[int, int]
+    x: Any = None
+    weight: Any = None
+    bias: Any = None
+    grad_y: Any = None
+    mean: Any = None
+    rstd: Any = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def itemsize(self) -> int:
+        return self.x.dtype.itemsize
+
+    @property
+    def array_bytes(self) -> int:
+        """Bytes of one ``(N, D)`` array of the case's dtype."""
+        return self.shape[0] * self.shape[1] * self.itemsize
+
+    @property
+    def moved_bytes(self) -> int:
+        """The floor of memory traffic: forward reads x and writes y; backward reads
+        grad_y and x and writes grad_x (statistics and parameters are negligible)."""
+        return (2 if self.direction == "forward" else 3) * self.array_bytes
+
+    @property
+    def title(self) -> str:
+        name = {"layer_norm": "LayerNorm", "rms_norm": "RMSNorm"}[self.op]
+        return f"{name} {self.direction} {self.dtype}"
+
+
+@dataclass
+class Impl:
+    """A timed callable and what it is."""
+
+    name: str
+    kind: str
+    regime: str
+    fn: Callable[[], Any]
+    note: str = ""
+
+
+def numpy_dtype(name: str) -> Any:
+    """NumPy dtype for a dtype name (bfloat16 through ml_dtypes).
+
+    Examples
+    --------
+    >>> numpy_dtype("float32")
+    dtype('float32')
+    """
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
+    return np.dtype(name)
+
+
+def acc_dtype(name: str) -> Any:
+    """Accumulation dtype of the library's policy: float64 for float64, else float32."""
+    return np.dtype(np.float64 if name == "float64" else np.float32)
+
+
+def make_case(op: str, direction: str, dtype: str, shape: tuple[int, int],
+              seed: int = 0) -> Case:
+    """Seeded inputs for one grid cell (``randn`` rows, weight near 1, small bias)."""
+    import layernorm as ln
+
+    rng = np.random.default_rng(seed)
+    n, d = shape
+    dt = numpy_dtype(dtype)
+    x = rng.standard_normal((n, d), dtype=np.float32).astype(dt)
+    weight = (1.0 + 0.1 * rng.standard_normal(d)).astype(dt)
+    bias = (0.1 * rng.standard_normal(d)).astype(dt) if op == "layer_norm" else None
+    case = Case(op, direction, dtype, (n, d), x=x, weight=weight, bias=bias)
+    if direction == "backward":
+        case.grad_y = rng.standard_normal((n, d), dtype=np.float32).astype(dt)
+        if op == "layer_norm":
+            _, case.mean, case.rstd = ln.layer_norm(x, weight=weight, bias=bias, eps=EPS,
+                                                    return_stats=True)
+        else:
+            _, case.rstd = ln.rms_norm(x, weight=weight, eps=EPS, return_stats=True)
+    return case
+
+
+# --------------------------------------------------------------------------- copies
+
+
+def copy_impls(case: Case) -> list[Impl]:
+    """Copy baselines over the bytes of one ``x``: the bandwidth denominators."""
+    src = case.x
+    dst = np.empty_like(src)
+    impls = [
+        Impl("copy np.copyto", COPY, "prealloc", lambda: np.copyto(dst, src),
+             "single-threaded"),
+        Impl("copy np.copy", COPY, "fresh", lambda: np.copy(src),
+             "single-threaded, allocates its output like a fresh-output call"),
+    ]
+    if installed("torch"):
+        ts, td = _to_torch(src), _to_torch(dst)
+        impls.append(Impl("copy torch copy_", COPY, "prealloc", lambda: td.copy_(ts),
+                          "uses torch's threads"))
+    return impls
+
+
+# --------------------------------------------------------------------------- ours
+
+
+def ours_impls(case: Case, regime: str = "fresh") -> list[Impl]:
+    """Our Numba path (into ``out=`` and with a fresh output) and our generic path."""
+    import layernorm as ln
+
+    x, w, b, eps = case.x, case.weight, case.bias, EPS
+    impls: list[Impl] = []
+    if case.direction == "forward":
+        out = np.empty_like(x)
+        if case.op == "layer_norm":
+            impls.append(Impl("layernorm numba out=", OURS, "prealloc",
+                              lambda: ln.layer_norm(x, weight=w, bias=b, eps=eps, out=out)))
+            impls.append(Impl("layernorm numba", OURS, regime,
+                              lambda: ln.layer_norm(x, weight=w, bias=b, eps=eps)))
+            if regime == "fresh":
+                impls.append(Impl(
+                    "layernorm array_api", OURS, regime,
+                    lambda: ln.layer_norm(x, weight=w, bias=b, eps=eps, backend="array_api"),
+                    "generic path on NumPy"))
+        else:
+            impls.append(Impl("layernorm numba out=", OURS, "prealloc",
+                              lambda: ln.rms_norm(x, weight=w, eps=eps, out=out)))
+            impls.append(Impl("layernorm numba", OURS, regime,
+                              lambda: ln.rms_norm(x, weight=w, eps=eps)))
+            if regime == "fresh":
+                impls.append(Impl("layernorm array_api", OURS, regime,
+                                  lambda: ln.rms_norm(x, weight=w, eps=eps, backend="array_api"),
+                                  "generic path on NumPy"))
+        return impls
+
+    gy, mean, rstd = case.grad_y, case.mean, case.rstd
+    if case.op == "layer_norm":
+        impls.append(Impl("layernorm numba", OURS, regime,
+                          lambda: ln.layer_norm_backward(gy, x, mean, rstd, w),
+                          "grad_x, grad_weight, grad_bias"))
+        if regime == "fresh":
+            impls.append(Impl(
+                "layernorm array_api", OURS, regime,
+                lambda: ln.layer_norm_backward(gy, x, mean, rstd, w, backend="array_api"),
+                "generic path on NumPy"))
+    else:
+        impls.append(Impl("layernorm numba", OURS, regime,
+                          lambda: ln.rms_norm_backward(gy, x, rstd, w),
+                          "grad_x, grad_weight"))
+        if regime == "fresh":
+            impls.append(Impl(
+                "layernorm array_api", OURS, regime,
+                lambda: ln.rms_norm_backward(gy, x, rstd, w, backend="array_api"),
+                "generic path on NumPy"))
+    return impls
+
+
+# --------------------------------------------------------------------------- NumPy
+
+
+def numpy_layer_norm(x: Any, w: Any, b: Any, eps: float) -> Any:
+    """The composite a NumPy user would write (accumulating in float32/float64)."""
+    xa = x.astype(acc_dtype(x.dtype.name), copy=False)
+    mean = xa.mean(axis=-1, keepdims=True)
+    xc = xa - mean
+    var = np.mean(xc * xc, axis=-1, keepdims=True)
+    y = xc / np.sqrt(var + eps) * w + b
+    return y.astype(x.dtype, copy=False)
+
+
+def numpy_rms_norm(x: Any, w: Any, eps: float) -> Any:
+    """RMSNorm composite in NumPy."""
+    xa = x.astype(acc_dtype(x.dtype.name), copy=False)
+    ms = np.mean(xa * xa, axis=-1, keepdims=True)
+    return (xa / np.sqrt(ms + eps) * w).astype(x.dtype, copy=False)
+
+
+def numpy_layer_norm_backward(gy: Any, x: Any, mean: Any, rstd: Any, w: Any) -> tuple:
+    """LayerNorm backward composite in NumPy."""
+    acc = acc_dtype(x.dtype.name)
+    xhat = (x.astype(acc, copy=False) - mean) * rstd
+    gya = gy.astype(acc, copy=False)
+    g = gya * w
+    gx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    return gx.astype(x.dtype, copy=False), (gya * xhat).sum(0), gya.sum(0)
+
+
+def numpy_rms_norm_backward(gy: Any, x: Any, rstd: Any, w: Any) -> tuple:
+    """RMSNorm backward composite in NumPy."""
+    acc = acc_dtype(x.dtype.name)
+    xhat = x.astype(acc, copy=False) * rstd
+    gya = gy.astype(acc, copy=False)
+    g = gya * w
+    gx = rstd * (g - xhat * (g * xhat).mean(-1, keepdims=True))
+    return gx.astype(x.dtype, copy=False), (gya * xhat).sum(0)
+
+
+def numpy_impls(case: Case) -> list[Impl]:
+    """The NumPy composite reference (fresh temporaries, single-threaded)."""
+    acc = acc_dtype(case.dtype)
+    x = case.x
+    w = case.weight.astype(acc)
+    eps = EPS
+    if case.direction == "forward":
+        if case.op == "layer_norm":
+            b = case.bias.astype(acc)
+            fn = lambda: numpy_layer_norm(x, w, b, eps)  # noqa: E731
+        else:
+            fn = lambda: numpy_rms_norm(x, w, eps)  # noqa: E731
+    else:
+        gy, rstd = case.grad_y, case.rstd
+        if case.op == "layer_norm":
+            mean = case.mean
+            fn = lambda: numpy_layer_norm_backward(gy, x, mean, rstd, w)  # noqa: E731
+        else:
+            fn = lambda: numpy_rms_norm_backward(gy, x, rstd, w)  # noqa: E731
+    return [Impl("numpy composite", PEER, "fresh", fn, "single-threaded")]
+
+
+# --------------------------------------------------------------------------- torch
+
+
+def _to_torch(arr: Any) -> Any:
+    import torch
+
+    if arr.dtype.name == "bfloat16":
+        return torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def torch_impls(case: Case, regime: str = "fresh") -> list[Impl]:
+    """PyTorch's CPU ``F.layer_norm``/``F.rms_norm`` and their autograd backward."""
+    if not installed("torch"):
+        return []
+    import torch
+    import torch.nn.functional as F
+
+    x, w = _to_torch(case.x), _to_torch(case.weight)
+    b = None if case.bias is None else _to_torch(case.bias)
+    shape = (case.shape[1],)
+    eps = EPS
+    label = "as it comes" if regime == "fresh" else regime
+    if case.direction == "forward":
+        if case.op == "layer_norm":
+            def fn() -> Any:
+                with torch.no_grad():
+                    return F.layer_norm(x, shape, w, b, eps)
+
+            return [Impl("torch F.layer_norm", PEER, regime, fn, label)]
+
+        def fn_rms() -> Any:
+            with torch.no_grad():
+                return F.rms_norm(x, shape, w, eps)
+
+        return [Impl("torch F.rms_norm", PEER, regime, fn_rms, label)]
+
+    # Backward as users get it: autograd over a graph built once, kept with retain_graph.
+    xr = x.clone().requires_grad_(True)
+    wr = w.clone().requires_grad_(True)
+    inputs: tuple[Any, ...]
+    if case.op == "layer_norm":
+        br = b.clone().requires_grad_(True)
+        y = F.layer_norm(xr, shape, wr, br, eps)
+        inputs = (xr, wr, br)
+        name = "torch autograd layer_norm"
+    else:
+        y = F.rms_norm(xr, shape, wr, eps)
+        inputs = (xr, wr)
+        name = "torch autograd rms_norm"
+    gy = _to_torch(case.grad_y)
+
+    def fn_back() -> Any:
+        return torch.autograd.grad(y, inputs, gy, retain_graph=True)
+
+    return [Impl(name, PEER, regime, fn_back, f"{label}; graph built once")]
+
+
+# --------------------------------------------------------------------------- JAX
+
+
+def jax_impls(case: Case) -> list[Impl]:
+    """A jitted JAX composite on the CPU (XLA picks its own threads)."""
+    if not installed("jax"):
+        return []
+    import jax
+    import jax.numpy as jnp
+
+    acc = jnp.float64 if case.dtype == "float64" else jnp.float32
+    if case.dtype == "float64" and not jax.config.read("jax_enable_x64"):
+        return []
+    cpu = jax.devices("cpu")[0]
+    x = jax.device_put(case.x, cpu)
+    w = jax.device_put(case.weight, cpu)
+    eps = EPS
+
+    if case.direction == "forward":
+        if case.op == "layer_norm":
+            b = jax.device_put(case.bias, cpu)
+
+            @jax.jit
+            def f(x: Any, w: Any, b: Any) -> Any:
+                xa = x.astype(acc)
+                mean = xa.mean(-1, keepdims=True)
+                var = jnp.mean((xa - mean) ** 2, -1, keepdims=True)
+                return ((xa - mean) * jax.lax.rsqrt(var + eps) * w + b).astype(x.dtype)
+
+            fn = lambda: f(x, w, b).block_until_ready()  # noqa: E731
+        else:
+            @jax.jit
+            def f(x: Any, w: Any) -> Any:
+                xa = x.astype(acc)
+                ms = jnp.mean(xa * xa, -1, keepdims=True)
+                return (xa * jax.lax.rsqrt(ms + eps) * w).astype(x.dtype)
+
+            fn = lambda: f(x, w).block_until_ready()  # noqa: E731
+        return [Impl("jax jit", PEER, "fresh", fn, "XLA threads")]
+
+    gy = jax.device_put(case.grad_y, cpu)
+    rstd = jax.device_put(case.rstd, cpu)
+    if case.op == "layer_norm":
+        mean = jax.device_put(case.mean, cpu)
+
+        @jax.jit
+        def g(gy: Any, x: Any, mean: Any, rstd: Any, w: Any) -> Any:
+            xhat = (x.astype(acc) - mean) * rstd
+            gya = gy.astype(acc)
+            gw = gya * w
+            gx = rstd * (gw - gw.mean(-1, keepdims=True)
+                         - xhat * (gw * xhat).mean(-1, keepdims=True))
+            return gx.astype(x.dtype), (gya * xhat).sum(0), gya.sum(0)
+
+        fn = lambda: jax.block_until_ready(g(gy, x, mean, rstd, w))  # noqa: E731
+    else:
+        @jax.jit
+        def g(gy: Any, x: Any, rstd: Any, w: Any) -> Any:
+            xhat = x.astype(acc) * rstd
+            gya = gy.astype(acc)
+            gw = gya * w
+            gx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdims=True))
+            return gx.astype(x.dtype), (gya * xhat).sum(0)
+
+        fn = lambda: jax.block_until_ready(g(gy, x, rstd, w))  # noqa: E731
+    return [Impl("jax jit", PEER, "fresh", fn, "XLA threads; composite backward")]
+
+
+# --------------------------------------------------------------------------- ONNX Runtime
+
+
+def onnxruntime_impls(case: Case) -> list[Impl]:
+    """ONNX Runtime's ``LayerNormalization`` (opset 17), LayerNorm forward only."""
+    if case.op != "layer_norm" or case.direction != "forward" or case.dtype not in (
+            "float32", "float64", "float16"):
+        return []
+    if not (installed("onnxruntime") and installed("onnx")):
+        return []
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    elem = {"float32": TensorProto.FLOAT, "float64": TensorProto.DOUBLE,
+            "float16": TensorProto.FLOAT16}[case.dtype]
+    n, d = case.shape
+    node = helper.make_node("LayerNormalization", ["x", "w", "b"], ["y"], axis=-1,
+                            epsilon=EPS)
+    graph = helper.make_graph(
+        [node], "ln",
+        [helper.make_tensor_value_info("x", elem, [n, d]),
+         helper.make_tensor_value_info("w", elem, [d]),
+         helper.make_tensor_value_info("b", elem, [d])],
+        [helper.make_tensor_value_info("y", elem, [n, d])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = min(model.ir_version, 9)
+    opts = ort.SessionOptions()
+    threads = case.extras.get("threads")
+    if threads:
+        opts.intra_op_num_threads = int(threads)
+    sess = ort.InferenceSession(model.SerializeToString(), opts,
+                                providers=["CPUExecutionProvider"])
+    feeds = {"x": case.x, "w": case.weight, "b": case.bias}
+    return [Impl("onnxruntime", PEER, "fresh", lambda: sess.run(None, feeds),
+                 "CPUExecutionProvider")]
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def peer_impls(case: Case) -> list[Impl]:
+    """Every installed peer for this case (regime ``fresh``)."""
+    impls = numpy_impls(case)
+    impls += torch_impls(case)
+    for factory in (onnxruntime_impls, jax_impls):
+        try:
+            impls += factory(case)
+        except Exception as exc:  # a broken optional install must not stop the run
+            print(f"skipping {factory.__name__[:-6]}: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+    return impls
+
+
+def heap_reuse_available() -> bool:
+    """Whether :func:`enable_heap_reuse` can work here (glibc on Linux)."""
+    return sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+
+
+def enable_heap_reuse() -> bool:
+    """Make glibc malloc keep and reuse freed memory for the rest of the process.
+
+    ``M_MMAP_MAX = 0`` serves every block from the heap instead of a fresh ``mmap``
+    (which is page-faulted on first touch, on every call, for large outputs), and a
+    huge ``M_TRIM_THRESHOLD`` stops the heap from being returned to the OS.
+    Irreversible for the process; returns False where it is not available.
+    """
+    if not heap_reuse_available():
+        return False
+    libc = ctypes.CDLL(None)
+    m_trim_threshold, m_mmap_max = -1, -4
+    ok = libc.mallopt(m_mmap_max, 0) == 1
+    ok = ok and libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
+    return bool(ok)

@@ -1,0 +1,262 @@
+"""The command line: ``python -m layernorm info`` and ``python -m layernorm bench``.
+
+No timing assertions: the bench tests check structure and that every number is a
+positive, finite measurement consistent with the bytes it claims to have moved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from layernorm import _bench, _bench_impls, _cli
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "layernorm", *args], capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+# --------------------------------------------------------------------------- info
+
+
+@pytest.mark.slow
+def test_info_prints_versions_backends_and_threads():
+    proc = _run("info")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for section in ("versions:", "backends:", "threads:", "cpu:", "gpu:"):
+        assert section in out
+    assert f"numpy              {importlib.metadata.version('numpy')}" in out
+    assert f"numba              {importlib.metadata.version('numba')}" in out
+    backends = out.split("backends:")[1].split("threads:")[0]
+    assert "numba      available" in backends
+    assert "array_api  available" in backends
+
+
+@pytest.mark.slow
+def test_info_json_reports_the_threading_layer():
+    proc = _run("info", "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["versions"]["layernorm"] == importlib.metadata.version("layernorm")
+    threads = info["threads"]
+    assert threads["numba_num_threads"] >= 1
+    # The probe ran a parallel kernel (when there is more than one thread), so Numba
+    # knows which threading layer it loaded.
+    if threads["numba_threads_in_use"] > 1:
+        assert threads["layer"] in ("tbb", "omp", "workqueue")
+    assert info["cpu"]["logical_cores"] >= 1
+
+
+def test_info_never_imports_optional_libraries_it_only_versions(monkeypatch):
+    # versions() reads metadata only: a library that is not imported yet stays so.
+    absent = [m for _, m, req in _cli.PACKAGES if not req and m not in sys.modules]
+    _cli.versions()
+    _cli.backends_info()
+    for module in absent:
+        assert module not in sys.modules
+
+
+def test_installed_and_distribution_version():
+    assert _cli.installed("numpy")
+    assert not _cli.installed("layernorm_no_such_module")
+    assert _cli.distribution_version("numpy", "numpy") == np.__version__
+    assert _cli.distribution_version("no-such-dist-xyz", "no_such_dist_xyz") is None
+
+
+# --------------------------------------------------------------------------- bench
+
+
+@pytest.fixture(scope="module")
+def bench_report(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    proc = _run("bench", "--quick", "--backward", "--shape", "64,128", "--threads", "1",
+                "--repeats", "2", "--no-progress", "--json", str(path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, json.loads(path.read_text())
+
+
+@pytest.mark.slow
+def test_bench_json_structure(bench_report):
+    _, report = bench_report
+    assert report["settings"]["shapes"] == [[64, 128]]
+    assert report["settings"]["threads"] == [1]
+    results = report["results"]
+    cells = {(r["op"], r["direction"]) for r in results}
+    assert cells == {(op, d) for op in ("layer_norm", "rms_norm")
+                     for d in ("forward", "backward")}
+    for rec in results:
+        assert rec["shape"] == [64, 128]
+        assert rec["threads"] == 1
+        assert "error" not in rec, rec
+        assert len(rec["samples_s"]) == 2
+        for key in ("median_s", "min_s", "us", "gbps", "pct_copy", "copy_gbps"):
+            assert rec[key] > 0 and math.isfinite(rec[key]), (key, rec)
+        assert rec["min_s"] <= rec["median_s"]
+        # GB/s is the bytes the record claims over its median time.
+        assert rec["gbps"] == pytest.approx(rec["bytes"] / rec["median_s"] / 1e9)
+        itemsize = 4
+        per_array = 64 * 128 * itemsize
+        if rec["kind"] == "copy":
+            assert rec["bytes"] == 2 * per_array
+        else:
+            assert rec["bytes"] == (2 if rec["direction"] == "forward" else 3) * per_array
+    impls = {r["impl"] for r in results}
+    assert {"copy np.copyto", "layernorm numba", "layernorm numba out=",
+            "layernorm array_api", "numpy composite"} <= impls
+    # Exactly one best copy per cell and phase, and it is the denominator.
+    groups: dict[tuple, list] = {}
+    for rec in results:
+        key = (rec["op"], rec["direction"], rec["phase"])
+        groups.setdefault(key, []).append(rec)
+    for recs in groups.values():
+        best = [r for r in recs if r.get("best_copy")]
+        assert len(best) == 1
+        assert best[0]["pct_copy"] == pytest.approx(100.0)
+        assert best[0]["regime"] == "prealloc"
+        assert all(r["copy_impl"] == best[0]["impl"] for r in recs)
+    peers = [r for r in results if r["kind"] == "peer"]
+    assert peers and all(r["speedup"] > 0 for r in peers)
+    assert "machine" in report and report["machine"]["cpu"]["logical_cores"] >= 1
+
+
+@pytest.mark.slow
+def test_bench_torch_is_measured_in_both_regimes(bench_report):
+    pytest.importorskip("torch")
+    _, report = bench_report
+    regimes = {r["regime"] for r in report["results"] if r["impl"].startswith("torch")}
+    assert "fresh" in regimes
+    if _bench_impls.heap_reuse_available():
+        assert "heap reuse" in regimes
+
+
+@pytest.mark.slow
+def test_bench_prints_a_table(bench_report):
+    out, _ = bench_report
+    assert "LayerNorm forward, float32, 1 thread(s)" in out
+    assert "RMSNorm backward, float32, 1 thread(s)" in out
+    for name in ("layernorm numba", "copy np.copyto", "numpy composite"):
+        assert name in out
+    assert "% copy" in out and "GB/s" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shape", "0,5"], "--shape"),
+    (["--shape", "12"], "--shape"),
+    (["--dtype", "int8"], "--dtype"),
+    (["--threads", "999"], "--threads"),
+    (["--op", "batch_norm"], "--op"),
+])
+def test_bench_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        _cli.main(["bench", "--no-progress", *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_parse_shape():
+    assert _bench.parse_shape("3,7") == (3, 7)
+    assert _bench.parse_shape("3x7") == (3, 7)
+    with pytest.raises(ValueError, match="N,D"):
+        _bench.parse_shape("3,7,9")
+
+
+def test_time_interleaved_round_robin():
+    calls: list[str] = []
+    impls = [_bench_impls.Impl(name, "peer", "fresh", lambda name=name: calls.append(name))
+             for name in ("a", "b", "c")]
+    timings = _bench.time_interleaved(impls, repeats=4, target_s=0.0)
+    # With target 0 every sample is one call; warm-up and calibration are 2 calls each.
+    timed = calls[6:]
+    assert timed == ["a", "b", "c", "c", "b", "a", "a", "b", "c", "c", "b", "a"]
+    for name in "abc":
+        assert len(timings[name]["samples_s"]) == 4
+        assert timings[name]["median_s"] > 0
+
+
+def test_time_interleaved_reports_a_failing_implementation():
+    def broken():
+        raise RuntimeError("no such kernel")
+
+    impls = [_bench_impls.Impl("ok", "peer", "fresh", lambda: None),
+             _bench_impls.Impl("broken", "peer", "fresh", broken)]
+    timings = _bench.time_interleaved(impls, repeats=2, target_s=0.0)
+    assert "no such kernel" in timings["broken"]["error"]
+    assert len(timings["ok"]["samples_s"]) == 2
+
+
+def test_summarize_bandwidth_and_speedup():
+    case = _bench_impls.make_case("layer_norm", "forward", "float32", (8, 16))
+    impls = [_bench_impls.Impl("copy fast", "copy", "prealloc", lambda: None),
+             _bench_impls.Impl("copy slow", "copy", "prealloc", lambda: None),
+             _bench_impls.Impl("layernorm numba", "layernorm", "fresh", lambda: None),
+             _bench_impls.Impl("peer", "peer", "fresh", lambda: None)]
+    times = {"copy fast": 1e-6, "copy slow": 4e-6, "layernorm numba": 2e-6, "peer": 6e-6}
+    timings = {k: {"median_s": v, "min_s": v, "samples_s": [v], "number": 1}
+               for k, v in times.items()}
+    recs = {r["impl"]: r for r in _bench.summarize(case, impls, timings, 1, "fresh")}
+    nbytes = 8 * 16 * 4
+    assert recs["copy fast"]["best_copy"] and not recs["copy slow"]["best_copy"]
+    assert recs["copy slow"]["pct_copy"] == pytest.approx(25.0)
+    # Ours moves x and y (2 arrays) in twice the copy's time: half the copy's GB/s.
+    assert recs["layernorm numba"]["gbps"] == pytest.approx(2 * nbytes / 2e-6 / 1e9)
+    assert recs["layernorm numba"]["pct_copy"] == pytest.approx(50.0)
+    assert recs["peer"]["speedup"] == pytest.approx(3.0)
+    assert recs["layernorm numba"]["speedup"] is None
+
+
+def test_numpy_composites_match_layernorm():
+    import layernorm as ln
+
+    rng = np.random.default_rng(5)
+    x = (3 + rng.standard_normal((6, 40))).astype(np.float32)
+    w = rng.standard_normal(40).astype(np.float32)
+    b = rng.standard_normal(40).astype(np.float32)
+    y, mean, rstd = ln.layer_norm(x, weight=w, bias=b, return_stats=True)
+    np.testing.assert_allclose(_bench_impls.numpy_layer_norm(x, w, b, 1e-5), y,
+                               rtol=1e-5, atol=1e-5)
+    gy = rng.standard_normal(x.shape).astype(np.float32)
+    ours = ln.layer_norm_backward(gy, x, mean, rstd, w)
+    theirs = _bench_impls.numpy_layer_norm_backward(gy, x, mean, rstd, w)
+    for a, b_ in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(b_, a, rtol=1e-4, atol=1e-4)
+    yr, r = ln.rms_norm(x, weight=w, eps=1e-5, return_stats=True)
+    np.testing.assert_allclose(_bench_impls.numpy_rms_norm(x, w, 1e-5), yr, rtol=1e-5,
+                               atol=1e-5)
+    ours = ln.rms_norm_backward(gy, x, r, w)
+    theirs = _bench_impls.numpy_rms_norm_backward(gy, x, r, w)
+    for a, b_ in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(b_, a, rtol=1e-4, atol=1e-4)
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    recs = []
+    for impl, kind in (("layernorm numba", "layernorm"), ("copy np.copyto", "copy")):
+        for d, gbps in ((64, 3.0), (768, 9.0)):
+            recs.append({"op": "layer_norm", "direction": "forward", "dtype": "float32",
+                         "threads": 1, "phase": "fresh", "impl": impl, "kind": kind,
+                         "regime": "fresh", "shape": [100, d], "gbps": gbps})
+    path = tmp_path / "plot.png"
+    _bench.plot({"results": recs}, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_settings_defaults_and_lists():
+    parser = _cli.build_parser()
+    args = parser.parse_args(["bench", "--quick", "--dtype", "float32,float64", "bfloat16",
+                              "--threads", "1"])
+    settings = _bench.settings_from_args(args)
+    assert settings.dtypes == ("float32", "float64", "bfloat16")
+    assert settings.threads == (1,)
+    assert settings.shapes == _bench.QUICK_SHAPES
+    assert settings.directions == ("forward",)
+    assert isinstance(args, argparse.Namespace)
