@@ -73,7 +73,7 @@ fig, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")
 ax.loglog(steps, errors, "o-")
 ax.set_xlabel("finite-difference step h")
 ax.set_ylabel("max |numerical - analytic|")
-ax.set_title("grad_x of layer_norm: finite differences vs layer_norm_backward")
+ax.set_title("Finite differences against layer_norm_backward")
 plt.show()
 
 # %%
