@@ -1,0 +1,308 @@
+"""Dask glue: lazy LayerNorm/RMSNorm over row chunks, one kernel call per block.
+
+The normalized axes are rechunked into a single block (rows are independent, so every
+block holds whole rows) and each block is handed to layernorm's own public functions,
+which run the Numba kernels on NumPy blocks (the CUDA kernels on CuPy blocks). Nothing
+is computed until the user asks, and nothing but the blocks' results moves between
+tasks, so the same graph runs on the threaded scheduler or on a ``dask.distributed``
+cluster, for arrays larger than any one machine's memory.
+
+When rechunking is needed, the other axes are re-split ("auto") so that blocks stay
+about as large as the input's largest block; if a block must still exceed
+:data:`BLOCK_WARN_BYTES` (rows that are themselves huge), a :class:`LargeBlockWarning`
+says so.
+
+The backward returns ``grad_x`` lazily, block by block, and ``grad_weight`` /
+``grad_bias`` as one task that adds the per-block partial sums (in the accumulation
+dtype) in C order of the block grid: the result is deterministic for a given chunking,
+whatever the scheduler or the number of workers.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import warnings
+from typing import Any
+
+import numpy as np
+
+#: Blocks larger than this after rechunking the normalized axes raise a warning.
+BLOCK_WARN_BYTES = 256 * 2**20
+
+
+class LargeBlockWarning(UserWarning):
+    """Rechunking the normalized axes into one block made blocks very large."""
+
+
+# --------------------------------------------------------------------------- block functions
+# Module-level functions: a distributed worker unpickles them by reference.
+
+
+def _forward_block(xb: Any, wb: Any, bb: Any, *, rms: bool, axes: tuple[int, ...], eps: Any,
+                   backend: Any, stats: bool) -> Any:
+    from .. import _api
+
+    if rms:
+        out = _api.rms_norm(xb, None, wb, eps, axis=axes, return_stats=stats, backend=backend)
+    else:
+        out = _api.layer_norm(xb, None, wb, bb, eps, axis=axes, return_stats=stats,
+                              backend=backend)
+    return out
+
+
+def _backward_block(gyb: Any, xb: Any, mb: Any, rb: Any, wb: Any, *, rms: bool,
+                    axes: tuple[int, ...], acc: str, backend: Any) -> tuple[Any, ...]:
+    from array_api_compat import array_namespace
+
+    from .. import _api
+
+    xp = array_namespace(xb)
+    pshape = tuple(xb.shape[a] for a in axes)
+    # Partials stay in the accumulation dtype until the final ordered sum: a weight in
+    # that dtype (ones for no weight, which multiplies exactly) makes the API return them so.
+    w = xp.ones(pshape, dtype=acc) if wb is None else wb.astype(acc)
+    keep = tuple(s if i in axes else 1 for i, s in enumerate(xb.shape))
+    if rms:
+        gx, gw = _api.rms_norm_backward(gyb, xb, rb, w, axis=axes, backend=backend)
+        return gx, gw.reshape(keep)
+    gx, gw, gb = _api.layer_norm_backward(gyb, xb, mb, rb, w, axis=axes, backend=backend)
+    return gx, gw.reshape(keep), gb.reshape(keep)
+
+
+def _sum_in_block_order(parts: Any, *, axes: tuple[int, ...], out_dtype: Any) -> Any:
+    """Add per-block partials (one per block along the non-normalized axes) in C order."""
+    other = tuple(i for i in range(parts.ndim) if i not in axes)
+    pshape = tuple(parts.shape[a] for a in axes)
+    stacked = parts.transpose(other + axes).reshape((-1, *pshape))
+    total = stacked[0].copy()
+    for part in stacked[1:]:
+        total += part
+    return total.astype(out_dtype)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _da() -> Any:
+    import dask.array as da
+
+    return da
+
+
+def _meta(x: Any, ndim: int, dtype: Any) -> Any:
+    from dask.array.utils import meta_from_array
+
+    return meta_from_array(x, ndim=ndim, dtype=dtype)
+
+
+def _block_library(x: Any) -> str:
+    from .._dispatch import library_of
+
+    meta = getattr(x, "_meta", None)
+    return "numpy" if meta is None else library_of(meta)
+
+
+def _check_known_shape(x: Any, name: str = "x") -> None:
+    if any(isinstance(s, float) and math.isnan(s) for s in x.shape):
+        raise ValueError(
+            f"{name} has unknown chunk sizes (shape {x.shape}); call "
+            f"{name}.compute_chunk_sizes() first"
+        )
+
+
+def _check_common(x: Any, backend: Any, out: Any, **others: Any) -> str:
+    """Library/meta checks shared by every entry point; returns the blocks' library."""
+    from .. import _api
+    from .._dispatch import check_companions, describe, library_of
+
+    check_companions(x, "dask", **others)
+    if out is not None:
+        raise TypeError(
+            "out= is not supported for Dask arrays (they are immutable); store the lazy "
+            "result with dask.array.store instead"
+        )
+    _check_known_shape(x)
+    blocks = _block_library(x)
+    _api._target(blocks, backend)  # fails early on a backend the blocks cannot use
+    for name, arr in others.items():
+        if arr is None:
+            continue
+        lib = library_of(arr)
+        if lib == "dask":
+            _check_known_shape(arr, name)
+            lib = _block_library(arr)
+        if lib != blocks:
+            raise TypeError(
+                f"{name} holds {lib} data but the blocks of x are {blocks} arrays "
+                f"({describe(arr)} with {describe(x)}); pass arrays of one library"
+            )
+    return blocks
+
+
+def _rows_rechunked(x: Any, axes: tuple[int, ...]) -> Any:
+    """``x`` with every normalized axis in one block, blocks kept about the input's size."""
+    if all(len(x.chunks[a]) <= 1 for a in axes):
+        return x
+    itemsize = x.dtype.itemsize
+    target = max(_largest_block_bytes(x), 1)
+    block = [max(c) if c else 0 for c in x.chunks]
+    spec: dict[int, int] = {}
+    for a in axes:
+        block[a] = spec[a] = x.shape[a]
+    # Merging the normalized axes grows blocks; split the outer axes (batch first) until
+    # they are back to the input's largest block, leaving the other axes as they were.
+    for i in (i for i in range(x.ndim) if i not in axes):
+        size = math.prod(block) * itemsize
+        if size <= target:
+            break
+        block[i] = spec[i] = max(1, block[i] // -(-size // target))
+    y = x.rechunk(spec)
+    biggest = _largest_block_bytes(y)
+    if biggest > BLOCK_WARN_BYTES:
+        warnings.warn(
+            f"layernorm: putting the normalized axes {axes} of a Dask array of shape "
+            f"{x.shape} into one block makes blocks of {biggest / 2**20:.0f} MiB (more than "
+            f"{BLOCK_WARN_BYTES / 2**20:.0f} MiB); each task needs whole rows in memory",
+            LargeBlockWarning,
+            stacklevel=4,
+        )
+    return y
+
+
+def _largest_block_bytes(x: Any) -> int:
+    return math.prod(max(c) if c else 0 for c in x.chunks) * x.dtype.itemsize
+
+
+def _as_dask(arr: Any, chunks: Any) -> Any:
+    da = _da()
+    if arr is None:
+        return None
+    if isinstance(arr, da.Array):
+        return arr.rechunk(chunks)
+    return da.from_array(arr, chunks=chunks)
+
+
+def _param(p: Any) -> Any:
+    if p is None:
+        return None
+    return _as_dask(p, tuple((s,) for s in p.shape))
+
+
+def _stats_chunks(chunks: Any, axes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    return tuple((1,) if i in axes else c for i, c in enumerate(chunks))
+
+
+def _args(pairs: list[tuple[Any, Any]]) -> list[Any]:
+    flat: list[Any] = []
+    for arr, ind in pairs:
+        flat += [arr, None if arr is None else ind]
+    return flat
+
+
+def _pick(tmp: Any, i: int, chunks: Any, dtype: Any) -> Any:
+    return tmp.map_blocks(operator.getitem, i, chunks=chunks, dtype=dtype,
+                          meta=_meta(tmp._meta, tmp.ndim, dtype))
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _forward(rms: bool, x: Any, ns: Any, weight: Any, bias: Any, eps: Any, axis: Any,
+             return_stats: bool, out: Any, backend: Any) -> Any:
+    from .. import _api
+    from .._dtypes import MACHINE_EPS
+    from .._validate import check_eps
+
+    params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
+    _check_common(x, backend, out, **params)
+    req = _api._request(x, "dask", ns, axis, None, **params)
+    eps = MACHINE_EPS[req.acc] if (rms and eps is None) else check_eps(eps)
+    axes = req.layout.axes
+    xr = _rows_rechunked(x, axes)
+    ind = tuple(range(x.ndim))
+    pairs = [(xr, ind), (_param(weight), axes), (_param(bias), axes)]
+    da = _da()
+    kwargs = {"rms": rms, "axes": axes, "eps": eps, "backend": backend}
+    name = "rms_norm" if rms else "layer_norm"
+    if not return_stats:
+        return da.blockwise(_forward_block, ind, *_args(pairs), dtype=x.dtype, stats=False,
+                            meta=_meta(xr._meta, x.ndim, x.dtype), token=name, **kwargs)
+    tmp = da.blockwise(_forward_block, ind, *_args(pairs), dtype=x.dtype, stats=True,
+                       meta=_meta(xr._meta, x.ndim, x.dtype), token=f"{name}-stats", **kwargs)
+    y = _pick(tmp, 0, xr.chunks, x.dtype)
+    stats_chunks = _stats_chunks(xr.chunks, axes)
+    acc = np.dtype(req.acc)
+    if rms:
+        return y, _pick(tmp, 1, stats_chunks, acc)
+    return y, _pick(tmp, 1, stats_chunks, acc), _pick(tmp, 2, stats_chunks, acc)
+
+
+def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, *, axis: Any,
+               return_stats: bool, out: Any, backend: Any) -> Any:
+    """:func:`layernorm.layer_norm` for a Dask array: lazy Dask arrays back."""
+    return _forward(False, x, normalized_shape, weight, bias, eps, axis, return_stats, out,
+                    backend)
+
+
+def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, *, axis: Any,
+             return_stats: bool, out: Any, backend: Any) -> Any:
+    """:func:`layernorm.rms_norm` for a Dask array: lazy Dask arrays back."""
+    return _forward(True, x, normalized_shape, weight, None, eps, axis, return_stats, out,
+                    backend)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def _backward(rms: bool, grad_y: Any, x: Any, mean: Any, rstd: Any, weight: Any, ns: Any,
+              axis: Any, backend: Any) -> tuple[Any, ...]:
+    from .. import _api
+
+    stats = {"rstd": rstd} if rms else {"mean": mean, "rstd": rstd}
+    _check_common(x, backend, None, grad_y=grad_y, weight=weight, **stats)
+    req = _api._request(x, "dask", ns, axis, None, weight=weight)
+    _api._check_backward(grad_y, x, req, **stats)
+    axes = req.layout.axes
+    xr = _rows_rechunked(x, axes)
+    stats_chunks = _stats_chunks(xr.chunks, axes)
+    ind = tuple(range(x.ndim))
+    pairs = [
+        (_as_dask(grad_y, xr.chunks), ind),
+        (xr, ind),
+        (_as_dask(mean, stats_chunks), ind),
+        (_as_dask(rstd, stats_chunks), ind),
+        (_param(weight), axes),
+    ]
+    da = _da()
+    acc = np.dtype(req.acc)
+    tmp = da.blockwise(_backward_block, ind, *_args(pairs), dtype=x.dtype,
+                       meta=_meta(xr._meta, x.ndim, x.dtype), rms=rms, axes=axes,
+                       acc=req.acc, backend=backend,
+                       token="rms_norm_backward" if rms else "layer_norm_backward")
+    grad_x = _pick(tmp, 0, xr.chunks, x.dtype)
+    part_chunks = tuple(c if i in axes else (1,) * len(c) for i, c in enumerate(xr.chunks))
+    pdtype = (weight if weight is not None else x).dtype
+    other = tuple(i for i in range(x.ndim) if i not in axes)
+
+    def reduce(i: int) -> Any:
+        parts = _pick(tmp, i, part_chunks, acc).rechunk(-1)
+        return parts.map_blocks(_sum_in_block_order, axes=axes, out_dtype=pdtype, dtype=pdtype,
+                                drop_axis=other, chunks=tuple((s,) for s in req.layout.param_shape),
+                                meta=_meta(parts._meta, len(axes), pdtype))
+
+    if rms:
+        return grad_x, reduce(1)
+    return grad_x, reduce(1), reduce(2)
+
+
+def layer_norm_backward(grad_y: Any, x: Any, mean: Any, rstd: Any, weight: Any,
+                        normalized_shape: Any, *, axis: Any, backend: Any) -> tuple[Any, ...]:
+    """:func:`layernorm.layer_norm_backward` for Dask arrays: lazy gradients."""
+    return _backward(False, grad_y, x, mean, rstd, weight, normalized_shape, axis, backend)
+
+
+def rms_norm_backward(grad_y: Any, x: Any, rstd: Any, weight: Any, normalized_shape: Any, *,
+                      axis: Any, backend: Any) -> tuple[Any, ...]:
+    """:func:`layernorm.rms_norm_backward` for Dask arrays: lazy gradients."""
+    return _backward(True, grad_y, x, None, rstd, weight, normalized_shape, axis, backend)

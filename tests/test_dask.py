@@ -1,0 +1,299 @@
+"""Dask arrays: lazy map over row blocks, stats, backward, memory-mapped input, a cluster."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import layernorm as ln
+from tests import reference
+
+from .conftest import DTYPES, random_rows
+
+dask = pytest.importorskip("dask")
+da = pytest.importorskip("dask.array")
+_dask = pytest.importorskip("layernorm._backends._dask")
+
+
+def _chunk_bytes(a):
+    return max(int(np.prod([max(c) for c in a.chunks])) * a.dtype.itemsize, 0)
+
+
+CASES = {
+    # name: (shape, chunks, kwargs, normalized axes)
+    "last": ((40, 24), (7, 10), {}, (1,)),
+    "trailing-two": ((9, 4, 12), (2, 3, 5), {"normalized_shape": (4, 12)}, (1, 2)),
+    "channels-first": ((6, 5, 3, 4), (4, 2, 3, 2), {"axis": 1}, (1,)),
+    "split-axes": ((5, 6, 7), (2, 6, 3), {"axis": (0, 2)}, (0, 2)),
+}
+
+
+# Every layout in float32, every dtype on the plain layout (each pair compiles kernels).
+@pytest.mark.parametrize(("case", "dtype"), [(c, "float32") for c in CASES]
+                         + [("last", "bfloat16"), ("last", "float64")])
+def test_forward_and_stats_equal_numpy_path(case, dtype):
+    shape, chunks, kw, axes = CASES[case]
+    rng = np.random.default_rng(1)
+    xn = random_rows(rng, shape, dtype, loc=2.0)
+    pshape = tuple(shape[a] for a in axes)
+    w = random_rows(rng, pshape, "float32")
+    b = random_rows(rng, pshape, dtype)
+    x = da.from_array(xn, chunks=chunks)
+    y, mean, rstd = ln.layer_norm(x, weight=w, bias=b, return_stats=True, **kw)
+    assert all(isinstance(a, da.Array) for a in (y, mean, rstd))
+    for a in axes:  # normalized axes are one block: every block holds whole rows
+        assert len(y.chunks[a]) == 1 and len(mean.chunks[a]) == 1
+    ey, emean, erstd = ln.layer_norm(xn, weight=w, bias=b, return_stats=True, **kw)
+    got_y, got_mean, got_rstd = dask.compute(y, mean, rstd, scheduler="threads")
+    assert got_y.dtype == ey.dtype and got_mean.shape == emean.shape
+    # Rows are independent and computed by the same kernels: bitwise equal.
+    np.testing.assert_array_equal(got_y, ey)
+    np.testing.assert_array_equal(got_mean, emean)
+    np.testing.assert_array_equal(got_rstd, erstd)
+    r = ln.rms_norm(x, weight=w, **kw)
+    np.testing.assert_array_equal(r.compute(), ln.rms_norm(xn, weight=w, **kw))
+    ry, rrstd = ln.rms_norm(x, eps=1e-6, return_stats=True, **kw)
+    np.testing.assert_array_equal(rrstd.compute(), ln.rms_norm(xn, eps=1e-6, return_stats=True,
+                                                               **kw)[1])
+    np.testing.assert_array_equal(ry.compute(), ln.rms_norm(xn, eps=1e-6, **kw))
+
+
+def test_result_is_lazy_until_computed():
+    calls = []
+
+    def make(block_info=None):
+        calls.append(block_info[None]["chunk-location"])
+        start = block_info[None]["array-location"][0][0]
+        rows = block_info[None]["chunk-shape"][0]
+        return np.add.outer(np.arange(start, start + rows) * 0.5, np.linspace(-1, 3, 16))
+
+    x = da.map_blocks(make, chunks=((5, 5, 3), (16,)), dtype=np.float64,
+                      meta=np.empty((0, 0)))
+    y, mean, rstd = ln.layer_norm(x, return_stats=True)
+    grads = ln.layer_norm_backward(x, x, mean, rstd)
+    assert all(isinstance(g, da.Array) for g in grads)
+    assert calls == []
+    xn = x.compute()
+    calls.clear()
+    np.testing.assert_array_equal(y.compute(), ln.layer_norm(xn))
+    assert sorted(calls) == [(0, 0), (1, 0), (2, 0)]
+
+
+def test_rechunking_keeps_block_sizes_and_warns_when_blocks_get_huge(monkeypatch):
+    x = da.ones((4000, 300), chunks=(1000, 100), dtype=np.float32) * np.linspace(1, 2, 300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = ln.layer_norm(x)
+    assert y.chunks[1] == (300,)
+    assert _chunk_bytes(y) <= _chunk_bytes(x)  # rows were re-split, not left to grow 3x
+    monkeypatch.setattr(_dask, "BLOCK_WARN_BYTES", 1000)
+    with pytest.warns(_dask.LargeBlockWarning, match=r"normalized axes \(1,\).*MiB"):
+        ln.layer_norm(x)
+    assert issubclass(_dask.LargeBlockWarning, UserWarning)
+    # Already one block along the normalized axis: no rechunk, no warning.
+    one = x.rechunk({1: -1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ln.layer_norm(one).chunks == one.chunks
+
+
+def _ordered_partials(gy, x, mean, rstd, w, row_chunks):
+    """Per-block parameter gradients summed in block order, in the accumulation dtype."""
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    wa = np.ones(x.shape[1], acc) if w is None else w.astype(acc)
+    gw = gb = None
+    start = 0
+    for rows in row_chunks:
+        s = slice(start, start + rows)
+        _, pw, pb = ln.layer_norm_backward(gy[s], x[s], mean[s], rstd[s], wa)
+        gw = pw if gw is None else gw + pw
+        gb = pb if gb is None else gb + pb
+        start += rows
+    return gw, gb
+
+
+@pytest.mark.parametrize(("dtype", "with_weight"), [
+    ("float32", False), ("float32", True), ("bfloat16", True), ("float64", False)])
+def test_backward_grad_x_exact_and_param_grads_summed_in_block_order(dtype, with_weight):
+    rng = np.random.default_rng(2)
+    xn = random_rows(rng, (70, 33), dtype, loc=1.0)
+    gyn = random_rows(rng, (70, 33), dtype)
+    w = random_rows(rng, (33,), dtype) if with_weight else None
+    x = da.from_array(xn, chunks=(16, 11))
+    gy = da.from_array(gyn, chunks=(9, 33))
+    _, mean, rstd = ln.layer_norm(x, weight=w, return_stats=True)
+    gx, gw, gb = ln.layer_norm_backward(gy, x, mean, rstd, w)
+    got = dask.compute(gx, gw, gb, scheduler="threads")
+    again = dask.compute(gx, gw, gb, scheduler="sync")
+    for a, b in zip(got, again, strict=True):
+        np.testing.assert_array_equal(a, b)  # deterministic whatever the scheduler
+    _, emean, erstd = ln.layer_norm(xn, weight=w, return_stats=True)
+    egx, _, _ = ln.layer_norm_backward(gyn, xn, emean, erstd, w)
+    np.testing.assert_array_equal(got[0], egx)
+    like = (w if w is not None else xn).dtype
+    assert got[1].dtype == got[2].dtype == like and got[1].shape == (33,)
+    ow, ob = _ordered_partials(gyn, xn, emean, erstd, w, gx.chunks[0])
+    np.testing.assert_array_equal(got[1], ow.astype(like))
+    np.testing.assert_array_equal(got[2], ob.astype(like))
+    _, rw, rb = reference.layer_norm_backward(gyn, xn, (1,), w)
+    tol = {"bfloat16": 0.05, "float32": 1e-4, "float64": 1e-10}[dtype]
+    np.testing.assert_allclose(got[1].astype(np.float64), rw.astype(np.float64), atol=tol * 10,
+                               rtol=tol)
+    np.testing.assert_allclose(got[2].astype(np.float64), rb.astype(np.float64), atol=tol * 10,
+                               rtol=tol)
+
+
+def test_rms_backward_channels_first_and_numpy_stats():
+    rng = np.random.default_rng(3)
+    xn = random_rows(rng, (6, 8, 5), "float32")
+    gyn = random_rows(rng, (6, 8, 5), "float32")
+    w = random_rows(rng, (8,), "float32")
+    x = da.from_array(xn, chunks=(2, 3, 5))
+    _, rstd = ln.rms_norm(xn, weight=w, axis=1, return_stats=True)
+    gx, gw = ln.rms_norm_backward(gyn, x, rstd, w, axis=1)  # NumPy grad_y and rstd are fine
+    egx, _ = ln.rms_norm_backward(gyn, xn, rstd, w, axis=1)
+    np.testing.assert_array_equal(gx.compute(), egx)
+    _, rgw = reference.rms_norm_backward(gyn, xn, (1,), w)
+    np.testing.assert_allclose(gw.compute(), rgw, rtol=1e-4, atol=1e-4)
+    assert gw.compute().shape == (8,)
+
+
+def test_dask_weights_and_mixed_libraries():
+    rng = np.random.default_rng(4)
+    xn = random_rows(rng, (12, 10), "float32")
+    wn = random_rows(rng, (10,), "float32")
+    x = da.from_array(xn, chunks=(5, 4))
+    w = da.from_array(wn, chunks=3)
+    np.testing.assert_array_equal(ln.layer_norm(x, weight=w).compute(),
+                                  ln.layer_norm(xn, weight=wn))
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"weight comes from torch.*x comes from dask"):
+        ln.layer_norm(x, weight=torch.ones(10))
+    with pytest.raises(TypeError, match="out="):
+        ln.layer_norm(x, out=np.empty((12, 10), np.float32))
+    with pytest.raises(ValueError, match="weight"):
+        ln.layer_norm(x, weight=np.ones(9, np.float32))
+    with pytest.raises(TypeError, match="int64"):
+        ln.layer_norm(da.ones((3, 4), dtype=np.int64))
+    with pytest.raises(ValueError, match="backend"):
+        ln.layer_norm(x, backend="cupy")
+    unknown = x[x[:, 0] > 0]
+    with pytest.raises(ValueError, match="unknown chunk sizes"):
+        ln.layer_norm(unknown)
+
+
+def test_array_api_backend_per_block():
+    rng = np.random.default_rng(5)
+    xn = random_rows(rng, (12, 10), "float64")
+    x = da.from_array(xn, chunks=(5, 10))
+    got = ln.layer_norm(x, backend="array_api").compute()
+    np.testing.assert_allclose(got, ln.layer_norm(xn), rtol=0, atol=1e-13)
+
+
+class _TaskResults:
+    """Records the size of every in-memory ndarray a local scheduler task produced."""
+
+    def __enter__(self):
+        from dask.callbacks import Callback
+
+        self.nbytes = []
+
+        def posttask(key, result, dsk, state, worker_id):
+            items = result if isinstance(result, tuple) else (result,)
+            for item in items:
+                # np.memmap slices are views of the file, not memory.
+                if isinstance(item, np.ndarray) and not isinstance(item, np.memmap):
+                    self.nbytes.append(item.nbytes)
+
+        self._cb = Callback(posttask=posttask)
+        self._cb.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._cb.__exit__(*exc)
+
+
+def test_memory_mapped_npy_normalized_chunk_by_chunk(tmp_path):
+    rng = np.random.default_rng(6)
+    data = random_rows(rng, (600, 48), "float32", loc=100.0)
+    np.save(tmp_path / "x.npy", data)
+    src = np.load(tmp_path / "x.npy", mmap_mode="r")
+    x = da.from_array(src, chunks=(50, 48))
+    w = np.linspace(0.5, 1.5, 48, dtype=np.float32)
+    y = ln.layer_norm(x, weight=w)
+    target = np.lib.format.open_memmap(tmp_path / "y.npy", mode="w+", dtype=np.float32,
+                                       shape=src.shape)
+    with _TaskResults() as seen:
+        da.store(y, target, scheduler="threads")
+    target.flush()
+    del target
+    expected = ln.layer_norm(data, weight=w)
+    np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), expected)
+    # No task ever held more than one chunk: the array went through block by block.
+    assert seen.nbytes and max(seen.nbytes) <= 50 * 48 * 4
+    da.to_npy_stack(tmp_path / "stack", y, axis=0)
+    np.testing.assert_array_equal(da.from_npy_stack(tmp_path / "stack").compute(), expected)
+
+
+def test_distributed_cluster_returns_only_the_results():
+    distributed = pytest.importorskip("distributed")
+    cloudpickle = pytest.importorskip("cloudpickle")
+    from distributed.protocol import dask_deserialize
+
+    rng = da.random.default_rng(7)  # the data is generated on the workers
+    x = rng.standard_normal((2000, 96), chunks=(250, 48)).astype(np.float32) + 10.0
+    gy = rng.standard_normal((2000, 96), chunks=(500, 96)).astype(np.float32)
+    w = np.linspace(0.5, 1.5, 96, dtype=np.float32)
+    b = np.linspace(-1.0, 1.0, 96, dtype=np.float32)
+    y, mean, rstd = ln.layer_norm(x, weight=w, bias=b, return_stats=True)
+    gx, gw, gb = ln.layer_norm_backward(gy, x, mean, rstd, w)
+    # The graph carries no data but the small weights: x (768 KB) is made on the workers.
+    graph = {}
+    for arr in (y, gx, gw, gb):
+        graph.update(dict(arr.__dask_graph__()))
+    assert len(cloudpickle.dumps(graph)) < 100_000
+
+    received = []
+    original = dask_deserialize.dispatch(np.ndarray)
+
+    def spy(header, frames):
+        arr = original(header, frames)
+        received.append(arr.shape)
+        return arr
+
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=None) as cluster, \
+            distributed.Client(cluster):
+        dask_deserialize.register(np.ndarray)(spy)
+        try:
+            got_y, got_gx, got_gw, got_gb = dask.compute(y, gx, gw, gb)
+        finally:
+            dask_deserialize.register(np.ndarray)(original)
+        workers = len(cluster.workers)
+    assert workers == 2
+    # What reached the client: exactly the four results, each once (no stats, no blocks of x).
+    assert sorted(received) == sorted([(2000, 96), (2000, 96), (96,), (96,)])
+
+    # Same graph on the local synchronous scheduler (never touching the cluster).
+    xn, gyn = dask.compute(x, gy, scheduler="sync")
+    ey, emean, erstd = ln.layer_norm(xn, weight=w, bias=b, return_stats=True)
+    np.testing.assert_array_equal(got_y, ey)
+    egx, _, _ = ln.layer_norm_backward(gyn, xn, emean, erstd, w)
+    np.testing.assert_array_equal(got_gx, egx)
+    local_gw, local_gb = dask.compute(gw, gb, scheduler="sync")
+    np.testing.assert_array_equal(got_gw, local_gw)  # same block order, same bits
+    np.testing.assert_array_equal(got_gb, local_gb)
+    _, rw, rb = reference.layer_norm_backward(gyn, xn, (1,), w)
+    np.testing.assert_allclose(got_gw, rw, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(got_gb, rb, rtol=1e-4, atol=1e-3)
+
+
+def test_bfloat16_dask_arrays_keep_their_dtype():
+    rng = np.random.default_rng(8)
+    xn = random_rows(rng, (10, 16), "bfloat16")
+    x = da.from_array(xn, chunks=(3, 8))
+    y = ln.layer_norm(x)
+    assert y.dtype == DTYPES["bfloat16"]
+    np.testing.assert_array_equal(y.compute().view(np.uint16), ln.layer_norm(xn).view(np.uint16))
