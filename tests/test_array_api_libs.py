@@ -1,0 +1,174 @@
+"""JAX and array_api_strict arrays: the generic path, in their own array types."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import layernorm as ln
+from tests import reference
+
+from .conftest import ATOL, random_rows
+
+# --------------------------------------------------------------------------- JAX
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+xps = pytest.importorskip("array_api_strict")
+
+
+def _is_jax(a) -> bool:
+    return isinstance(a, jax.Array)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize(("kw", "axes"), [
+    ({}, (2,)), ({"axis": 1}, (1,)), ({"normalized_shape": (3, 8)}, (1, 2))], ids=str)
+def test_jax_forward_matches_reference(dtype, kw, axes):
+    rng = np.random.default_rng(0)
+    xn = random_rows(rng, (4, 3, 8), dtype, loc=3.0)
+    pshape = tuple(xn.shape[a] for a in axes)
+    wn, bn = random_rows(rng, pshape, "float32"), random_rows(rng, pshape, "float32")
+    x = jnp.asarray(xn)
+    y, mean, rstd = ln.layer_norm(x, weight=jnp.asarray(wn), bias=jnp.asarray(bn),
+                                  return_stats=True, **kw)
+    assert _is_jax(y) and _is_jax(mean) and ln.backend_name(x) == "array_api"
+    assert y.dtype == x.dtype and mean.dtype == rstd.dtype == jnp.float32
+    assert mean.shape == tuple(1 if i in axes else s for i, s in enumerate(xn.shape))
+    ry, rmean, _ = reference.layer_norm(xn, axes, wn, bn)
+    np.testing.assert_allclose(np.asarray(y, dtype=np.float64), ry, rtol=0,
+                               atol=4 * ATOL[dtype])
+    np.testing.assert_allclose(np.asarray(mean), rmean, rtol=1e-6, atol=1e-5)
+    r = ln.rms_norm(x, weight=jnp.asarray(wn), **kw)
+    rr, _ = reference.rms_norm(xn, axes, wn)
+    np.testing.assert_allclose(np.asarray(r, dtype=np.float64), rr, rtol=0,
+                               atol=4 * ATOL[dtype])
+
+
+def test_jax_jit_equals_eager():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(random_rows(rng, (6, 5, 7), "float32", loc=1.0))
+    w = jnp.asarray(random_rows(rng, (5,), "float32"))
+    b = jnp.asarray(random_rows(rng, (5,), "float32"))
+
+    def f(x, w, b):
+        return ln.layer_norm(x, weight=w, bias=b, axis=1, return_stats=True)
+
+    def g(x, w):
+        return ln.rms_norm(x, 7, w[0] * jnp.ones(7), eps=1e-6)
+
+    for eager, jitted in zip(f(x, w, b), jax.jit(f)(x, w, b), strict=True):
+        assert _is_jax(jitted) and jitted.shape == eager.shape and jitted.dtype == eager.dtype
+        # XLA may fuse differently than eager op-by-op execution: float32 rounding only.
+        np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), rtol=1e-6,
+                                   atol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.jit(g)(x, w)), np.asarray(g(x, w)), rtol=1e-6,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [{}, {"axis": 1}], ids=str)
+def test_jax_grad_matches_reference_gradient(kw):
+    rng = np.random.default_rng(2)
+    xn = random_rows(rng, (5, 6, 9), "float32", loc=2.0)
+    axes = (1,) if kw else (2,)
+    n = xn.shape[axes[0]]
+    wn = random_rows(rng, (n,), "float32")
+    bn = random_rows(rng, (n,), "float32")
+    c = random_rows(rng, xn.shape, "float32")
+
+    def loss(x, w, b):
+        return jnp.sum(ln.layer_norm(x, weight=w, bias=b, **kw) * jnp.asarray(c))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(jnp.asarray(xn), jnp.asarray(wn),
+                                                        jnp.asarray(bn))
+    eager = jax.grad(loss, argnums=(0, 1, 2))(jnp.asarray(xn), jnp.asarray(wn), jnp.asarray(bn))
+    expected = reference.layer_norm_backward(c, xn, axes, wn)
+    for got, again, exp in zip(grads, eager, expected, strict=True):
+        assert _is_jax(got) and got.shape == exp.shape
+        scale = np.abs(exp).max()
+        np.testing.assert_allclose(np.asarray(got, np.float64), exp, rtol=0, atol=1e-5 * scale)
+        np.testing.assert_allclose(np.asarray(again, np.float64), exp, rtol=0,
+                                   atol=1e-5 * scale)
+
+    def rms_loss(x, w):
+        return jnp.sum(ln.rms_norm(x, weight=w, **kw) * jnp.asarray(c))
+
+    gx, gw = jax.grad(rms_loss, argnums=(0, 1))(jnp.asarray(xn), jnp.asarray(wn))
+    rgx, rgw = reference.rms_norm_backward(c, xn, axes, wn)
+    np.testing.assert_allclose(np.asarray(gx, np.float64), rgx, rtol=0,
+                               atol=1e-5 * np.abs(rgx).max())
+    np.testing.assert_allclose(np.asarray(gw, np.float64), rgw, rtol=0,
+                               atol=1e-5 * np.abs(rgw).max())
+
+
+def test_jax_functional_backward_matches_jax_grad():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(random_rows(rng, (8, 12), "float32"))
+    w = jnp.asarray(random_rows(rng, (12,), "float32"))
+    c = jnp.asarray(random_rows(rng, (8, 12), "float32"))
+    _, mean, rstd = ln.layer_norm(x, weight=w, return_stats=True)
+    gx, gw, gb = ln.layer_norm_backward(c, x, mean, rstd, w)
+    assert all(_is_jax(g) for g in (gx, gw, gb))
+    auto = jax.grad(lambda x, w: jnp.sum(ln.layer_norm(x, weight=w) * c), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(auto[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gw), np.asarray(auto[1]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gb), np.asarray(c.sum(axis=0)), rtol=1e-5, atol=1e-5)
+
+
+def test_jax_mixed_libraries_are_type_errors():
+    x = jnp.ones((2, 4)) * jnp.arange(4.0)
+    with pytest.raises(TypeError, match=r"weight comes from numpy.*x comes from jax"):
+        ln.layer_norm(x, weight=np.ones(4, np.float32))
+    with pytest.raises(TypeError, match=r"bias comes from array_api_strict.*x comes from jax"):
+        ln.layer_norm(x, bias=xps.zeros(4))
+    with pytest.raises(TypeError, match="out="):
+        ln.layer_norm(x, out=x)
+
+
+# --------------------------------------------------------------------------- array_api_strict
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_array_api_strict_forward_and_backward(dtype):
+    rng = np.random.default_rng(4)
+    xn = random_rows(rng, (3, 4, 10), dtype, loc=-5.0)
+    wn = random_rows(rng, (4,), dtype)
+    bn = random_rows(rng, (4,), dtype)
+    gyn = random_rows(rng, xn.shape, dtype)
+    x, w, b, gy = (xps.asarray(a) for a in (xn, wn, bn, gyn))
+    y, mean, rstd = ln.layer_norm(x, weight=w, bias=b, axis=1, return_stats=True)
+    assert type(y) is type(x) and y.dtype == x.dtype
+    assert mean.shape == (3, 1, 10) and mean.dtype == x.dtype
+    ry, _, _ = reference.layer_norm(xn, (1,), wn, bn)
+    np.testing.assert_allclose(np.asarray(y), ry, rtol=0, atol=2 * ATOL[dtype])
+    grads = ln.layer_norm_backward(gy, x, mean, rstd, w, axis=1)
+    assert all(type(g) is type(x) for g in grads)
+    tol = {"float32": 1e-4, "float64": 1e-10}[dtype]
+    for got, exp in zip(grads, reference.layer_norm_backward(gyn, xn, (1,), wn), strict=True):
+        np.testing.assert_allclose(np.asarray(got), exp, rtol=tol, atol=tol)
+    r, rrstd = ln.rms_norm(x, weight=w, axis=1, return_stats=True)
+    assert type(r) is type(x)
+    np.testing.assert_allclose(np.asarray(r), reference.rms_norm(xn, (1,), wn)[0], rtol=0,
+                               atol=2 * ATOL[dtype])
+    gx, gw = ln.rms_norm_backward(gy, x, rrstd, w, axis=1)
+    rgx, rgw = reference.rms_norm_backward(gyn, xn, (1,), wn)
+    np.testing.assert_allclose(np.asarray(gx), rgx, rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(gw), rgw, rtol=tol, atol=tol)
+
+
+def test_array_api_strict_mixed_libraries_are_type_errors():
+    x = xps.asarray(np.linspace(-1.0, 1.0, 8).reshape(2, 4))
+    with pytest.raises(TypeError, match=r"weight comes from numpy.*x comes from array_api_strict"):
+        ln.layer_norm(x, weight=np.ones(4))
+    with pytest.raises(TypeError, match=r"weight comes from jax.*x comes from array_api_strict"):
+        ln.rms_norm(x, weight=jnp.ones(4))
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError,
+                   reason="check_companions compares namespaces, not devices, for array-API "
+                          "arrays; array_api_strict then raises its own ValueError")
+def test_array_api_strict_arrays_on_different_devices_are_a_type_error():
+    x = xps.asarray(np.linspace(-1.0, 1.0, 8).reshape(2, 4))
+    other = xps.Device("device1")
+    with pytest.raises(TypeError, match="device"):
+        ln.layer_norm(x, weight=xps.ones(4, dtype=xps.float64, device=other))
