@@ -59,6 +59,7 @@ direct, mean_c, _ = ln.layer_norm(img, axis=1, weight=w, bias=b, return_stats=Tr
 print("axis=1 mean shape", mean_c.shape, "-> one mean per pixel")
 print("max |transpose - axis=1| =", np.abs(via_transpose - direct).max())
 print("bitwise equal:", np.array_equal(via_transpose, direct))
+assert np.array_equal(via_transpose, direct)
 
 # %%
 # The groups, drawn

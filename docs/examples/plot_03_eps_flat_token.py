@@ -22,6 +22,7 @@ y, mean, rstd = ln.layer_norm(flat, eps=1e-5, return_stats=True)
 print("y        =", y)
 print("mean     =", mean.item(), " rstd =", rstd.item(), "= 1/sqrt(1e-5)")
 print("all exactly 0:", np.all(y == 0))
+assert np.all(y == 0)
 print("with bias:", ln.layer_norm(flat, bias=bias, eps=1e-5))
 print("equals bias exactly:", np.array_equal(ln.layer_norm(flat, bias=bias, eps=1e-5)[0], bias))
 
@@ -44,7 +45,9 @@ print(f"fma(x, rstd, -(mean*rstd)) = {fma:.3e}  instead of 0")
 # ``eps=0`` is allowed (it is what some papers mean), but only non-constant rows survive
 # it. Rows are independent: the other row is untouched.
 two_rows = np.stack([flat[0], np.arange(8, dtype=np.float32)])
-print(ln.layer_norm(two_rows, eps=0.0))
+y_eps0 = ln.layer_norm(two_rows, eps=0.0)
+print(y_eps0)
+assert np.isnan(y_eps0[0]).all() and np.isfinite(y_eps0[1]).all()
 
 # %%
 # float16 input and a tiny ``eps``
@@ -58,5 +61,6 @@ tokens16 = np.stack([np.full(8, 0.1), np.linspace(-2, 2, 8)]).astype(np.float16)
 y16, mean16, rstd16 = ln.layer_norm(tokens16, eps=1e-12, return_stats=True)
 print("y dtype:", y16.dtype, " stats dtype:", rstd16.dtype)
 print(y16)
+assert np.all(y16[0] == 0)
 reference = ln.layer_norm(tokens16.astype(np.float64), eps=1e-12)
 print("max |float16 result - float64 result| =", np.abs(y16 - reference).max())

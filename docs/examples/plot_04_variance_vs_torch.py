@@ -36,6 +36,7 @@ if torch is not None:
     print("layernorm:", ours.round(6))
     print("torch:    ", theirs.round(6))
     print("max |difference| =", np.abs(ours - theirs).max())
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-12)
 
 # %%
 # The discrepancy, as a function of the row length

@@ -26,6 +26,7 @@ alone = ln.layer_norm(token)
 inside = ln.layer_norm(batch)[1234:1235]
 print("max |alone - inside batch| =", np.abs(alone - inside).max())
 print("bitwise equal:", np.array_equal(alone, inside))
+assert np.array_equal(alone, inside)
 
 # %%
 # The batch above is large enough (3 million elements) to be split over all CPU
@@ -37,10 +38,9 @@ before = numba.get_num_threads()
 numba.set_num_threads(1)
 one_thread = ln.layer_norm(batch)
 numba.set_num_threads(before)
-print(
-    f"1 thread vs {before} threads, bitwise equal:",
-    np.array_equal(one_thread, ln.layer_norm(batch)),
-)
+same = np.array_equal(one_thread, ln.layer_norm(batch))
+print(f"1 thread vs {before} threads, bitwise equal:", same)
+assert same
 
 # %%
 # A small BatchNorm in NumPy

@@ -25,6 +25,7 @@ cls_only = ln.layer_norm(x[:, 0, :], D, weight, bias)  # keep CLS, normalize it
 print("shapes:", full.shape, cls_only.shape)
 print("max |difference| =", np.abs(full - cls_only).max())
 print("bitwise equal:", np.array_equal(full, cls_only))
+assert np.array_equal(full, cls_only)
 
 # %%
 # ``x[:, 0, :]`` is a strided view (one token out of every 197); the library accepts any

@@ -18,6 +18,7 @@ x = rng.standard_normal((4, 16))  # float64, so that rounding stays near 1e-16
 y = ln.layer_norm(x, eps=0.0)
 for a, b in [(3.0, 0.0), (1e3, -50.0), (1e-4, 7.0)]:
     diff = np.abs(ln.layer_norm(a * x + b, eps=0.0) - y).max()
+    assert diff < 1e-10
     print(f"a = {a:g}, b = {b:g}: max |LN(a*x + b) - LN(x)| = {diff:.1e}")
 
 # %%

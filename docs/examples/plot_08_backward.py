@@ -59,6 +59,7 @@ for name, ours, num in [
     ("grad_bias", grad_b, num_b),
 ]:
     rel = np.abs(ours - num).max() / np.abs(num).max()
+    assert rel < 1e-6
     print(f"{name:12s} max relative difference to finite differences: {rel:.1e}")
 
 # %%
@@ -96,6 +97,7 @@ for r in range(N):
     basis = np.stack([np.ones(D), xhat0[r]]) / np.sqrt(D)
     projected = g[r] - basis.T @ (basis @ g[r])
     err = np.abs(rstd0[r, 0] * projected - grad_x0[r]).max()
+    assert err < 1e-12
     print(f"row {r}: max |rstd * projection(g) - grad_x| = {err:.1e}")
 
 # %%

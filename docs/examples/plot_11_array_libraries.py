@@ -107,6 +107,7 @@ if available("dask"):
     print("        input chunks: ", x_d.chunksize, " result chunks:", y_d.chunksize)
     report("Dask", x_d, y_d, y_np)
     print("        bitwise equal to NumPy:", np.array_equal(y_d.compute(), y_np))
+    assert np.array_equal(y_d.compute(), y_np)
 else:
     print("Dask is not installed; skipped.")
 
