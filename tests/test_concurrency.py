@@ -31,7 +31,7 @@ def test_eight_python_threads_at_once():
                     np.testing.assert_array_equal(a, b)
 
 
-def _child(queue) -> None:  # noqa: ANN001
+def _child(queue) -> None:
     queue.put(float(_work(5)[0].sum()))
 
 

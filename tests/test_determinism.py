@@ -33,8 +33,9 @@ def test_row_alone_equals_row_in_batch(native_xp, dtype_name, n):
         np.testing.assert_array_equal(to_numpy(y1)[0], to_numpy(y_all)[r])
         np.testing.assert_array_equal(to_numpy(m1)[0], to_numpy(mean_all)[r])
         np.testing.assert_array_equal(to_numpy(s1)[0], to_numpy(rstd_all)[r])
-        r1 = ln.rms_norm(alone, weight=ws)
+        r1, rs1 = ln.rms_norm(alone, weight=ws, return_stats=True)
         np.testing.assert_array_equal(to_numpy(r1)[0], to_numpy(r_all)[r])
+        np.testing.assert_array_equal(to_numpy(rs1)[0], to_numpy(rs_all)[r])
         # The same row as a 1-D input and inside a 3-D batch.
         y1d = ln.layer_norm(asarray(native_xp, batch[r], dtype_name), weight=ws, bias=bs)
         np.testing.assert_array_equal(to_numpy(y1d), to_numpy(y_all)[r])

@@ -62,17 +62,19 @@ def test_axes_anywhere(native_xp, shape, axes):
     x = random_rows(rng, shape, "float64")
     pshape = tuple(shape[a] for a in axes)
     w, b = _params(rng, pshape, "float64")
-    y, mean, rstd = ln.layer_norm(asarray(native_xp, x, "float64"), weight=asarray(native_xp, w, "float64"),
-                                  bias=asarray(native_xp, b, "float64"), axis=axes, return_stats=True)
+    xs = asarray(native_xp, x, "float64")
+    ws, bs = asarray(native_xp, w, "float64"), asarray(native_xp, b, "float64")
+    y, mean, rstd = ln.layer_norm(xs, weight=ws, bias=bs, axis=axes, return_stats=True)
     y_ref, mean_ref, rstd_ref = reference.layer_norm(x, axes, w, b)
     np.testing.assert_allclose(to_numpy(y), y_ref.astype(np.float64), atol=1e-12)
     np.testing.assert_allclose(to_numpy(mean), mean_ref.astype(np.float64), atol=1e-12)
+    np.testing.assert_allclose(to_numpy(rstd), rstd_ref.astype(np.float64), rtol=1e-12)
     assert tuple(mean.shape) == tuple(1 if i in axes else s for i, s in enumerate(shape))
     assert to_numpy(y).flags.c_contiguous or hasattr(y, "get")
-    yr, rs = ln.rms_norm(asarray(native_xp, x, "float64"), weight=asarray(native_xp, w, "float64"),
-                         axis=axes, eps=1e-6, return_stats=True)
+    yr, rs = ln.rms_norm(xs, weight=ws, axis=axes, eps=1e-6, return_stats=True)
     yr_ref, rs_ref = reference.rms_norm(x, axes, w, eps=1e-6)
     np.testing.assert_allclose(to_numpy(yr), yr_ref.astype(np.float64), atol=1e-12)
+    np.testing.assert_allclose(to_numpy(rs), rs_ref.astype(np.float64), rtol=1e-12)
 
 
 def test_normalized_shape_equals_trailing_axes():
@@ -189,8 +191,9 @@ class TestTorchParity:
         ty = torch.nn.functional.layer_norm(tx, (n,), torch.from_numpy(w).to(tdtype),
                                             torch.from_numpy(b).to(tdtype))
         xx = asarray(np, tx.float().numpy(), dtype_name)
-        y = ln.layer_norm(xx, n, asarray(np, torch.from_numpy(w).to(tdtype).float().numpy(), dtype_name),
-                          asarray(np, torch.from_numpy(b).to(tdtype).float().numpy(), dtype_name))
+        wt = torch.from_numpy(w).to(tdtype).float().numpy()
+        bt = torch.from_numpy(b).to(tdtype).float().numpy()
+        y = ln.layer_norm(xx, n, asarray(np, wt, dtype_name), asarray(np, bt, dtype_name))
         np.testing.assert_allclose(to_numpy(y), ty.float().numpy().astype(np.float64),
                                    atol=2.5 * ATOL[dtype_name] * 4)
 

@@ -76,9 +76,9 @@ def test_state_dict_round_trip_and_errors():
     other = ln.LayerNorm(5)
     other.load_state_dict(layer.state_dict())
     np.testing.assert_array_equal(other.bias, layer.bias)
-    with pytest.raises(KeyError, match="missing.*bias"):
+    with pytest.raises(KeyError, match=r"missing.*bias"):
         layer.load_state_dict({"weight": np.ones(5)})
-    with pytest.raises(KeyError, match="unexpected.*running_mean"):
+    with pytest.raises(KeyError, match=r"unexpected.*running_mean"):
         layer.load_state_dict({**state, "running_mean": np.ones(5)})
     with pytest.raises(ValueError, match=r"\(5,\).*\(4,\)"):
         layer.load_state_dict({"weight": np.ones(4), "bias": np.ones(5)})

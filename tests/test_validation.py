@@ -89,7 +89,7 @@ def test_backward_errors():
     gy = np.ones_like(x)
     with pytest.raises(ValueError, match=r"grad_y.*\(3, 5\).*\(3, 4\)"):
         ln.layer_norm_backward(gy[:, :4], x, mean, rstd)
-    with pytest.raises(TypeError, match="grad_y.*float32.*float64"):
+    with pytest.raises(TypeError, match=r"grad_y.*float32.*float64"):
         ln.layer_norm_backward(gy.astype(np.float64), x, mean, rstd)
     with pytest.raises(ValueError, match=r"mean.*\(3, 1\).*\(3,\)"):
         ln.layer_norm_backward(gy, x, mean.ravel(), rstd)

@@ -82,7 +82,7 @@ def resolve_axes(shape: tuple[int, ...], normalized_shape: Any, axis: Any) -> tu
     >>> resolve_axes((2, 3), 4, None)
     Traceback (most recent call last):
     ...
-    ValueError: normalized_shape=(4,) expects input whose trailing dimensions are (4,), got input of shape (2, 3)
+    ValueError: normalized_shape=(4,) expects input whose trailing dimensions are (4,), got input...
     """
     ndim = len(shape)
     if normalized_shape is not None and axis is not None:
