@@ -224,10 +224,23 @@ CHROMIUM_FLAGS = (
 )
 
 #: Chromium logs every console message at the same level, so errors cannot be told from
-#: chatter by level: every message fails the test except the theme's known status lines.
-BENIGN_CONSOLE = re.compile(
-    r'"(\[PST\]: Changed to (auto|light|dark) mode|Got invalid theme mode: \w*\. Resetting)'
-)
+#: chatter by level: every message fails the test except the theme's status lines
+#: ("[PST]: Changed to light mode", "Got invalid theme mode: . Resetting to auto." when
+#: no mode is stored yet), unless they mention a failure.
+BENIGN_CONSOLE = re.compile(r'"(\[PST\]: |Got invalid theme mode: \w*\. Resetting)')
+FAILURE_WORDS = re.compile(r"(?i)error|fail|warn|not found|missing|uncaught")
+
+
+def _console_problems(log: str) -> list[str]:
+    problems = []
+    for line in log.splitlines():
+        if ":CONSOLE" not in line:
+            continue
+        message = line.split("] ", 1)[-1].split(", source:", 1)[0]
+        if BENIGN_CONSOLE.match(message) and not FAILURE_WORDS.search(message):
+            continue
+        problems.append(line)
+    return problems
 
 
 class _Server:
@@ -301,8 +314,7 @@ def test_site_in_headless_chromium(site, tmp_path):
             log = proc.stderr
             assert proc.returncode == 0, f"chromium failed on {page}:\n{log[-4000:]}"
 
-            console = [line for line in log.splitlines()
-                       if ":CONSOLE" in line and not BENIGN_CONSOLE.search(line)]
+            console = _console_problems(log)
             assert not console, f"console messages on {page}:\n" + "\n".join(console)
             for marker in ("Uncaught", "Failed to load resource", "net::ERR_"):
                 assert marker not in log, f"{marker!r} while loading {page}:\n{log[-4000:]}"
