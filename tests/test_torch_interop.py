@@ -422,3 +422,57 @@ def test_training_loop_matches_torch(ours, theirs, kwargs):
     np.testing.assert_allclose(got_losses, exp_losses, rtol=1e-10)
     for g, e in zip(got_params, exp_params, strict=True):
         np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-9, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- CUDA tensors
+
+
+def test_cuda_route_choice(monkeypatch):
+    from types import SimpleNamespace
+
+    cuda_x = SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(_torch, "_cupy_or_none", lambda: object())
+    assert _torch._route(cuda_x, None) == "cupy"
+    assert _torch._route(cuda_x, "array_api") == "array_api"
+    # Without CuPy a CUDA tensor still works, on the generic path with torch's namespace;
+    # insisting on CuPy says what is missing.
+    monkeypatch.setattr(_torch, "_cupy_or_none", lambda: None)
+    assert _torch._route(cuda_x, None) == "array_api"
+    with pytest.raises(ImportError, match="CuPy"):
+        _torch._route(cuda_x, "cupy")
+
+
+def _cuda_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    pytest.importorskip("cupy")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_cuda_tensors_run_the_cupy_kernels(dtype):
+    _cuda_or_skip()
+    tdt = TORCH_DTYPES[dtype]
+    x = _randn(64, 3, 40, seed=50, dtype=tdt).cuda()[:, :, 1:].requires_grad_()
+    w = _randn(39, seed=51, dtype=torch.float32).cuda().requires_grad_()
+    b = _randn(39, seed=52, dtype=torch.float32).cuda().requires_grad_()
+    c = _randn(64, 3, 39, seed=53, dtype=tdt).cuda()
+    assert ln.backend_name(x) == "cupy"
+    y = ln.layer_norm(x, 39, w, b)
+    assert y.device == x.device and y.dtype == tdt
+    assert y.grad_fn.name() == "_NormFunctionBackward"
+    y.backward(c)
+    ours = [t.grad.clone() for t in (x, w, b)]
+    for t in (x, w, b):
+        t.grad = None
+    F.layer_norm(x.float(), (39,), w, b).to(tdt).backward(c)
+    scale = 4 * ATOL[dtype]
+    np.testing.assert_allclose(_np64(y.cpu()),
+                               _np64(F.layer_norm(x.float(), (39,), w, b).cpu()), atol=scale)
+    np.testing.assert_allclose(_np64(ours[0].cpu()), _np64(x.grad.cpu()), atol=4 * scale)
+    for mine, theirs in zip(ours[1:], (w.grad, b.grad), strict=True):
+        np.testing.assert_allclose(mine.cpu().numpy(), theirs.cpu().numpy(), rtol=1e-2,
+                                   atol=1e-2)
+    r = ln.rms_norm(x.detach(), axis=1)
+    np.testing.assert_allclose(
+        _np64(r.cpu()), reference.rms_norm(_np64(x.cpu()), (1,))[0], atol=scale)
