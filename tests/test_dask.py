@@ -237,6 +237,30 @@ def test_memory_mapped_npy_normalized_chunk_by_chunk(tmp_path):
     np.testing.assert_array_equal(da.from_npy_stack(tmp_path / "stack").compute(), expected)
 
 
+def _npy_rows(path, block_info=None):
+    """Read one block of rows of a .npy file (on whichever worker runs the task)."""
+    (start, stop), *_ = block_info[None]["array-location"]
+    return np.array(np.load(path, mmap_mode="r")[start:stop])
+
+
+def test_npy_loaded_per_block_keeps_the_graph_free_of_data(tmp_path):
+    # da.from_array(memmap) pickles the whole memmap into the graph (fine for the local
+    # threaded scheduler, which never pickles); for a cluster, each task reads its rows.
+    cloudpickle = pytest.importorskip("cloudpickle")
+    rng = np.random.default_rng(9)
+    data = random_rows(rng, (300, 40), "float32", loc=-20.0)
+    path = tmp_path / "x.npy"
+    np.save(path, data)
+    shape = np.load(path, mmap_mode="r").shape  # reads the header only
+    x = da.map_blocks(_npy_rows, str(path), chunks=((60,) * 5, (shape[1],)),
+                      dtype=np.float32, meta=np.empty((0, 0), np.float32))
+    y, _, rstd = ln.layer_norm(x, return_stats=True)
+    graph = dict(y.__dask_graph__())
+    assert len(cloudpickle.dumps(graph)) < data.nbytes // 10
+    np.testing.assert_array_equal(y.compute(), ln.layer_norm(data))
+    np.testing.assert_array_equal(rstd.compute(), ln.layer_norm(data, return_stats=True)[2])
+
+
 def test_distributed_cluster_returns_only_the_results():
     distributed = pytest.importorskip("distributed")
     cloudpickle = pytest.importorskip("cloudpickle")
