@@ -53,11 +53,6 @@ def _as_kernel_array(arr: Any, dtype: str) -> Any:
     return arr
 
 
-def _rows_view(arr: Any) -> Any:
-    # (outer, n, 1) -> (outer, n): lets Numba see a C-contiguous 2-D array when it is one.
-    return arr[:, :, 0] if arr.shape[2] == 1 else arr
-
-
 def _acc_scalar(value: float, dtype: str) -> Any:
     return np.float64(value) if dtype == "float64" else np.float32(value)
 
@@ -85,53 +80,111 @@ def _num_threads() -> int:
     return numba.get_num_threads()
 
 
-def _grad_partials(rows: int, n: int, acc: Any, count: int) -> Any:
-    blocks = max(1, -(-rows // GRAD_ROW_BLOCK))
-    return np.zeros((count, blocks, n), dtype=acc)
+def _grad_partials(blocks: int, n: int, acc: Any, count: int) -> Any:
+    return np.zeros((count, max(1, blocks), n), dtype=acc)
 
 
-def layer_norm_forward(x3, weight, bias, eps, y3, mean, rstd, dtype) -> None:  # noqa: ANN001
+@functools.cache
+def _last_level_cache_bytes() -> int:
+    try:
+        base = "/sys/devices/system/cpu/cpu0/cache"
+        sizes = []
+        for entry in os.listdir(base):
+            with open(os.path.join(base, entry, "size")) as f:
+                text = f.read().strip()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        return max(sizes)
+    except (OSError, ValueError):
+        return 32 << 20
+
+
+#: Streaming stores pay only for outputs this many times larger than the last-level
+#: cache and for rows of at least STREAM_MIN_ROW elements (measured; they hurt otherwise).
+STREAM_MIN_FRACTION = 0.5
+STREAM_MIN_ROW = 256
+
+
+def _streaming(x: Any, y: Any) -> bool:
+    if y.shape[-1] < STREAM_MIN_ROW or y.nbytes < STREAM_MIN_FRACTION * _last_level_cache_bytes():
+        return False
+    # In place, the lines are already cached: a streaming store would only evict them.
+    return not np.shares_memory(x, y)
+
+
+def layer_norm_forward(x3, weight, bias, eps, y3, mean, rstd, dtype) -> None:
     """LayerNorm forward into ``y3``; fills ``mean`` and ``rstd``."""
     k = _kernels()
-    x = _rows_view(_as_kernel_array(x3, dtype))
-    y = _rows_view(_as_kernel_array(y3, dtype))
+    x = _as_kernel_array(x3, dtype)
+    y = _as_kernel_array(y3, dtype)
+    e = _acc_scalar(eps, dtype)
     with _Launch(x3.size) as launch:
-        fn = k.ln_forward_parallel if launch.parallel else k.ln_forward_serial
-        fn(x, weight, bias, _acc_scalar(eps, dtype), y, mean, rstd)
+        if x.shape[2] == 1:
+            x = x[:, :, 0]
+            y = y[:, :, 0]
+            fn = k.ln_forward_parallel if launch.parallel else k.ln_forward_serial
+            fn(x, weight, bias, e, y, mean, rstd, _streaming(x, y))
+        else:
+            fn = k.ln_forward_cols_parallel if launch.parallel else k.ln_forward_cols_serial
+            fn(x, weight, bias, e, y, mean, rstd)
 
 
-def rms_norm_forward(x3, weight, eps, y3, rstd, dtype) -> None:  # noqa: ANN001
+def rms_norm_forward(x3, weight, eps, y3, rstd, dtype) -> None:
     """RMSNorm forward into ``y3``; fills ``rstd``."""
     k = _kernels()
-    x = _rows_view(_as_kernel_array(x3, dtype))
-    y = _rows_view(_as_kernel_array(y3, dtype))
+    x = _as_kernel_array(x3, dtype)
+    y = _as_kernel_array(y3, dtype)
+    e = _acc_scalar(eps, dtype)
     with _Launch(x3.size) as launch:
-        fn = k.rms_forward_parallel if launch.parallel else k.rms_forward_serial
-        fn(x, weight, _acc_scalar(eps, dtype), y, rstd)
+        if x.shape[2] == 1:
+            x = x[:, :, 0]
+            y = y[:, :, 0]
+            fn = k.rms_forward_parallel if launch.parallel else k.rms_forward_serial
+            fn(x, weight, e, y, rstd, _streaming(x, y))
+        else:
+            fn = k.rms_forward_cols_parallel if launch.parallel else k.rms_forward_cols_serial
+            fn(x, weight, e, y, rstd)
 
 
-def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype):  # noqa: ANN001, ANN201
+def _col_blocks(x3: Any) -> int:
+    return x3.shape[0] * -(-x3.shape[2] // _kernels().COL_BLOCK)
+
+
+def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype):
     """LayerNorm backward into ``gx3``; returns ``(grad_weight, grad_bias)``."""
     k = _kernels()
-    gy = _rows_view(_as_kernel_array(gy3, dtype))
-    x = _rows_view(_as_kernel_array(x3, dtype))
-    gx = _rows_view(_as_kernel_array(gx3, dtype))
-    partials = _grad_partials(mean.shape[0], x3.shape[1], mean.dtype, 2)
+    gy = _as_kernel_array(gy3, dtype)
+    x = _as_kernel_array(x3, dtype)
+    gx = _as_kernel_array(gx3, dtype)
+    n = x3.shape[1]
     with _Launch(x3.size) as launch:
-        fn = k.ln_backward_parallel if launch.parallel else k.ln_backward_serial
-        fn(gy, x, mean, rstd, weight, gx, partials, GRAD_ROW_BLOCK)
+        if x.shape[2] == 1:
+            partials = _grad_partials(-(-mean.shape[0] // GRAD_ROW_BLOCK), n, mean.dtype, 2)
+            fn = k.ln_backward_parallel if launch.parallel else k.ln_backward_serial
+            fn(gy[:, :, 0], x[:, :, 0], mean, rstd, weight, gx[:, :, 0], partials,
+               GRAD_ROW_BLOCK)
+        else:
+            partials = _grad_partials(_col_blocks(x3), n, mean.dtype, 2)
+            fn = k.backward_cols_parallel if launch.parallel else k.backward_cols_serial
+            fn(gy, x, mean, rstd, weight, gx, partials, False)
     sums = k.sum_blocks(partials)
     return sums[0], sums[1]
 
 
-def rms_norm_backward(gy3, x3, rstd, weight, gx3, dtype):  # noqa: ANN001, ANN201
+def rms_norm_backward(gy3, x3, rstd, weight, gx3, dtype):
     """RMSNorm backward into ``gx3``; returns ``grad_weight``."""
     k = _kernels()
-    gy = _rows_view(_as_kernel_array(gy3, dtype))
-    x = _rows_view(_as_kernel_array(x3, dtype))
-    gx = _rows_view(_as_kernel_array(gx3, dtype))
-    partials = _grad_partials(rstd.shape[0], x3.shape[1], rstd.dtype, 1)
+    gy = _as_kernel_array(gy3, dtype)
+    x = _as_kernel_array(x3, dtype)
+    gx = _as_kernel_array(gx3, dtype)
+    n = x3.shape[1]
     with _Launch(x3.size) as launch:
-        fn = k.rms_backward_parallel if launch.parallel else k.rms_backward_serial
-        fn(gy, x, rstd, weight, gx, partials, GRAD_ROW_BLOCK)
+        if x.shape[2] == 1:
+            partials = _grad_partials(-(-rstd.shape[0] // GRAD_ROW_BLOCK), n, rstd.dtype, 1)
+            fn = k.rms_backward_parallel if launch.parallel else k.rms_backward_serial
+            fn(gy[:, :, 0], x[:, :, 0], rstd, weight, gx[:, :, 0], partials, GRAD_ROW_BLOCK)
+        else:
+            partials = _grad_partials(_col_blocks(x3), n, rstd.dtype, 1)
+            fn = k.backward_cols_parallel if launch.parallel else k.backward_cols_serial
+            fn(gy, x, rstd, rstd, weight, gx, partials, True)
     return k.sum_blocks(partials)[0]

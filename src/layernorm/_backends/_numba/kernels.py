@@ -1,23 +1,53 @@
-"""Numba kernels: plain loops over independent rows.
+"""Numba kernels: rows of a 2-D ``(rows, n)`` array, or columns of ``(outer, n, inner)``.
 
-A kernel sees either a 2-D ``(rows, n)`` array (row ``r`` is ``x[r]``) or a 3-D
-``(outer, n, inner)`` array (row ``r`` is ``x[r // inner, :, r % inner]``: the
-channels-first case). Every row goes through the same row functions below, whatever
-its layout, its position in the batch, and the number of threads, so each row's
-result is bitwise reproducible.
+Every kernel computes each row with one fixed sequence of IEEE operations (the *row
+arithmetic* below), whatever the row's layout, its position in the batch and the number
+of threads, so each row's result is bitwise reproducible. Three code paths perform it:
 
-Row statistics (LayerNorm), one pass over memory
-------------------------------------------------
-Values are shifted by ``K = x[0]`` (the row's first element), so a constant row has
-mean exactly ``K`` and centred values exactly 0. The row is cut into chunks of
-``CHUNK = LANES * PER_LANE`` elements; in a chunk, lane ``j`` owns the ``PER_LANE``
-elements ``chunk_start + k * LANES + j``. Per chunk and lane the two-pass mean and M2
-of those few (register-resident) values are computed, then merged into the lane's
-running state with Chan's formula. All lanes hold the same count, so the merge weights
-are scalars computed once per chunk (no division in the element loop). Lanes are merged
-in a fixed tree (``j`` with ``j + 8``, then ``j + 4``, ...), and the tail of fewer than
-``CHUNK`` elements is merged last from its own two-pass statistics. The output pass
-computes ``y = ((x - K) - mean_shift) * rstd * w + b``.
+* **row path** (2-D, row with unit stride): the ``LANES`` lanes of the row arithmetic
+  are the lanes of one SIMD vector (:mod:`._simd`), loaded straight from the row;
+* **gather path** (any other 2-D row): the row is copied into a contiguous scratch row,
+  run through the row path, and the result copied out;
+* **column path** (3-D, ``inner > 1``, the channels-first case): ``WIDTH`` neighbouring
+  columns are processed at once, one column per SIMD lane, and the row arithmetic's
+  lanes become a loop over lane-state vectors; column blocks at the edge (or with a
+  non-unit stride) are copied into a ``(n, WIDTH)`` scratch tile first.
+
+IEEE operations on a vector are the same operations per lane, and Numba is never asked
+for fastmath or FMA contraction, so all paths give identical bits (tested).
+
+Row arithmetic, LayerNorm statistics (one pass over memory)
+----------------------------------------------------------
+Accumulation type ``T`` is float32 (float64 for float64 input). Values are shifted by
+``K = x[0]``, so a constant row has centred values exactly 0. Element ``i`` belongs to
+lane ``i % LANES``; ``G = n // LANES`` full groups give every lane ``G`` elements and
+the ``r = n % LANES`` remaining elements go one each to lanes ``0 .. r-1``.
+
+1. Groups are taken ``PER_LANE`` at a time (a chunk of ``CHUNK`` elements; the last
+   chunk may hold ``g < PER_LANE`` groups). Per chunk and lane, with ``v_k = x - K``
+   of the lane's ``g`` elements: ``s = v_0 + v_1 + ...`` (in order),
+   ``m = s * (1/g)``, ``q = (v_0 - m)**2 + (v_1 - m)**2 + ...`` (in order).
+2. The chunk is merged into the lane state ``(mean, M2)`` (both start at 0) with Chan's
+   formula and scalar weights ``f = g / (a + g)``, ``c = a * f`` where ``a`` is the
+   lane's count so far: ``d = m - mean; mean = mean + d * f; M2 = (M2 + q) + (d * d) * c``.
+3. The remainder is merged the same way, as a chunk of one element per lane (``m = v``,
+   ``q = (v - v)**2``) with per-lane weights that are 0 for lanes ``>= r`` (those lanes
+   see ``v = K - K``).
+4. Lanes are merged in a fixed tree: lane ``j`` with lane ``j + h`` for
+   ``h = 8, 4, 2, 1``, by the same formula with per-lane weights ``f = n_b / (n_a + n_b)``
+   (0 when lane ``j + h`` is empty) and ``c = n_a * f``. All weights depend on ``n``
+   only and are computed once per call (:func:`merge_weights`).
+5. ``rstd = 1 / sqrt(M2 / n + eps)``, ``mean = K + mean_shifted``, and the output pass
+   computes ``y = ((x - K) - mean_shifted) * rstd * w + b`` element by element.
+
+RMSNorm: lane ``i % LANES`` accumulates ``x * x`` in order, lanes are summed in the same
+fixed tree, ``rstd = 1 / sqrt(ss / n + eps)``, ``y = x * rstd * w``.
+
+Backward (LayerNorm): lane ``i % LANES`` accumulates ``g = dy * w`` and ``g * xhat``
+(``xhat = (x - mean) * rstd``) in order; tree sums; ``grad_x = ((g - mean_g) - xhat *
+mean_gxhat) * rstd``. ``grad_weight``/``grad_bias`` partials are accumulated per fixed
+block of rows (2-D: ``block_rows`` consecutive rows in order; 3-D: one partial per
+``(outer index, COL_BLOCK columns)``), then summed over blocks in order.
 """
 
 from __future__ import annotations
@@ -27,341 +57,833 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ._scalars import cast, narrow, widen
+from ._simd import (
+    WIDTH,
+    Vec,
+    down1,
+    down2,
+    down4,
+    down8,
+    get,
+    itemsize,
+    lane,
+    load2,
+    maybe_raw,
+    put,
+    raw,
+    splat,
+    store2,
+    vaddress,
+    vload,
+    vstore,
+    vstore_nt,
+)
 
-LANES = 16
+LANES = WIDTH
 PER_LANE = 8
 CHUNK = LANES * PER_LANE
-#: Rows per parallel work item in the forward kernels (no effect on results).
-FORWARD_ROW_BLOCK = 8
+#: Columns per grad_weight/grad_bias partial block in the channels-first backward.
+COL_BLOCK = 64
+#: Elements per parallel work item (no effect on results).
+WORK_ELEMENTS = 1 << 15
+#: Rows of the merge-weight table: remainder (f, c), then (f, c) per tree level.
+_TAB_ROWS = 10
 
 
-def row_of(x, r):  # noqa: ANN001, ANN201
-    """Row ``r`` of a 2-D ``(rows, n)`` or 3-D ``(outer, n, inner)`` array."""
-    raise NotImplementedError
-
-
-def row_count(x):  # noqa: ANN001, ANN201
-    """Number of rows of a 2-D or 3-D kernel array."""
-    raise NotImplementedError
-
-
-@overload(row_of, inline="always")
-def _row_of(x, r):  # noqa: ANN001, ANN202
-    if isinstance(x, types.Array) and x.ndim == 2:
-        return lambda x, r: x[r]
-    if isinstance(x, types.Array) and x.ndim == 3:
-        return lambda x, r: x[r // x.shape[2], :, r % x.shape[2]]
-    return None
-
-
-@overload(row_count, inline="always")
-def _row_count(x):  # noqa: ANN001, ANN202
-    if isinstance(x, types.Array) and x.ndim == 2:
-        return lambda x: x.shape[0]
-    if isinstance(x, types.Array) and x.ndim == 3:
-        return lambda x: x.shape[0] * x.shape[2]
-    return None
-
-
-# --------------------------------------------------------------------------- statistics
+# --------------------------------------------------------------------------- weights
 
 
 @njit(cache=True, error_model="numpy")
-def _row_moments(xr, like, lane_mean, lane_m2):  # noqa: ANN001, ANN202
-    """(K, shifted mean, M2) of one row; ``like`` is an accumulation-typed scalar."""
-    n = xr.shape[0]
-    zero = cast(0.0, like)
+def merge_weights(n, like):
+    """Per-lane merge weights of the remainder (rows 0-1) and tree levels (rows 2-9)."""
+    groups = n // LANES
+    r = n % LANES
+    tab = np.full((_TAB_ROWS, LANES), cast(0.0, like))
     one = cast(1.0, like)
-    half = cast(0.5, like)
-    per_lane_inv = cast(1.0 / PER_LANE, like)
-    shift = widen(xr[0])
-    full = n // CHUNK
-    for c in range(full):
-        base = c * CHUNK
-        if c > 0:
-            w_new = one / cast(c + 1, like)
-            w_cross = cast(c * PER_LANE, like) * w_new
-        else:
-            w_new = zero
-            w_cross = zero
-        for j in range(LANES):
-            s = widen(xr[base + j]) - shift
-            for k in range(1, PER_LANE):
-                s = s + (widen(xr[base + k * LANES + j]) - shift)
-            m = s * per_lane_inv
-            q = zero
-            for k in range(PER_LANE):
-                d = (widen(xr[base + k * LANES + j]) - shift) - m
-                q = q + d * d
-            if c == 0:
-                lane_mean[j] = m
-                lane_m2[j] = q
-            else:
-                delta = m - lane_mean[j]
-                lane_mean[j] = lane_mean[j] + delta * w_new
-                lane_m2[j] = (lane_m2[j] + q) + (delta * delta) * w_cross
-    mean = zero
-    m2 = zero
-    if full > 0:
-        count = cast(full * PER_LANE, like)
-        h = LANES // 2
-        while h >= 1:
-            for j in range(h):
-                delta = lane_mean[j + h] - lane_mean[j]
-                lane_mean[j] = lane_mean[j] + delta * half
-                lane_m2[j] = (lane_m2[j] + lane_m2[j + h]) + (delta * delta) * (count * half)
-            count = count + count
-            h = h // 2
-        mean = lane_mean[0]
-        m2 = lane_m2[0]
-    start = full * CHUNK
-    tail = n - start
-    if tail > 0:
-        s = zero
-        for i in range(start, n):
-            s = s + (widen(xr[i]) - shift)
-        tail_mean = s / cast(tail, like)
-        tail_m2 = zero
-        for i in range(start, n):
-            d = (widen(xr[i]) - shift) - tail_mean
-            tail_m2 = tail_m2 + d * d
-        if full == 0:
-            mean = tail_mean
-            m2 = tail_m2
-        else:
-            n_a = cast(start, like)
-            f_new = cast(tail, like) / (n_a + cast(tail, like))
-            f_cross = n_a * f_new
-            delta = tail_mean - mean
-            mean = mean + delta * f_new
-            m2 = (m2 + tail_m2) + (delta * delta) * f_cross
-    return shift, mean, m2
-
-
-@njit(cache=True, error_model="numpy")
-def _lane_sum(lanes):  # noqa: ANN001, ANN202
-    """Fixed-tree sum of the LANES partial sums (destroys ``lanes``)."""
+    counts = np.empty(LANES, dtype=np.int64)
+    for j in range(LANES):
+        counts[j] = groups
+        if j < r:
+            f = one / cast(groups + 1, like)
+            tab[0, j] = f
+            tab[1, j] = cast(groups, like) * f
+            counts[j] = groups + 1
     h = LANES // 2
+    level = 0
     while h >= 1:
         for j in range(h):
-            lanes[j] = lanes[j] + lanes[j + h]
+            na = counts[j]
+            nb = counts[j + h]
+            if nb > 0:
+                f = cast(nb, like) / cast(na + nb, like)
+                tab[2 + 2 * level, j] = f
+                tab[3 + 2 * level, j] = cast(na, like) * f
+            counts[j] = na + nb
         h = h // 2
-    return lanes[0]
+        level += 1
+    return tab
+
+
+def times_w(v, w, i):
+    """``v * w[i:i+WIDTH]`` (vector ``v``) or ``v * w[i]`` (scalar); ``v`` if w is None."""
+    raise NotImplementedError
+
+
+def plus_b(v, b, i):
+    """``v + b[...]`` like :func:`times_w`."""
+    raise NotImplementedError
+
+
+@overload(times_w, inline="always")
+def _times_w(v, w, i):
+    if isinstance(w, types.NoneType):
+        return lambda v, w, i: v
+    if isinstance(v, Vec):
+        return lambda v, w, i: v * vload(w, 0, i)
+    return lambda v, w, i: v * get(w, 0, i)
+
+
+@overload(plus_b, inline="always")
+def _plus_b(v, b, i):
+    if isinstance(b, types.NoneType):
+        return lambda v, b, i: v
+    if isinstance(v, Vec):
+        return lambda v, b, i: v + vload(b, 0, i)
+    return lambda v, b, i: v + get(b, 0, i)
+
+
+@njit(inline="always", error_model="numpy")
+def _merge(mean, m2, m, q, f, c):
+    d = m - mean
+    return mean + d * f, (m2 + q) + (d * d) * c
+
+
+@njit(inline="always", error_model="numpy")
+def _chunk_weights(chunk, g, like):
+    a = chunk * PER_LANE
+    f = cast(g, like) / cast(a + g, like)
+    return f, cast(a, like) * f
+
+
+@njit(inline="always", error_model="numpy")
+def _finish(shift, mean, m2, n, eps):
+    rstd = cast(1.0, eps) / np.sqrt(m2 / cast(n, eps) + eps)
+    return shift + mean, rstd
+
+
+# --------------------------------------------------------------------------- row path
+
+
+@njit(inline="always", error_model="numpy")
+def _row_chunk(xr, r, base, g, kv, inv):
+    s = vload(xr, r, base) - kv
+    for k in range(1, g):
+        s = s + (vload(xr, r, base + k * LANES) - kv)
+    m = s * inv
+    d = (vload(xr, r, base) - kv) - m
+    q = d * d
+    for k in range(1, g):
+        d = (vload(xr, r, base + k * LANES) - kv) - m
+        q = q + d * d
+    return m, q
+
+
+@njit(inline="always", error_model="numpy")
+def _row_moments(xr, r, n, shift, tab, rem):
+    """(shifted mean, M2) of a unit-stride row; ``rem`` is a LANES scratch."""
+    like = shift
+    kv = splat(shift)
+    zero = splat(cast(0.0, like))
+    mean = zero
+    m2 = zero
+    groups = n // LANES
+    full = groups // PER_LANE
+    inv_full = splat(cast(1.0, like) / cast(PER_LANE, like))
+    for c in range(full):
+        m, q = _row_chunk(xr, r, c * CHUNK, PER_LANE, kv, inv_full)
+        f, cc = _chunk_weights(c, PER_LANE, like)
+        mean, m2 = _merge(mean, m2, m, q, splat(f), splat(cc))
+    g = groups - full * PER_LANE
+    if g > 0:
+        m, q = _row_chunk(xr, r, full * CHUNK, g, kv, splat(cast(1.0, like) / cast(g, like)))
+        f, cc = _chunk_weights(full, g, like)
+        mean, m2 = _merge(mean, m2, m, q, splat(f), splat(cc))
+    start = groups * LANES
+    if start < n:
+        for j in range(LANES):
+            put(rem, 0, j, widen(get(xr, r, start + j)) if start + j < n else shift)
+        v = vload(rem, 0, 0) - kv
+        d = v - v
+        mean, m2 = _merge(mean, m2, v, d * d, vload(tab, 0, 0), vload(tab, 1, 0))
+    mean, m2 = _merge(mean, m2, down8(mean), down8(m2), vload(tab, 2, 0), vload(tab, 3, 0))
+    mean, m2 = _merge(mean, m2, down4(mean), down4(m2), vload(tab, 4, 0), vload(tab, 5, 0))
+    mean, m2 = _merge(mean, m2, down2(mean), down2(m2), vload(tab, 6, 0), vload(tab, 7, 0))
+    mean, m2 = _merge(mean, m2, down1(mean), down1(m2), vload(tab, 8, 0), vload(tab, 9, 0))
+    return lane(mean, 0), lane(m2, 0)
+
+
+@njit(inline="always", error_model="numpy")
+def _ln_row_out(xr, yr, r, n, shift, mean, rstd, w, b, nt):
+    kv = splat(shift)
+    mv = splat(mean)
+    rv = splat(rstd)
+    i = 0
+    if nt:
+        # Streaming stores need aligned addresses: peel elements up to the boundary.
+        align = min(64, LANES * itemsize(yr))
+        while i < n and vaddress(yr, r, i) % align != 0:
+            v = ((widen(get(xr, r, i)) - shift) - mean) * rstd
+            v = times_w(v, w, i)
+            v = plus_b(v, b, i)
+            put(yr, r, i, narrow(v, yr))
+            i += 1
+    body = i + (n - i) // LANES * LANES
+    if nt:
+        while i < body:
+            v = ((vload(xr, r, i) - kv) - mv) * rv
+            v = times_w(v, w, i)
+            v = plus_b(v, b, i)
+            vstore_nt(yr, v, r, i)
+            i += LANES
+    else:
+        while i < body:
+            v = ((vload(xr, r, i) - kv) - mv) * rv
+            v = times_w(v, w, i)
+            v = plus_b(v, b, i)
+            vstore(yr, v, r, i)
+            i += LANES
+    while i < n:
+        v = ((widen(get(xr, r, i)) - shift) - mean) * rstd
+        v = times_w(v, w, i)
+        v = plus_b(v, b, i)
+        put(yr, r, i, narrow(v, yr))
+        i += 1
+
+
+@njit(error_model="numpy")
+def _copy_row(dst, rd, src, rs):
+    # An explicit loop: slice assignment compiles a large generic implementation.
+    for i in range(src.shape[1]):
+        dst[rd, i] = src[rs, i]
+
+
+@njit(inline="always", error_model="numpy")
+def _unit(a):
+    return a.strides[1] == a.itemsize
+
+
+@njit(error_model="numpy")
+def _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, r0, r1):
+    n = x.shape[1]
+    rem = np.empty((1, LANES), dtype=mean_out.dtype)
+    strided = not (_unit(x) and _unit(y))
+    xs = np.empty((1, n if strided else 0), dtype=x.dtype)
+    ys = np.empty((1, n if strided else 0), dtype=y.dtype)
+    xv, yv, xsv, ysv = raw(x), raw(y), raw(xs), raw(ys)
+    wv, bv, tv, remv = maybe_raw(w), maybe_raw(b), raw(tab), raw(rem)
+    # A strided row goes through contiguous scratch rows; the arithmetic is the same.
+    src, dst, nt = (xsv, ysv, False) if strided else (xv, yv, nt)
+    for r in range(r0, r1):
+        if strided:
+            _copy_row(xs, 0, x, r)
+        rr = 0 if strided else r
+        shift = widen(get(src, rr, 0))
+        mean, m2 = _row_moments(src, rr, n, shift, tv, remv)
+        mo, rstd = _finish(shift, mean, m2, n, eps)
+        _ln_row_out(src, dst, rr, n, shift, mean, rstd, wv, bv, nt)
+        if strided:
+            _copy_row(y, r, ys, 0)
+        mean_out[r] = mo
+        rstd_out[r] = rstd
+
+
+@njit(inline="always", error_model="numpy")
+def _row_block(rows, n):
+    return max(1, min(rows, WORK_ELEMENTS // max(n, 1)))
 
 
 @njit(cache=True, error_model="numpy")
-def _row_sum_squares(xr, like, lanes):  # noqa: ANN001, ANN202
-    """Sum of x**2 of one row: lane j sums elements j, j + LANES, ... in order."""
-    n = xr.shape[0]
-    zero = cast(0.0, like)
+def ln_forward_serial(x, w, b, eps, y, mean_out, rstd_out, nt):
+    """LayerNorm forward of a 2-D ``(rows, n)`` array on the calling thread."""
+    tab = merge_weights(x.shape[1], eps)
+    _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, 0, x.shape[0])
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, nt):
+    """LayerNorm forward of a 2-D array, blocks of rows spread over Numba's threads."""
+    rows = x.shape[0]
+    tab = merge_weights(x.shape[1], eps)
+    rb = _row_block(rows, x.shape[1])
+    for blk in prange((rows + rb - 1) // rb):
+        r0 = blk * rb
+        _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, r0, min(rows, r0 + rb))
+
+
+# --------------------------------------------------------------------------- column path
+
+
+@njit(inline="always", error_model="numpy")
+def _col_chunk(x2, row0, c0, g, kv, inv):
+    s = load2(x2, row0, c0) - kv
+    for k in range(1, g):
+        s = s + (load2(x2, row0 + k * LANES, c0) - kv)
+    m = s * inv
+    d = (load2(x2, row0, c0) - kv) - m
+    q = d * d
+    for k in range(1, g):
+        d = (load2(x2, row0 + k * LANES, c0) - kv) - m
+        q = q + d * d
+    return m, q
+
+
+@njit(inline="always", error_model="numpy")
+def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, cs, mean_out, rstd_out, r0, valid):
+    """The row arithmetic for columns ``c0 .. c0+WIDTH`` of ``x2`` (unit column stride).
+
+    Writes the outputs of the first ``valid`` columns' statistics at ``r0 ..``.
+    """
+    n = x2.shape[0]
+    like = eps
+    kv = load2(x2, 0, c0)
+    zero = splat(cast(0.0, like))
     for j in range(LANES):
-        lanes[j] = zero
+        store2(lm, zero, j, 0)
+        store2(lm2, zero, j, 0)
+    groups = n // LANES
+    full = groups // PER_LANE
+    inv_full = splat(cast(1.0, like) / cast(PER_LANE, like))
+    for c in range(full):
+        f, cc = _chunk_weights(c, PER_LANE, like)
+        fv = splat(f)
+        cv = splat(cc)
+        for j in range(LANES):
+            m, q = _col_chunk(x2, c * CHUNK + j, c0, PER_LANE, kv, inv_full)
+            mean, m2 = _merge(load2(lm, j, 0), load2(lm2, j, 0), m, q, fv, cv)
+            store2(lm, mean, j, 0)
+            store2(lm2, m2, j, 0)
+    g = groups - full * PER_LANE
+    if g > 0:
+        f, cc = _chunk_weights(full, g, like)
+        fv = splat(f)
+        cv = splat(cc)
+        inv = splat(cast(1.0, like) / cast(g, like))
+        for j in range(LANES):
+            m, q = _col_chunk(x2, full * CHUNK + j, c0, g, kv, inv)
+            mean, m2 = _merge(load2(lm, j, 0), load2(lm2, j, 0), m, q, fv, cv)
+            store2(lm, mean, j, 0)
+            store2(lm2, m2, j, 0)
+    start = groups * LANES
+    r = n - start
+    if r > 0:
+        for j in range(LANES):
+            v = (load2(x2, start + j, c0) - kv) if j < r else (kv - kv)
+            d = v - v
+            mean, m2 = _merge(load2(lm, j, 0), load2(lm2, j, 0), v, d * d,
+                              splat(tab[0, j]), splat(tab[1, j]))
+            store2(lm, mean, j, 0)
+            store2(lm2, m2, j, 0)
+    h = LANES // 2
+    level = 0
+    while h >= 1:
+        for j in range(h):
+            mean, m2 = _merge(load2(lm, j, 0), load2(lm2, j, 0), load2(lm, j + h, 0),
+                              load2(lm2, j + h, 0), splat(tab[2 + 2 * level, j]),
+                              splat(tab[3 + 2 * level, j]))
+            store2(lm, mean, j, 0)
+            store2(lm2, m2, j, 0)
+        h = h // 2
+        level += 1
+    # cs rows: 0 shifted mean, 1 rstd (per column)
+    for k in range(LANES):
+        mean = lm[0, k]
+        mo, rstd = _finish(lane(kv, k), mean, lm2[0, k], n, eps)
+        cs[0, k] = mean
+        cs[1, k] = rstd
+        if k < valid:
+            mean_out[r0 + k] = mo
+            rstd_out[r0 + k] = rstd
+    mv = load2(cs, 0, 0)
+    rv = load2(cs, 1, 0)
+    for i in range(n):
+        v = ((load2(x2, i, c0) - kv) - mv) * rv
+        if w is not None:
+            v = v * splat(w[i])
+        if b is not None:
+            v = v + splat(b[i])
+        store2(y2, v, i, c0)
+
+
+@njit(error_model="numpy")
+def _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item):
+    lm, lm2, cs = scratch
+    xt, yt = tiles
+    inner = x.shape[2]
+    per = (inner + WIDTH - 1) // WIDTH
+    o = item // per
+    c0 = (item % per) * WIDTH
+    x2 = x[o]
+    y2 = y[o]
+    valid = min(WIDTH, inner - c0)
+    r0 = o * inner + c0
+    if valid == WIDTH and x.strides[2] == x.itemsize and y.strides[2] == y.itemsize:
+        _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, cs, mean_out, rstd_out, r0, valid)
+    else:
+        for i in range(x.shape[1]):
+            for k in range(WIDTH):
+                xt[i, k] = x2[i, c0 + min(k, valid - 1)]
+        _ln_cols(xt, yt, 0, w, b, eps, tab, lm, lm2, cs, mean_out, rstd_out, r0, valid)
+        for i in range(x.shape[1]):
+            for k in range(valid):
+                y2[i, c0 + k] = yt[i, k]
+
+
+@njit(inline="always", error_model="numpy")
+def _col_scratch(x, y, acc):
+    n = x.shape[1]
+    scratch = (np.empty((LANES, WIDTH), dtype=acc), np.empty((LANES, WIDTH), dtype=acc),
+               np.empty((2, WIDTH), dtype=acc))
+    tiles = (np.empty((n, WIDTH), dtype=x.dtype), np.empty((n, WIDTH), dtype=y.dtype))
+    return scratch, tiles
+
+
+@njit(cache=True, error_model="numpy")
+def ln_forward_cols_serial(x, w, b, eps, y, mean_out, rstd_out):
+    """LayerNorm forward over axis 1 of a 3-D ``(outer, n, inner)`` array."""
+    tab = merge_weights(x.shape[1], eps)
+    items = x.shape[0] * ((x.shape[2] + WIDTH - 1) // WIDTH)
+    scratch, tiles = _col_scratch(x, y, mean_out.dtype)
+    for item in range(items):
+        _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def ln_forward_cols_parallel(x, w, b, eps, y, mean_out, rstd_out):
+    """Channels-first LayerNorm forward, column blocks spread over Numba's threads."""
+    tab = merge_weights(x.shape[1], eps)
+    items = x.shape[0] * ((x.shape[2] + WIDTH - 1) // WIDTH)
+    per_work = max(1, WORK_ELEMENTS // (WIDTH * x.shape[1]))
+    for wk in prange((items + per_work - 1) // per_work):
+        scratch, tiles = _col_scratch(x, y, mean_out.dtype)
+        for item in range(wk * per_work, min(items, (wk + 1) * per_work)):
+            _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item)
+
+
+# --------------------------------------------------------------------------- RMSNorm
+
+
+@njit(inline="always", error_model="numpy")
+def _tree_sum(v):
+    v = v + down8(v)
+    v = v + down4(v)
+    v = v + down2(v)
+    v = v + down1(v)
+    return lane(v, 0)
+
+
+@njit(inline="always", error_model="numpy")
+def _row_sum_squares(xr, r, n, like, rem):
+    acc = splat(cast(0.0, like))
+    body = n - n % LANES
+    for i in range(0, body, LANES):
+        v = vload(xr, r, i)
+        acc = acc + v * v
+    if body < n:
+        for j in range(LANES):
+            put(rem, 0, j, widen(get(xr, r, body + j)) if body + j < n else cast(0.0, like))
+        v = vload(rem, 0, 0)
+        acc = acc + v * v
+    return _tree_sum(acc)
+
+
+@njit(inline="always", error_model="numpy")
+def _rms_row_out(xr, yr, r, n, rstd, w, nt):
+    rv = splat(rstd)
+    i = 0
+    if nt:
+        align = min(64, LANES * itemsize(yr))
+        while i < n and vaddress(yr, r, i) % align != 0:
+            v = widen(get(xr, r, i)) * rstd
+            v = times_w(v, w, i)
+            put(yr, r, i, narrow(v, yr))
+            i += 1
+    body = i + (n - i) // LANES * LANES
+    if nt:
+        while i < body:
+            v = vload(xr, r, i) * rv
+            v = times_w(v, w, i)
+            vstore_nt(yr, v, r, i)
+            i += LANES
+    else:
+        while i < body:
+            v = vload(xr, r, i) * rv
+            v = times_w(v, w, i)
+            vstore(yr, v, r, i)
+            i += LANES
+    while i < n:
+        v = widen(get(xr, r, i)) * rstd
+        v = times_w(v, w, i)
+        put(yr, r, i, narrow(v, yr))
+        i += 1
+
+
+@njit(error_model="numpy")
+def _rms_rows(x, w, eps, y, rstd_out, nt, r0, r1):
+    n = x.shape[1]
+    rem = np.empty((1, LANES), dtype=rstd_out.dtype)
+    strided = not (_unit(x) and _unit(y))
+    xs = np.empty((1, n if strided else 0), dtype=x.dtype)
+    ys = np.empty((1, n if strided else 0), dtype=y.dtype)
+    xv, yv, xsv, ysv = raw(x), raw(y), raw(xs), raw(ys)
+    wv, remv = maybe_raw(w), raw(rem)
+    one = cast(1.0, eps)
+    src, dst, nt = (xsv, ysv, False) if strided else (xv, yv, nt)
+    for r in range(r0, r1):
+        if strided:
+            _copy_row(xs, 0, x, r)
+        rr = 0 if strided else r
+        ss = _row_sum_squares(src, rr, n, eps, remv)
+        rstd = one / np.sqrt(ss / cast(n, eps) + eps)
+        _rms_row_out(src, dst, rr, n, rstd, wv, nt)
+        if strided:
+            _copy_row(y, r, ys, 0)
+        rstd_out[r] = rstd
+
+
+@njit(cache=True, error_model="numpy")
+def rms_forward_serial(x, w, eps, y, rstd_out, nt):
+    """RMSNorm forward of a 2-D array on the calling thread."""
+    _rms_rows(x, w, eps, y, rstd_out, nt, 0, x.shape[0])
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def rms_forward_parallel(x, w, eps, y, rstd_out, nt):
+    """RMSNorm forward of a 2-D array, blocks of rows spread over Numba's threads."""
+    rows = x.shape[0]
+    rb = _row_block(rows, x.shape[1])
+    for blk in prange((rows + rb - 1) // rb):
+        r0 = blk * rb
+        _rms_rows(x, w, eps, y, rstd_out, nt, r0, min(rows, r0 + rb))
+
+
+@njit(inline="always", error_model="numpy")
+def _rms_cols(x2, y2, c0, w, eps, lanes, cs, rstd_out, r0, valid):
+    n = x2.shape[0]
+    zero = splat(cast(0.0, eps))
+    for j in range(LANES):
+        store2(lanes, zero, j, 0)
     body = n - n % LANES
     for base in range(0, body, LANES):
         for j in range(LANES):
-            v = widen(xr[base + j])
-            lanes[j] = lanes[j] + v * v
-    for i in range(body, n):
-        v = widen(xr[i])
-        lanes[i - body] = lanes[i - body] + v * v
-    return _lane_sum(lanes)
-
-
-# --------------------------------------------------------------------------- forward
-
-
-@njit(cache=True, error_model="numpy")
-def _ln_forward_rows(x, w, b, eps, y, mean_out, rstd_out, r0, r1):  # noqa: ANN001, ANN202
-    lane_mean = np.empty(LANES, dtype=mean_out.dtype)
-    lane_m2 = np.empty(LANES, dtype=mean_out.dtype)
+            v = load2(x2, base + j, c0)
+            store2(lanes, load2(lanes, j, 0) + v * v, j, 0)
+    if body < n:
+        for j in range(LANES):
+            v = load2(x2, body + j, c0) if body + j < n else zero
+            store2(lanes, load2(lanes, j, 0) + v * v, j, 0)
+    h = LANES // 2
+    while h >= 1:
+        for j in range(h):
+            store2(lanes, load2(lanes, j, 0) + load2(lanes, j + h, 0), j, 0)
+        h = h // 2
     one = cast(1.0, eps)
-    for r in range(r0, r1):
-        xr = row_of(x, r)
-        yr = row_of(y, r)
-        n = xr.shape[0]
-        shift, mean, m2 = _row_moments(xr, eps, lane_mean, lane_m2)
-        rstd = one / np.sqrt(m2 / cast(n, eps) + eps)
-        for i in range(n):
-            v = ((widen(xr[i]) - shift) - mean) * rstd
-            if w is not None:
-                v = v * w[i]
-            if b is not None:
-                v = v + b[i]
-            yr[i] = narrow(v, yr)
-        mean_out[r] = shift + mean
-        rstd_out[r] = rstd
+    for k in range(WIDTH):
+        rstd = one / np.sqrt(lanes[0, k] / cast(n, eps) + eps)
+        cs[1, k] = rstd
+        if k < valid:
+            rstd_out[r0 + k] = rstd
+    rv = load2(cs, 1, 0)
+    for i in range(n):
+        v = load2(x2, i, c0) * rv
+        if w is not None:
+            v = v * splat(w[i])
+        store2(y2, v, i, c0)
+
+
+@njit(error_model="numpy")
+def _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item):
+    lanes, _, cs = scratch
+    xt, yt = tiles
+    inner = x.shape[2]
+    per = (inner + WIDTH - 1) // WIDTH
+    o = item // per
+    c0 = (item % per) * WIDTH
+    x2 = x[o]
+    y2 = y[o]
+    valid = min(WIDTH, inner - c0)
+    r0 = o * inner + c0
+    if valid == WIDTH and x.strides[2] == x.itemsize and y.strides[2] == y.itemsize:
+        _rms_cols(x2, y2, c0, w, eps, lanes, cs, rstd_out, r0, valid)
+    else:
+        for i in range(x.shape[1]):
+            for k in range(WIDTH):
+                xt[i, k] = x2[i, c0 + min(k, valid - 1)]
+        _rms_cols(xt, yt, 0, w, eps, lanes, cs, rstd_out, r0, valid)
+        for i in range(x.shape[1]):
+            for k in range(valid):
+                y2[i, c0 + k] = yt[i, k]
 
 
 @njit(cache=True, error_model="numpy")
-def ln_forward_serial(x, w, b, eps, y, mean_out, rstd_out):  # noqa: ANN001, ANN201
-    """LayerNorm forward on the calling thread."""
-    _ln_forward_rows(x, w, b, eps, y, mean_out, rstd_out, 0, row_count(x))
+def rms_forward_cols_serial(x, w, eps, y, rstd_out):
+    """RMSNorm forward over axis 1 of a 3-D array."""
+    items = x.shape[0] * ((x.shape[2] + WIDTH - 1) // WIDTH)
+    scratch, tiles = _col_scratch(x, y, rstd_out.dtype)
+    for item in range(items):
+        _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item)
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
-def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out):  # noqa: ANN001, ANN201
-    """LayerNorm forward, blocks of rows spread over Numba's threads."""
-    rows = row_count(x)
-    blocks = (rows + FORWARD_ROW_BLOCK - 1) // FORWARD_ROW_BLOCK
-    for blk in prange(blocks):
-        r0 = blk * FORWARD_ROW_BLOCK
-        _ln_forward_rows(x, w, b, eps, y, mean_out, rstd_out, r0,
-                         min(rows, r0 + FORWARD_ROW_BLOCK))
-
-
-@njit(cache=True, error_model="numpy")
-def _rms_forward_rows(x, w, eps, y, rstd_out, r0, r1):  # noqa: ANN001, ANN202
-    lanes = np.empty(LANES, dtype=rstd_out.dtype)
-    one = cast(1.0, eps)
-    for r in range(r0, r1):
-        xr = row_of(x, r)
-        yr = row_of(y, r)
-        n = xr.shape[0]
-        ss = _row_sum_squares(xr, eps, lanes)
-        rstd = one / np.sqrt(ss / cast(n, eps) + eps)
-        for i in range(n):
-            v = widen(xr[i]) * rstd
-            if w is not None:
-                v = v * w[i]
-            yr[i] = narrow(v, yr)
-        rstd_out[r] = rstd
-
-
-@njit(cache=True, error_model="numpy")
-def rms_forward_serial(x, w, eps, y, rstd_out):  # noqa: ANN001, ANN201
-    """RMSNorm forward on the calling thread."""
-    _rms_forward_rows(x, w, eps, y, rstd_out, 0, row_count(x))
-
-
-@njit(cache=True, parallel=True, error_model="numpy")
-def rms_forward_parallel(x, w, eps, y, rstd_out):  # noqa: ANN001, ANN201
-    """RMSNorm forward, blocks of rows spread over Numba's threads."""
-    rows = row_count(x)
-    blocks = (rows + FORWARD_ROW_BLOCK - 1) // FORWARD_ROW_BLOCK
-    for blk in prange(blocks):
-        r0 = blk * FORWARD_ROW_BLOCK
-        _rms_forward_rows(x, w, eps, y, rstd_out, r0, min(rows, r0 + FORWARD_ROW_BLOCK))
+def rms_forward_cols_parallel(x, w, eps, y, rstd_out):
+    """Channels-first RMSNorm forward, column blocks spread over threads."""
+    items = x.shape[0] * ((x.shape[2] + WIDTH - 1) // WIDTH)
+    per_work = max(1, WORK_ELEMENTS // (WIDTH * x.shape[1]))
+    for wk in prange((items + per_work - 1) // per_work):
+        scratch, tiles = _col_scratch(x, y, rstd_out.dtype)
+        for item in range(wk * per_work, min(items, (wk + 1) * per_work)):
+            _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item)
 
 
 # --------------------------------------------------------------------------- backward
 
 
-@njit(cache=True, error_model="numpy")
-def _ln_backward_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):  # noqa: ANN001, ANN202
-    lanes_g = np.zeros(LANES, dtype=mean_in.dtype)
-    lanes_gx = np.zeros(LANES, dtype=mean_in.dtype)
-    zero = lanes_g[0]
-    like = zero
-    dw = partials[0, blk]
-    db = partials[1, blk]
-    for r in range(r0, r1):
-        gyr = row_of(gy, r)
-        xr = row_of(x, r)
-        gxr = row_of(gx, r)
-        n = xr.shape[0]
-        mean = mean_in[r]
-        rstd = rstd_in[r]
+@njit(inline="always", error_model="numpy")
+def _ln_bwd_row(gyr, xr, gxr, r, n, mean, rstd, w, dw, db, rg, rx):
+    like = mean
+    zero = splat(cast(0.0, like))
+    mv = splat(mean)
+    rv = splat(rstd)
+    acc_g = zero
+    acc_gx = zero
+    body = n - n % LANES
+    for i in range(0, body, LANES):
+        g = vload(gyr, r, i)
+        g = times_w(g, w, i)
+        xh = (vload(xr, r, i) - mv) * rv
+        acc_g = acc_g + g
+        acc_gx = acc_gx + g * xh
+    if body < n:
         for j in range(LANES):
-            lanes_g[j] = zero
-            lanes_gx[j] = zero
-        for i in range(n):
-            g = widen(gyr[i])
-            if w is not None:
-                g = g * w[i]
-            xhat = (widen(xr[i]) - mean) * rstd
-            j = i % LANES
-            lanes_g[j] = lanes_g[j] + g
-            lanes_gx[j] = lanes_gx[j] + g * xhat
-        inv_n = cast(1.0, like) / cast(n, like)
-        mean_g = _lane_sum(lanes_g) * inv_n
-        mean_gx = _lane_sum(lanes_gx) * inv_n
-        for i in range(n):
-            dy = widen(gyr[i])
-            g = dy
-            if w is not None:
-                g = g * w[i]
-            xhat = (widen(xr[i]) - mean) * rstd
-            gxr[i] = narrow(((g - mean_g) - xhat * mean_gx) * rstd, gxr)
-            dw[i] = dw[i] + dy * xhat
-            db[i] = db[i] + dy
+            if body + j < n:
+                gj = widen(get(gyr, r, body + j))
+                gj = times_w(gj, w, body + j)
+                put(rg, 0, j, gj)
+                put(rx, 0, j, widen(get(xr, r, body + j)))
+            else:
+                put(rg, 0, j, cast(0.0, like))
+                put(rx, 0, j, mean)
+        g = vload(rg, 0, 0)
+        xh = (vload(rx, 0, 0) - mv) * rv
+        acc_g = acc_g + g
+        acc_gx = acc_gx + g * xh
+    inv_n = cast(1.0, like) / cast(n, like)
+    mean_g = _tree_sum(acc_g) * inv_n
+    mean_gx = _tree_sum(acc_gx) * inv_n
+    mgv = splat(mean_g)
+    mgxv = splat(mean_gx)
+    for i in range(0, body, LANES):
+        dy = vload(gyr, r, i)
+        g = dy
+        g = times_w(g, w, i)
+        xh = (vload(xr, r, i) - mv) * rv
+        vstore(gxr, ((g - mgv) - xh * mgxv) * rv, r, i)
+        vstore(dw, vload(dw, 0, i) + dy * xh, 0, i)
+        vstore(db, vload(db, 0, i) + dy, 0, i)
+    for i in range(body, n):
+        dy = widen(get(gyr, r, i))
+        g = dy
+        g = times_w(g, w, i)
+        xh = (widen(get(xr, r, i)) - mean) * rstd
+        put(gxr, r, i, narrow(((g - mean_g) - xh * mean_gx) * rstd, gxr))
+        put(dw, 0, i, get(dw, 0, i) + dy * xh)
+        put(db, 0, i, get(db, 0, i) + dy)
+
+
+@njit(error_model="numpy")
+def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
+    n = x.shape[1]
+    acc = mean_in.dtype
+    rg = np.empty((1, LANES), dtype=acc)
+    rx = np.empty((1, LANES), dtype=acc)
+    strided = not (_unit(x) and _unit(gy) and _unit(gx))
+    xs = np.empty((1, n if strided else 0), dtype=x.dtype)
+    gys = np.empty((1, n if strided else 0), dtype=gy.dtype)
+    gxs = np.empty((1, n if strided else 0), dtype=gx.dtype)
+    xv, gyv, gxv, xsv, gysv, gxsv = raw(x), raw(gy), raw(gx), raw(xs), raw(gys), raw(gxs)
+    wv, rgv, rxv = maybe_raw(w), raw(rg), raw(rx)
+    dw = raw(partials[0, blk])
+    db = raw(partials[1, blk])
+    a, b, c = (gysv, xsv, gxsv) if strided else (gyv, xv, gxv)
+    for r in range(r0, r1):
+        if strided:
+            _copy_row(xs, 0, x, r)
+            _copy_row(gys, 0, gy, r)
+        _ln_bwd_row(a, b, c, 0 if strided else r, n, mean_in[r], rstd_in[r], wv, dw, db,
+                    rgv, rxv)
+        if strided:
+            _copy_row(gx, r, gxs, 0)
 
 
 @njit(cache=True, error_model="numpy")
-def ln_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows):  # noqa: ANN001, ANN201
-    """LayerNorm backward on the calling thread (same blocks as the parallel one)."""
-    rows = row_count(x)
+def ln_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows):
+    """LayerNorm backward of 2-D arrays on the calling thread (same blocks as parallel)."""
+    rows = x.shape[0]
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
-        _ln_backward_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
-                          min(rows, r0 + block_rows))
+        _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
+                     min(rows, r0 + block_rows))
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
-def ln_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows):  # noqa: ANN001, ANN201
-    """LayerNorm backward, row blocks spread over threads."""
-    rows = row_count(x)
+def ln_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows):
+    """LayerNorm backward of 2-D arrays, row blocks spread over threads."""
+    rows = x.shape[0]
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
-        _ln_backward_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
-                          min(rows, r0 + block_rows))
+        _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
+                     min(rows, r0 + block_rows))
 
 
-@njit(cache=True, error_model="numpy")
-def _rms_backward_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1):  # noqa: ANN001, ANN202
-    lanes = np.zeros(LANES, dtype=rstd_in.dtype)
-    zero = lanes[0]
-    like = zero
-    dw = partials[0, blk]
-    for r in range(r0, r1):
-        gyr = row_of(gy, r)
-        xr = row_of(x, r)
-        gxr = row_of(gx, r)
-        n = xr.shape[0]
-        rstd = rstd_in[r]
+@njit(inline="always", error_model="numpy")
+def _rms_bwd_row(gyr, xr, gxr, r, n, rstd, w, dw, rg, rx):
+    like = rstd
+    zero = splat(cast(0.0, like))
+    rv = splat(rstd)
+    acc = zero
+    body = n - n % LANES
+    for i in range(0, body, LANES):
+        g = vload(gyr, r, i)
+        g = times_w(g, w, i)
+        acc = acc + g * (vload(xr, r, i) * rv)
+    if body < n:
         for j in range(LANES):
-            lanes[j] = zero
-        for i in range(n):
-            g = widen(gyr[i])
-            if w is not None:
-                g = g * w[i]
-            j = i % LANES
-            lanes[j] = lanes[j] + g * (widen(xr[i]) * rstd)
-        mean_gx = _lane_sum(lanes) * (cast(1.0, like) / cast(n, like))
-        for i in range(n):
-            dy = widen(gyr[i])
-            g = dy
-            if w is not None:
-                g = g * w[i]
-            xhat = widen(xr[i]) * rstd
-            gxr[i] = narrow((g - xhat * mean_gx) * rstd, gxr)
-            dw[i] = dw[i] + dy * xhat
+            if body + j < n:
+                gj = widen(get(gyr, r, body + j))
+                gj = times_w(gj, w, body + j)
+                put(rg, 0, j, gj)
+                put(rx, 0, j, widen(get(xr, r, body + j)))
+            else:
+                put(rg, 0, j, cast(0.0, like))
+                put(rx, 0, j, cast(0.0, like))
+        acc = acc + vload(rg, 0, 0) * (vload(rx, 0, 0) * rv)
+    mean_gx = _tree_sum(acc) * (cast(1.0, like) / cast(n, like))
+    mgxv = splat(mean_gx)
+    for i in range(0, body, LANES):
+        dy = vload(gyr, r, i)
+        g = dy
+        g = times_w(g, w, i)
+        xh = vload(xr, r, i) * rv
+        vstore(gxr, (g - xh * mgxv) * rv, r, i)
+        vstore(dw, vload(dw, 0, i) + dy * xh, 0, i)
+    for i in range(body, n):
+        dy = widen(get(gyr, r, i))
+        g = dy
+        g = times_w(g, w, i)
+        xh = widen(get(xr, r, i)) * rstd
+        put(gxr, r, i, narrow((g - xh * mean_gx) * rstd, gxr))
+        put(dw, 0, i, get(dw, 0, i) + dy * xh)
+
+
+@njit(error_model="numpy")
+def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1):
+    n = x.shape[1]
+    acc = rstd_in.dtype
+    rg = np.empty((1, LANES), dtype=acc)
+    rx = np.empty((1, LANES), dtype=acc)
+    strided = not (_unit(x) and _unit(gy) and _unit(gx))
+    xs = np.empty((1, n if strided else 0), dtype=x.dtype)
+    gys = np.empty((1, n if strided else 0), dtype=gy.dtype)
+    gxs = np.empty((1, n if strided else 0), dtype=gx.dtype)
+    xv, gyv, gxv, xsv, gysv, gxsv = raw(x), raw(gy), raw(gx), raw(xs), raw(gys), raw(gxs)
+    wv, rgv, rxv = maybe_raw(w), raw(rg), raw(rx)
+    dw = raw(partials[0, blk])
+    a, b, c = (gysv, xsv, gxsv) if strided else (gyv, xv, gxv)
+    for r in range(r0, r1):
+        if strided:
+            _copy_row(xs, 0, x, r)
+            _copy_row(gys, 0, gy, r)
+        _rms_bwd_row(a, b, c, 0 if strided else r, n, rstd_in[r], wv, dw, rgv, rxv)
+        if strided:
+            _copy_row(gx, r, gxs, 0)
 
 
 @njit(cache=True, error_model="numpy")
-def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows):  # noqa: ANN001, ANN201
-    """RMSNorm backward on the calling thread."""
-    rows = row_count(x)
+def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows):
+    """RMSNorm backward of 2-D arrays on the calling thread."""
+    rows = x.shape[0]
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
-        _rms_backward_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows))
+        _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows))
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
-def rms_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows):  # noqa: ANN001, ANN201
-    """RMSNorm backward, row blocks spread over threads."""
-    rows = row_count(x)
+def rms_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows):
+    """RMSNorm backward of 2-D arrays, row blocks spread over threads."""
+    rows = x.shape[0]
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
-        _rms_backward_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows))
+        _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows))
+
+
+@njit(error_model="numpy")
+def _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols):
+    n = x.shape[1]
+    inner = x.shape[2]
+    per = (inner + COL_BLOCK - 1) // COL_BLOCK
+    o = item // per
+    c0 = (item % per) * COL_BLOCK
+    xs, gys, gxs, rg, rx = cols
+    xsv, gysv, gxsv, rgv, rxv = raw(xs), raw(gys), raw(gxs), raw(rg), raw(rx)
+    wv = maybe_raw(w)
+    dw = raw(partials[0, item])
+    db = raw(partials[partials.shape[0] - 1, item])
+    for c in range(c0, min(inner, c0 + COL_BLOCK)):
+        r = o * inner + c
+        for i in range(n):
+            xs[0, i] = x[o, i, c]
+            gys[0, i] = gy[o, i, c]
+        if rms:
+            _rms_bwd_row(gysv, xsv, gxsv, 0, n, rstd_in[r], wv, dw, rgv, rxv)
+        else:
+            _ln_bwd_row(gysv, xsv, gxsv, 0, n, mean_in[r], rstd_in[r], wv, dw, db, rgv, rxv)
+        for i in range(n):
+            gx[o, i, c] = gxs[0, i]
+
+
+@njit(inline="always", error_model="numpy")
+def _bwd_col_scratch(gy, x, gx, acc):
+    n = x.shape[1]
+    return (np.empty((1, n), dtype=x.dtype), np.empty((1, n), dtype=gy.dtype),
+            np.empty((1, n), dtype=gx.dtype), np.empty((1, LANES), dtype=acc),
+            np.empty((1, LANES), dtype=acc))
 
 
 @njit(cache=True, error_model="numpy")
-def sum_blocks(partials):  # noqa: ANN001, ANN201
+def backward_cols_serial(gy, x, mean_in, rstd_in, w, gx, partials, rms):
+    """Backward over axis 1 of 3-D arrays; one partial per (outer, COL_BLOCK columns).
+
+    ``rms`` selects RMSNorm (``mean_in`` is then ignored and ``partials`` has one row).
+    """
+    cols = _bwd_col_scratch(gy, x, gx, rstd_in.dtype)
+    for item in range(partials.shape[1]):
+        _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def backward_cols_parallel(gy, x, mean_in, rstd_in, w, gx, partials, rms):
+    """Parallel :func:`backward_cols_serial` (same partial blocks)."""
+    for item in prange(partials.shape[1]):
+        cols = _bwd_col_scratch(gy, x, gx, rstd_in.dtype)
+        _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols)
+
+
+@njit(cache=True, error_model="numpy")
+def sum_blocks(partials):
     """Sum ``partials[:, blk, :]`` over ``blk`` in increasing order (deterministic)."""
     count, blocks, n = partials.shape
-    total = np.zeros((count, n), dtype=partials.dtype)
+    total = partials[:, 0, :].copy()
     for c in range(count):
-        for blk in range(blocks):
+        for blk in range(1, blocks):
             for i in range(n):
                 total[c, i] = total[c, i] + partials[c, blk, i]
     return total

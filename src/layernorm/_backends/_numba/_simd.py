@@ -1,0 +1,466 @@
+"""Fixed-width SIMD vectors for the Numba kernels, built from LLVM vector types.
+
+Numba does not vectorize floating-point reductions (LLVM may not reorder them without
+reassociation, which would also make results depend on the machine). The kernels
+therefore spell out their lanes as an explicit ``<WIDTH x float>`` (or ``double``)
+value, :class:`Vec`. Every operation on a :class:`Vec` is an IEEE operation per lane,
+exactly the one a scalar loop over the lanes would perform, so a vectorized kernel and
+any other kernel doing the same per-lane operations agree bit for bit, on any machine.
+
+Only jitted code can use what this module defines:
+
+* ``a + b``, ``a - b``, ``a * b``, ``a / b`` on two vectors of the same type;
+* :func:`splat` (scalar -> vector), :func:`lane` (vector -> scalar);
+* :func:`load` / :func:`store` of ``WIDTH`` consecutive elements of an array whose
+  last axis has unit stride, widening 16-bit floats (float16 as ``int16`` bits, bfloat16
+  as ``uint16`` bits) to float32 and rounding back to nearest even on store;
+  :func:`store_nt` is :func:`store` with a non-temporal (streaming) hint, for addresses
+  aligned to ``min(64, vector bytes)`` only;
+* :func:`down8`, :func:`down4`, :func:`down2`, :func:`down1`: lane ``j + h`` moved to
+  lane ``j`` (the fixed lane tree of the reductions);
+* :func:`address` of an element, for alignment decisions.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.typing.templates import AbstractTemplate, infer_global, signature
+from numba.extending import intrinsic, lower_builtin, models, overload, register_model
+
+WIDTH = 16
+
+
+class Vec(types.Type):
+    """A ``WIDTH``-lane vector of float32 or float64 (the accumulation type)."""
+
+    def __init__(self, dtype: types.Float) -> None:
+        self.dtype = dtype
+        super().__init__(name=f"Vec{WIDTH}({dtype})")
+
+
+vec_f32 = Vec(types.float32)
+vec_f64 = Vec(types.float64)
+
+
+def _ir_float(dtype: types.Type) -> ir.Type:
+    return ir.DoubleType() if dtype == types.float64 else ir.FloatType()
+
+
+@register_model(Vec)
+class _VecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, ir.VectorType(_ir_float(fe_type.dtype), WIDTH))
+
+
+def _vec_of(dtype: types.Type) -> Vec:
+    return vec_f64 if dtype == types.float64 else vec_f32
+
+
+def _acc_of(element: types.Type) -> types.Float:
+    """Accumulation type of an array element type (16-bit bits -> float32)."""
+    return types.float64 if element == types.float64 else types.float32
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def _register_operator(op, instruction: str) -> None:
+    # A typing template plus a direct lowering: cheaper to compile than an @overload
+    # (no per-call-site inlining) and exactly one LLVM vector instruction.
+    @infer_global(op)
+    class _Typer(AbstractTemplate):
+        def generic(self, args, kws):
+            if len(args) == 2 and isinstance(args[0], Vec) and args[0] == args[1]:
+                return signature(args[0], *args)
+            return None
+
+    @lower_builtin(op, Vec, Vec)
+    def _lower(context, builder, sig, args):
+        return getattr(builder, instruction)(args[0], args[1])
+
+
+for _op, _instruction in ((operator.add, "fadd"), (operator.sub, "fsub"), (operator.mul, "fmul"),
+                          (operator.truediv, "fdiv")):
+    _register_operator(_op, _instruction)
+
+
+@intrinsic
+def splat(typingctx, value):
+    """A vector with every lane equal to the float32/float64 scalar ``value``."""
+    if value not in (types.float32, types.float64):
+        return None
+    vt = _vec_of(value)
+
+    def codegen(context, builder, sig, args):
+        llty = ir.VectorType(_ir_float(value), WIDTH)
+        one = builder.insert_element(ir.Constant(llty, ir.Undefined), args[0],
+                                     ir.Constant(ir.IntType(32), 0))
+        mask = ir.Constant(ir.VectorType(ir.IntType(32), WIDTH), [0] * WIDTH)
+        return builder.shuffle_vector(one, ir.Constant(llty, ir.Undefined), mask)
+
+    return vt(value), codegen
+
+
+@intrinsic
+def lane(typingctx, vec, index):
+    """Lane ``index`` of ``vec`` as a scalar."""
+    if not isinstance(vec, Vec) or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        idx = builder.trunc(args[1], ir.IntType(32)) if index.bitwidth > 32 else args[1]
+        return builder.extract_element(args[0], idx)
+
+    return vec.dtype(vec, index), codegen
+
+
+def _down(h: int):
+    @intrinsic
+    def impl(typingctx, vec):
+        if not isinstance(vec, Vec):
+            return None
+
+        def codegen(context, builder, sig, args):
+            mask = ir.Constant(ir.VectorType(ir.IntType(32), WIDTH),
+                               [(j + h) % WIDTH for j in range(WIDTH)])
+            return builder.shuffle_vector(args[0], args[0], mask)
+
+        return vec(vec), codegen
+
+    return impl
+
+
+down8 = _down(8)
+down4 = _down(4)
+down2 = _down(2)
+down1 = _down(1)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _element_pointer(context, builder, arrty, arr, indices):
+    ary = context.make_array(arrty)(context, builder, arr)
+    shapes = cgutils.unpack_tuple(builder, ary.shape, arrty.ndim)
+    strides = cgutils.unpack_tuple(builder, ary.strides, arrty.ndim)
+    return cgutils.get_item_pointer2(context, builder, ary.data, shapes, strides,
+                                     arrty.layout, indices)
+
+
+def _index_types_ok(arr: types.Type, indices: tuple) -> bool:
+    return (isinstance(arr, types.Array) and arr.ndim == len(indices)
+            and all(isinstance(i, types.Integer) for i in indices)
+            and arr.dtype in (types.float32, types.float64, types.int16, types.uint16))
+
+
+def _widen_vector(builder, raw, element):
+    if element == types.int16:  # float16 bits
+        half = builder.bitcast(raw, ir.VectorType(ir.HalfType(), WIDTH))
+        return builder.fpext(half, ir.VectorType(ir.FloatType(), WIDTH))
+    if element == types.uint16:  # bfloat16 bits: the high half of a float32
+        wide = builder.zext(raw, ir.VectorType(ir.IntType(32), WIDTH))
+        wide = builder.shl(wide, _splat_i32(16))
+        return builder.bitcast(wide, ir.VectorType(ir.FloatType(), WIDTH))
+    return raw
+
+
+def _splat_i32(value: int) -> ir.Constant:
+    return ir.Constant(ir.VectorType(ir.IntType(32), WIDTH), [value] * WIDTH)
+
+
+def _narrow_vector(builder, value, element):
+    if element == types.int16:
+        half = builder.fptrunc(value, ir.VectorType(ir.HalfType(), WIDTH))
+        return builder.bitcast(half, ir.VectorType(ir.IntType(16), WIDTH))
+    if element == types.uint16:
+        # Round to nearest even; a NaN stays a (quiet) NaN. Same as the scalar narrow.
+        bits = builder.bitcast(value, ir.VectorType(ir.IntType(32), WIDTH))
+        is_nan = builder.icmp_unsigned(">", builder.and_(bits, _splat_i32(0x7FFFFFFF)),
+                                       _splat_i32(0x7F800000))
+        high = builder.lshr(bits, _splat_i32(16))
+        quiet = builder.or_(high, _splat_i32(0x40))
+        odd = builder.and_(high, _splat_i32(1))
+        rounded = builder.lshr(builder.add(builder.add(bits, _splat_i32(0x7FFF)), odd),
+                               _splat_i32(16))
+        chosen = builder.select(is_nan, quiet, rounded)
+        return builder.trunc(chosen, ir.VectorType(ir.IntType(16), WIDTH))
+    return value
+
+
+def _element_ir(context, element):
+    return context.get_data_type(element)
+
+
+def _load_impl(ndim: int):
+    def typer(typingctx, arr, *indices):
+        if len(indices) != ndim or not _index_types_ok(arr, indices):
+            return None
+        vt = _vec_of(_acc_of(arr.dtype))
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, arr, args[0], args[1:])
+            raw_ty = ir.VectorType(_element_ir(context, arr.dtype), WIDTH)
+            vptr = builder.bitcast(ptr, raw_ty.as_pointer())
+            raw = builder.load(vptr, align=arr.dtype.bitwidth // 8)
+            return _widen_vector(builder, raw, arr.dtype)
+
+        return vt(arr, *indices), codegen
+
+    if ndim == 1:
+        return intrinsic(lambda typingctx, arr, i: typer(typingctx, arr, i))
+    return intrinsic(lambda typingctx, arr, i, j: typer(typingctx, arr, i, j))
+
+
+def _store_impl(ndim: int, nontemporal: bool):
+    def typer(typingctx, arr, vec, *indices):
+        if len(indices) != ndim or not _index_types_ok(arr, indices):
+            return None
+        if not isinstance(vec, Vec) or vec.dtype != _acc_of(arr.dtype):
+            return None
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, arr, args[0], args[2:])
+            raw = _narrow_vector(builder, args[1], arr.dtype)
+            vptr = builder.bitcast(ptr, raw.type.as_pointer())
+            if nontemporal:
+                st = builder.store(raw, vptr, align=min(64, WIDTH * arr.dtype.bitwidth // 8))
+                md = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+                st.set_metadata("nontemporal", md)
+            else:
+                builder.store(raw, vptr, align=arr.dtype.bitwidth // 8)
+            return context.get_dummy_value()
+
+        return types.none(arr, vec, *indices), codegen
+
+    if ndim == 1:
+        return intrinsic(lambda typingctx, arr, vec, i: typer(typingctx, arr, vec, i))
+    return intrinsic(lambda typingctx, arr, vec, i, j: typer(typingctx, arr, vec, i, j))
+
+
+def _address_impl(ndim: int):
+    def typer(typingctx, arr, *indices):
+        if not isinstance(arr, types.Array) or arr.ndim != ndim:
+            return None
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, arr, args[0], args[1:])
+            return builder.ptrtoint(ptr, ir.IntType(64))
+
+        return types.uint64(arr, *indices), codegen
+
+    if ndim == 1:
+        return intrinsic(lambda typingctx, arr, i: typer(typingctx, arr, i))
+    return intrinsic(lambda typingctx, arr, i, j: typer(typingctx, arr, i, j))
+
+
+#: ``load(arr, i)``: ``arr[i:i + WIDTH]`` of a 1-D array, widened to the accumulation type.
+load = _load_impl(1)
+#: ``load2(arr, i, j)``: ``arr[i, j:j + WIDTH]`` of a 2-D array.
+load2 = _load_impl(2)
+#: ``store(arr, vec, i)``: ``arr[i:i + WIDTH] = vec`` (rounded to the element type).
+store = _store_impl(1, False)
+store2 = _store_impl(2, False)
+#: ``store_nt(arr, vec, i)``: non-temporal store; ``&arr[i]`` must be 64-byte aligned.
+store_nt = _store_impl(1, True)
+store2_nt = _store_impl(2, True)
+#: ``address(arr, i)`` / ``address2(arr, i, j)``: element address as an integer.
+address = _address_impl(1)
+address2 = _address_impl(2)
+
+
+# --------------------------------------------------------------------------- raw views
+
+
+class Raw(types.Type):
+    """A borrowed, reference-count-free view of a 1-D or 2-D array's data.
+
+    Passing arrays through the kernels' helper functions makes Numba emit reference
+    count updates (atomic calls) per row; a :class:`Raw` is just a data pointer and a
+    row stride in bytes, so the per-row helpers cost nothing to call. The array it was
+    made from must outlive it (it is always a kernel argument or a kernel's scratch).
+    Elements along a row are assumed contiguous (unit stride).
+    """
+
+    def __init__(self, dtype: types.Type) -> None:
+        self.dtype = dtype
+        super().__init__(name=f"Raw({dtype})")
+
+
+@register_model(Raw)
+class _RawModel(models.StructModel):
+    def __init__(self, dmm, fe_type):
+        members = [("data", types.CPointer(fe_type.dtype)), ("stride", types.intp)]
+        super().__init__(dmm, fe_type, members)
+
+
+@intrinsic
+def raw(typingctx, arr):
+    """Borrowed :class:`Raw` view of a 1-D or 2-D array (row ``r`` starts at ``r * stride``)."""
+    if not isinstance(arr, types.Array) or arr.ndim not in (1, 2):
+        return None
+    rt = Raw(arr.dtype)
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(arr)(context, builder, args[0])
+        out = cgutils.create_struct_proxy(rt)(context, builder)
+        out.data = ary.data
+        if arr.ndim == 2:
+            out.stride = cgutils.unpack_tuple(builder, ary.strides, 2)[0]
+        else:
+            out.stride = context.get_constant(types.intp, 0)
+        return out._getvalue()
+
+    return rt(arr), codegen
+
+
+def _raw_pointer(context, builder, rawty, value, r, i):
+    view = cgutils.create_struct_proxy(rawty)(context, builder, value=value)
+    base = builder.ptrtoint(view.data, ir.IntType(64))
+    size = rawty.dtype.bitwidth // 8
+    off = builder.add(builder.mul(r, view.stride),
+                      builder.mul(i, ir.Constant(ir.IntType(64), size)))
+    return builder.inttoptr(builder.add(base, off),
+                            context.get_data_type(rawty.dtype).as_pointer())
+
+
+def _int_ok(*tys: types.Type) -> bool:
+    return all(isinstance(t, types.Integer) for t in tys)
+
+
+def _as_i64(builder, value, ty):
+    if ty.bitwidth < 64:
+        return builder.sext(value, ir.IntType(64)) if ty.signed else \
+            builder.zext(value, ir.IntType(64))
+    return value
+
+
+@intrinsic
+def vload(typingctx, view, r, i):
+    """``WIDTH`` elements of row ``r`` of a :class:`Raw` from column ``i``, widened."""
+    if not isinstance(view, Raw) or not _int_ok(r, i):
+        return None
+    vt = _vec_of(_acc_of(view.dtype))
+
+    def codegen(context, builder, sig, args):
+        ptr = _raw_pointer(context, builder, view, args[0], _as_i64(builder, args[1], r),
+                           _as_i64(builder, args[2], i))
+        raw_ty = ir.VectorType(_element_ir(context, view.dtype), WIDTH)
+        loaded = builder.load(builder.bitcast(ptr, raw_ty.as_pointer()),
+                              align=view.dtype.bitwidth // 8)
+        return _widen_vector(builder, loaded, view.dtype)
+
+    return vt(view, r, i), codegen
+
+
+def _vstore_impl(nontemporal: bool):
+    def typer(typingctx, view, vec, r, i):
+        if not isinstance(view, Raw) or not isinstance(vec, Vec) or not _int_ok(r, i):
+            return None
+        if vec.dtype != _acc_of(view.dtype):
+            return None
+
+        def codegen(context, builder, sig, args):
+            ptr = _raw_pointer(context, builder, view, args[0],
+                               _as_i64(builder, args[2], r), _as_i64(builder, args[3], i))
+            value = _narrow_vector(builder, args[1], view.dtype)
+            vptr = builder.bitcast(ptr, value.type.as_pointer())
+            if nontemporal:
+                st = builder.store(value, vptr,
+                                   align=min(64, WIDTH * view.dtype.bitwidth // 8))
+                md = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+                st.set_metadata("nontemporal", md)
+            else:
+                builder.store(value, vptr, align=view.dtype.bitwidth // 8)
+            return context.get_dummy_value()
+
+        return types.none(view, vec, r, i), codegen
+
+    return typer
+
+
+def _vstore(typingctx, view, vec, r, i):
+    return _vstore_impl(False)(typingctx, view, vec, r, i)
+
+
+def _vstore_nt(typingctx, view, vec, r, i):
+    return _vstore_impl(True)(typingctx, view, vec, r, i)
+
+
+#: ``vstore(view, vec, r, i)``: row ``r``, columns ``i .. i+WIDTH`` of a :class:`Raw`.
+vstore = intrinsic(_vstore)
+#: Non-temporal :func:`vstore`; the address must be aligned to ``min(64, vector bytes)``.
+vstore_nt = intrinsic(_vstore_nt)
+
+
+@intrinsic
+def get(typingctx, view, r, i):
+    """Element ``[r, i]`` of a :class:`Raw` (raw element type)."""
+    if not isinstance(view, Raw) or not _int_ok(r, i):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _raw_pointer(context, builder, view, args[0], _as_i64(builder, args[1], r),
+                           _as_i64(builder, args[2], i))
+        return builder.load(ptr)
+
+    return view.dtype(view, r, i), codegen
+
+
+@intrinsic
+def put(typingctx, view, r, i, value):
+    """``view[r, i] = value`` (``value`` already of the element type)."""
+    if not isinstance(view, Raw) or not _int_ok(r, i) or value != view.dtype:
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _raw_pointer(context, builder, view, args[0], _as_i64(builder, args[1], r),
+                           _as_i64(builder, args[2], i))
+        builder.store(args[3], ptr)
+        return context.get_dummy_value()
+
+    return types.none(view, r, i, value), codegen
+
+
+@intrinsic
+def vaddress(typingctx, view, r, i):
+    """Address of element ``[r, i]`` of a :class:`Raw` as an integer."""
+    if not isinstance(view, Raw) or not _int_ok(r, i):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _raw_pointer(context, builder, view, args[0], _as_i64(builder, args[1], r),
+                           _as_i64(builder, args[2], i))
+        return builder.ptrtoint(ptr, ir.IntType(64))
+
+    return types.uint64(view, r, i), codegen
+
+
+def itemsize(view):
+    """Bytes per element of a :class:`Raw` (a compile-time constant)."""
+    raise NotImplementedError
+
+
+@overload(itemsize, inline="always")
+def _itemsize(view):
+    if isinstance(view, Raw):
+        size = view.dtype.bitwidth // 8
+        return lambda view: size
+    return None
+
+
+def maybe_raw(arr):
+    """:func:`raw` of an array, None for None."""
+    raise NotImplementedError
+
+
+@overload(maybe_raw, inline="always")
+def _maybe_raw(arr):
+    if isinstance(arr, (types.NoneType, types.Omitted)) or arr is None:
+        return lambda arr: None
+    if isinstance(arr, types.Array):
+        return lambda arr: raw(arr)
+    return None
