@@ -1,0 +1,1 @@
+"""asv benchmark suite of layernorm (see README.md in this folder)."""
