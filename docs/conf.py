@@ -18,15 +18,8 @@ render as plain code instead of links (see ``nitpick_ignore_regex`` below).
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import layernorm
-
-DOCS = Path(__file__).resolve().parent
-# Examples import their tiny shared helpers from docs/examples (none today), and the
-# gallery runs them with this directory as the working directory.
-sys.path.insert(0, str(DOCS / "examples"))
 
 # Figures are rendered without a display, in CI and on headless machines alike.
 os.environ.setdefault("MPLBACKEND", "Agg")
