@@ -260,3 +260,22 @@ def test_settings_defaults_and_lists():
     assert settings.shapes == _bench.QUICK_SHAPES
     assert settings.directions == ("forward",)
     assert isinstance(args, argparse.Namespace)
+
+
+@pytest.mark.slow
+def test_dask_bench_structure():
+    pytest.importorskip("distributed")
+    from layernorm import _bench_dask
+
+    report = _bench_dask.run_dask(repeats=2, shape=(2048, 64, 512), workers=(1,))
+    assert report["shape"] == [2048, 64]
+    assert report["bytes"] == 2 * 2048 * 64 * 4
+    kinds = [(r["impl"], r.get("workers"), r.get("threads")) for r in report["results"]]
+    assert ("dask.distributed", 1, None) in kinds
+    assert ("numpy (numba)", None, 1) in kinds
+    for r in report["results"]:
+        assert len(r["samples_s"]) == 2
+        assert r["median_s"] > 0
+        assert r["gbps"] == pytest.approx(report["bytes"] / r["median_s"] / 1e9)
+    text = _bench_dask.format_dask(report)
+    assert "dask.distributed 1 worker(s)" in text and "numpy (numba) 1 thread(s)" in text
