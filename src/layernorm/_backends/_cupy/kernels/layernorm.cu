@@ -1,0 +1,789 @@
+// LayerNorm / RMSNorm CUDA kernels for the CuPy backend.
+//
+// Compiled with NVRTC through cupy.RawModule (see ../launch.py), one template
+// instantiation per name expression, with --fmad=false so that every rounding step
+// is exactly the one written here (no FMA contraction that could differ between two
+// kernels inlining the same expression).
+//
+// Every array is seen as a 3-D (outer, n, inner) view with element strides
+// (s0, s1, s2); row r is x[r / inner, :, r % inner]. All index math is 64-bit.
+//
+// The arithmetic of one row is a function of (n, T) alone
+// -----------------------------------------------------------------------
+// The host picks a configuration (G, MAXC) from n and sizeof(T) only. The row is cut
+// into tiles of TILE = G * MAXC * VEC elements (VEC = 16 / sizeof(T), one 16-byte
+// vector). Virtual lane l (0 <= l < G) owns, in tile t, the vectors c * G + l for
+// c < MAXC, i.e. elements t * TILE + (c * G + l) * VEC + k, k < VEC. Each lane
+// accumulates its elements in the order (t, c, k); the G lane states are then merged
+// in a complete binary tree that pairs neighbours ((0,1), (2,3), ..., then (01, 23),
+// ...). The row kernels run one virtual lane per thread and do the tree with warp
+// shuffles (and shared memory across warps); the strided "cols" kernels (used when
+// the normalized axis is not contiguous, e.g. channels-first) run several virtual
+// lanes per thread and do the same tree with a register stack. Vector (16-byte) or
+// scalar loads change how values are fetched, never which lane owns them. So a row
+// gives the same bits alone, inside any batch, at any position, under any layout and
+// any grid size.
+//
+// LayerNorm statistics: values are shifted by K = x[row, 0]. Per lane and tile the
+// shifted two-pass mean and M2 of the lane's (at most MAXC * VEC) values are computed
+// and merged into the lane's running state with Chan's formula; lanes merge the same
+// way. The output is y = ((x - K) - mean_shift) * rstd * w + b, so a constant row gives
+// exactly 0 (exactly b) and a large common offset costs no accuracy.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace lnk {
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+constexpr unsigned FULL_MASK = 0xffffffffu;
+
+// ----------------------------------------------------------------- element types
+
+__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+
+template <typename T> struct Elem;
+template <> struct Elem<__half> {
+  static __device__ __forceinline__ __half from(float v) { return __float2half_rn(v); }
+};
+template <> struct Elem<__nv_bfloat16> {
+  static __device__ __forceinline__ __nv_bfloat16 from(float v) { return __float2bfloat16_rn(v); }
+};
+template <> struct Elem<float> {
+  static __device__ __forceinline__ float from(float v) { return v; }
+};
+template <> struct Elem<double> {
+  static __device__ __forceinline__ double from(double v) { return v; }
+};
+
+template <typename T> struct VecWidth {
+  static constexpr int value = 16 / sizeof(T);
+};
+
+template <typename T> struct alignas(16) Pack {
+  T v[VecWidth<T>::value];
+};
+
+// --------------------------------------------------------------- addressing
+
+// a / d for 0 <= a < 2^52 and d >= 1, given inv = 1.0 / d from the host. The double
+// estimate is off by at most one, which one comparison fixes. (A 64-bit integer
+// division is a subroutine call on the GPU, whose register saves show up as spills.)
+__device__ __forceinline__ i64 div_fast(i64 a, i64 d, double inv) {
+  i64 q = (i64)((double)a * inv);
+  const i64 r = a - q * d;
+  if (r < 0) {
+    q -= 1;
+  } else if (r >= d) {
+    q += 1;
+  }
+  return q;
+}
+
+// Offset (in elements) of the first element of row r; inv_inner = 1.0 / inner.
+__device__ __forceinline__ i64 row_offset(i64 r, i64 inner, double inv_inner, i64 s0,
+                                          i64 s2) {
+  if (inner == 1) return r * s0;
+  const i64 o = div_fast(r, inner, inv_inner);
+  return o * s0 + (r - o * inner) * s2;
+}
+
+// Elements off .. off + VEC - 1 after `base` (element stride s1), of which only the
+// first `rem - off` exist; one 16-byte access when allowed and fully inside the row.
+template <typename T>
+__device__ __forceinline__ void load_pack(const T* base, i64 s1, int off, i64 rem, bool vec,
+                                          Pack<T>& p) {
+  constexpr int V = VecWidth<T>::value;
+  if (vec && off + V <= rem) {
+    p = *reinterpret_cast<const Pack<T>*>(base + off);
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      p.v[k] = (off + k < rem) ? base[(i64)(off + k) * s1] : Elem<T>::from(0);
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_pack(T* base, i64 s1, int off, i64 rem, bool vec,
+                                           const Pack<T>& p) {
+  constexpr int V = VecWidth<T>::value;
+  if (vec && off + V <= rem) {
+    *reinterpret_cast<Pack<T>*>(base + off) = p;
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      if (off + k < rem) base[(i64)(off + k) * s1] = p.v[k];
+    }
+  }
+}
+
+// 1 / sqrt(v): correctly rounded division and square root in float; CUDA's rsqrt
+// (1 ulp, no subroutine call, whose register saves would spill) in double.
+__device__ __forceinline__ float inv_sqrt(float v) { return 1.0f / sqrtf(v); }
+__device__ __forceinline__ double inv_sqrt(double v) { return rsqrt(v); }
+
+template <typename A>
+__device__ __forceinline__ A param_or(const A* p, i64 i, A dflt) {
+  return p == nullptr ? dflt : __ldg(p + i);
+}
+
+// ------------------------------------------------------------- reduction states
+
+template <typename A> struct Mom {
+  A mean;
+  A m2;
+  u64 n;
+};
+
+// Chan et al.'s pairwise merge; an empty side returns the other side unchanged.
+template <typename A>
+__device__ __forceinline__ Mom<A> chan(const Mom<A>& a, const Mom<A>& b) {
+  if (b.n == 0) return a;
+  if (a.n == 0) return b;
+  Mom<A> r;
+  r.n = a.n + b.n;
+  const A fb = A(b.n) / A(r.n);
+  const A delta = b.mean - a.mean;
+  r.mean = a.mean + delta * fb;
+  r.m2 = (a.m2 + b.m2) + (delta * delta) * (A(a.n) * fb);
+  return r;
+}
+
+template <typename A> struct MomOp {
+  typedef Mom<A> S;
+  static __device__ __forceinline__ S identity() {
+    S s;
+    s.mean = A(0);
+    s.m2 = A(0);
+    s.n = 0;
+    return s;
+  }
+  static __device__ __forceinline__ S merge(const S& a, const S& b) { return chan(a, b); }
+  static __device__ __forceinline__ S shfl_xor(const S& s, int off) {
+    S o;
+    o.mean = __shfl_xor_sync(FULL_MASK, s.mean, off);
+    o.m2 = __shfl_xor_sync(FULL_MASK, s.m2, off);
+    o.n = __shfl_xor_sync(FULL_MASK, s.n, off);
+    return o;
+  }
+};
+
+template <typename A> struct SumOp {
+  typedef A S;
+  static __device__ __forceinline__ S identity() { return A(0); }
+  static __device__ __forceinline__ S merge(const S& a, const S& b) { return a + b; }
+  static __device__ __forceinline__ S shfl_xor(const S& s, int off) {
+    return __shfl_xor_sync(FULL_MASK, s, off);
+  }
+};
+
+template <bool C, typename X, typename Y> struct Select {
+  typedef X type;
+};
+template <typename X, typename Y> struct Select<false, X, Y> {
+  typedef Y type;
+};
+
+template <typename A> struct Two {
+  A a;
+  A b;
+};
+
+template <typename A> struct Sum2Op {
+  typedef Two<A> S;
+  static __device__ __forceinline__ S identity() {
+    S s;
+    s.a = A(0);
+    s.b = A(0);
+    return s;
+  }
+  static __device__ __forceinline__ S merge(const S& x, const S& y) {
+    S s;
+    s.a = x.a + y.a;
+    s.b = x.b + y.b;
+    return s;
+  }
+  static __device__ __forceinline__ S shfl_xor(const S& s, int off) {
+    S o;
+    o.a = __shfl_xor_sync(FULL_MASK, s.a, off);
+    o.b = __shfl_xor_sync(FULL_MASK, s.b, off);
+    return o;
+  }
+};
+
+// Tree over the G lanes of a group (G <= 32: aligned lanes of one warp; G > 32: the
+// whole block, G == blockDim.x). Ascending offsets pair neighbours first; the lower
+// lane's state is always the left operand, so both partners compute the same value
+// and every lane ends with the row's result.
+template <typename Op, int G>
+__device__ __forceinline__ typename Op::S group_reduce(typename Op::S s) {
+  typedef typename Op::S S;
+  const int lane = threadIdx.x & 31;
+  constexpr int WG = G < 32 ? G : 32;
+#pragma unroll
+  for (int off = 1; off < WG; off <<= 1) {
+    const S o = Op::shfl_xor(s, off);
+    s = (lane & off) ? Op::merge(o, s) : Op::merge(s, o);
+  }
+  if constexpr (G > 32) {
+    constexpr int W = G / 32;
+    __shared__ S partial[W];
+    if (lane == 0) partial[threadIdx.x >> 5] = s;
+    __syncthreads();
+    s = (lane < W) ? partial[lane] : Op::identity();
+#pragma unroll
+    for (int off = 1; off < W; off <<= 1) {
+      const S o = Op::shfl_xor(s, off);
+      s = (lane & off) ? Op::merge(o, s) : Op::merge(s, o);
+    }
+    __syncthreads();  // partial[] is reused by the next row
+  }
+  return s;
+}
+
+// The same neighbour-pairing tree over `count` states produced one after another
+// (state(l) for l = 0 .. count - 1; count a power of two <= 2^MAX_LOG), with a stack of
+// register slots: slot lvl holds the finished subtree of 2^lvl states waiting for its
+// right neighbour.
+constexpr int MAX_LOG = 6;
+
+template <typename Op, typename F>
+__device__ __forceinline__ typename Op::S sequential_tree(int count, F state) {
+  typedef typename Op::S S;
+  S stack[MAX_LOG];
+  S result = Op::identity();
+#pragma unroll 1
+  for (int l = 0; l < count; ++l) {
+    S s = state(l);
+    bool placed = false;
+#pragma unroll
+    for (int lvl = 0; lvl < MAX_LOG; ++lvl) {
+      if (!placed) {
+        if ((l >> lvl) & 1) {
+          s = Op::merge(stack[lvl], s);
+        } else {
+          stack[lvl] = s;
+          placed = true;
+        }
+      }
+    }
+    if (l == count - 1) result = s;
+  }
+  return result;
+}
+
+// --------------------------------------------------------- per-lane accumulation
+
+// Shifted two-pass moments of the CNT values get(k, v) (get returns false for the
+// positions past the end of the row, which are skipped).
+template <typename A, typename F>
+__device__ __forceinline__ Mom<A> chunk_moments(int CNT, F get) {
+  A s = A(0);
+  u64 cnt = 0;
+#pragma unroll
+  for (int k = 0; k < CNT; ++k) {
+    A v;
+    if (get(k, v)) {
+      s = s + v;
+      cnt += 1;
+    }
+  }
+  Mom<A> m;
+  m.n = cnt;
+  m.mean = A(0);
+  m.m2 = A(0);
+  if (cnt == 0) return m;
+  m.mean = s / A(cnt);
+  A q = A(0);
+#pragma unroll
+  for (int k = 0; k < CNT; ++k) {
+    A v;
+    if (get(k, v)) {
+      const A c = v - m.mean;
+      q = q + c * c;
+    }
+  }
+  m.m2 = q;
+  return m;
+}
+
+// ================================================================== forward, rows
+
+// One group of G threads per row (G <= 32: 128 / G rows per block; G > 32: one row
+// per block of G threads). The row stays in registers when it fits in one tile.
+template <typename T, typename A, int G, int MAXC, bool RMS>
+__global__ void __launch_bounds__(G > 32 ? G : 128)
+fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A* mean_out, A* rstd_out,
+         i64 rows, i64 n, i64 inner, double inv_inner, i64 xs0, i64 xs1, i64 xs2,
+         i64 ys0, i64 ys1, i64 ys2,
+         int vec_ok) {
+  constexpr int V = VecWidth<T>::value;
+  constexpr i64 TILE = (i64)G * MAXC * V;
+  constexpr int GPB = G > 32 ? 1 : 128 / G;  // groups (rows) per block
+  const int lane = G > 32 ? (int)threadIdx.x : (int)(threadIdx.x % G);
+  const int group = G > 32 ? 0 : (int)(threadIdx.x / G);
+  const bool vec = vec_ok != 0;
+  const i64 tiles = (n + TILE - 1) / TILE;
+  const A inv_n = A(1) / A(n);
+
+  for (i64 base = (i64)blockIdx.x * GPB; base < rows; base += (i64)gridDim.x * GPB) {
+    const i64 row = base + group;
+    const bool active = row < rows;
+    const T* xr = x + (active ? row_offset(row, inner, inv_inner, xs0, xs2) : 0);
+    T* yr = y + (active ? row_offset(row, inner, inv_inner, ys0, ys2) : 0);
+    Pack<T> p[MAXC];
+    const A K = (RMS || !active) ? A(0) : to_acc(xr[0]);
+
+    typedef typename Select<RMS, SumOp<A>, MomOp<A>>::type Op;
+    typename Op::S st = Op::identity();
+    // Lane-relative view of tile t: element off (0 <= off < TILE, off = c * G * V + k)
+    // of this lane is row element t * TILE + lane * V + off; `rem` counts the row
+    // elements from the lane's first one on.
+    if (active) {
+      for (i64 t = 0; t < tiles; ++t) {
+        const i64 first = t * TILE + (i64)lane * V;
+        const i64 rem = n - first;
+        const T* xt = xr + first * xs1;
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) load_pack(xt, xs1, c * G * V, rem, vec, p[c]);
+        if constexpr (RMS) {
+#pragma unroll
+          for (int c = 0; c < MAXC; ++c) {
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+              if (c * G * V + k < rem) {
+                const A v = to_acc(p[c].v[k]);
+                st = st + v * v;
+              }
+            }
+          }
+        } else {
+          st = chan(st, chunk_moments<A>(MAXC * V, [&](int idx, A& v) -> bool {
+            const int c = idx / V;
+            const int k = idx % V;
+            v = to_acc(p[c].v[k]) - K;
+            return c * G * V + k < rem;
+          }));
+        }
+      }
+    }
+    st = group_reduce<Op, G>(st);
+
+    A shift_mean;
+    A rstd;
+    if constexpr (RMS) {
+      shift_mean = A(0);
+      rstd = inv_sqrt(st * inv_n + eps);
+    } else {
+      shift_mean = st.mean;
+      rstd = inv_sqrt(st.m2 * inv_n + eps);
+    }
+    if (active) {
+      if (lane == 0) {
+        if constexpr (!RMS) mean_out[row] = K + shift_mean;
+        rstd_out[row] = rstd;
+      }
+      for (i64 t = 0; t < tiles; ++t) {
+        const i64 first = t * TILE + (i64)lane * V;
+        const i64 rem = n - first;
+        const T* xt = xr + first * xs1;
+        T* yt = yr + first * ys1;
+        const A* wt = w == nullptr ? nullptr : w + first;
+        const A* bt = b == nullptr ? nullptr : b + first;
+        if (tiles > 1) {
+#pragma unroll
+          for (int c = 0; c < MAXC; ++c) load_pack(xt, xs1, c * G * V, rem, vec, p[c]);
+        }
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) {
+          const int off = c * G * V;
+          if (off < rem) {
+            Pack<T> o;
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+              const int e = off + k < rem ? off + k : off;  // stays inside w and b
+              A v;
+              if constexpr (RMS) {
+                v = to_acc(p[c].v[k]) * rstd;
+              } else {
+                v = ((to_acc(p[c].v[k]) - K) - shift_mean) * rstd;
+              }
+              v = v * param_or(wt, e, A(1));
+              if constexpr (!RMS) v = v + param_or(bt, e, A(0));
+              o.v[k] = Elem<T>::from(v);
+            }
+            store_pack(yt, ys1, off, rem, vec, o);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ================================================================== forward, cols
+
+constexpr int COL_MAX_RY = 8;
+
+// A block of 32 x RY threads (RY = min(G, 8)) normalizes 32 rows; threadIdx.x picks the
+// row (adjacent rows are adjacent in memory for channels-first and Fortran-order inputs,
+// so loads coalesce), threadIdx.y runs L = G / RY consecutive virtual lanes of that row.
+// G and MAXC are run-time values here: only the order of operations must match the row
+// kernels, not the unrolling.
+template <typename T, typename A, bool RMS>
+__global__ void __launch_bounds__(256)
+fwd_cols(const T* x, T* y, const A* w, const A* b, A eps, A* mean_out, A* rstd_out,
+         i64 rows, i64 n, i64 inner, double inv_inner, i64 xs0, i64 xs1, i64 xs2,
+         i64 ys0, i64 ys1, i64 ys2,
+         int G, int MAXC, i64 tiles) {
+  constexpr int V = VecWidth<T>::value;
+  const i64 TILE = (i64)G * MAXC * V;
+  const int L = G / (int)blockDim.y;
+  const A inv_n = A(1) / A(n);
+  typedef typename Select<RMS, SumOp<A>, MomOp<A>>::type Op;
+  typedef typename Op::S S;
+  __shared__ S part[COL_MAX_RY][32];
+  const int tx = threadIdx.x;
+  const int ty = threadIdx.y;
+
+  for (i64 base = (i64)blockIdx.x * 32; base < rows; base += (i64)gridDim.x * 32) {
+    const i64 row = base + tx;
+    const bool active = row < rows;
+    const T* xr = x + (active ? row_offset(row, inner, inv_inner, xs0, xs2) : 0);
+    T* yr = y + (active ? row_offset(row, inner, inv_inner, ys0, ys2) : 0);
+    const A K = (RMS || !active) ? A(0) : to_acc(xr[0]);
+
+    S st = Op::identity();
+    if (active) {
+      st = sequential_tree<Op>(L, [&](int j) -> S {
+        const int l = ty * L + j;
+        S ls = Op::identity();
+        for (i64 t = 0; t < tiles; ++t) {
+          const i64 t0 = t * TILE;
+          if constexpr (RMS) {
+#pragma unroll 1
+            for (int c = 0; c < MAXC; ++c) {
+#pragma unroll
+              for (int k = 0; k < V; ++k) {
+                const i64 e = t0 + (i64)(c * G + l) * V + k;
+                if (e < n) {
+                  const A v = to_acc(xr[e * xs1]);
+                  ls = ls + v * v;
+                }
+              }
+            }
+          } else {
+            ls = chan(ls, chunk_moments<A>(MAXC * V, [&](int idx, A& v) -> bool {
+              const int c = idx / V;
+              const int k = idx % V;
+              const i64 e = t0 + (i64)(c * G + l) * V + k;
+              v = (e < n ? to_acc(xr[e * xs1]) : K) - K;
+              return e < n;
+            }));
+          }
+        }
+        return ls;
+      });
+    }
+    part[ty][tx] = st;
+    __syncthreads();
+    st = sequential_tree<Op>((int)blockDim.y, [&](int j) -> S { return part[j][tx]; });
+
+    A shift_mean;
+    A rstd;
+    if constexpr (RMS) {
+      shift_mean = A(0);
+      rstd = inv_sqrt(st * inv_n + eps);
+    } else {
+      shift_mean = st.mean;
+      rstd = inv_sqrt(st.m2 * inv_n + eps);
+    }
+    if (active) {
+      if (ty == 0) {
+        if constexpr (!RMS) mean_out[row] = K + shift_mean;
+        rstd_out[row] = rstd;
+      }
+      for (int j = 0; j < L; ++j) {
+        const int l = ty * L + j;
+        for (i64 t = 0; t < tiles; ++t) {
+          const i64 t0 = t * TILE;
+#pragma unroll 1
+          for (int c = 0; c < MAXC; ++c) {
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+              const i64 e = t0 + (i64)(c * G + l) * V + k;
+              if (e < n) {
+                const A xv = to_acc(xr[e * xs1]);
+                A v;
+                if constexpr (RMS) {
+                  v = xv * rstd;
+                } else {
+                  v = ((xv - K) - shift_mean) * rstd;
+                }
+                v = v * param_or(w, e, A(1));
+                if constexpr (!RMS) v = v + param_or(b, e, A(0));
+                yr[e * ys1] = Elem<T>::from(v);
+              }
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();  // part[] is reused by the next rows
+  }
+}
+
+// ================================================================= backward, rows
+
+// grad_x = ((g - mean(g)) - xhat * mean(g * xhat)) * rstd, g = dy * w,
+// xhat = (x - mean) * rstd (RMSNorm: no mean(g) term, xhat = x * rstd).
+template <typename T, typename A, int G, int MAXC, bool RMS>
+__global__ void __launch_bounds__(G > 32 ? G : 128)
+bwd_rows(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* gx,
+         i64 rows, i64 n, i64 inner, double inv_inner, i64 gs0, i64 gs1, i64 gs2,
+         i64 xs0, i64 xs1, i64 xs2,
+         i64 os0, i64 os1, i64 os2, int vec_ok) {
+  constexpr int V = VecWidth<T>::value;
+  constexpr i64 TILE = (i64)G * MAXC * V;
+  constexpr int GPB = G > 32 ? 1 : 128 / G;
+  const int lane = G > 32 ? (int)threadIdx.x : (int)(threadIdx.x % G);
+  const int group = G > 32 ? 0 : (int)(threadIdx.x / G);
+  const bool vec = vec_ok != 0;
+  const i64 tiles = (n + TILE - 1) / TILE;
+  const A inv_n = A(1) / A(n);
+
+  for (i64 base = (i64)blockIdx.x * GPB; base < rows; base += (i64)gridDim.x * GPB) {
+    const i64 row = base + group;
+    const bool active = row < rows;
+    const T* gr = gy + (active ? row_offset(row, inner, inv_inner, gs0, gs2) : 0);
+    const T* xr = x + (active ? row_offset(row, inner, inv_inner, xs0, xs2) : 0);
+    T* orow = gx + (active ? row_offset(row, inner, inv_inner, os0, os2) : 0);
+    const A mu = (RMS || !active) ? A(0) : mean[row];
+    const A rs = active ? rstd[row] : A(0);
+    Pack<T> pg[MAXC];
+    Pack<T> px[MAXC];
+
+    typedef Sum2Op<A> Op;
+    typename Op::S st = Op::identity();
+    if (active) {
+      for (i64 t = 0; t < tiles; ++t) {
+        const i64 first = t * TILE + (i64)lane * V;
+        const i64 rem = n - first;
+        const T* gt = gr + first * gs1;
+        const T* xt = xr + first * xs1;
+        const A* wt = w == nullptr ? nullptr : w + first;
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) {
+          load_pack(gt, gs1, c * G * V, rem, vec, pg[c]);
+          load_pack(xt, xs1, c * G * V, rem, vec, px[c]);
+        }
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) {
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            const int e = c * G * V + k;
+            if (e < rem) {
+              const A g = to_acc(pg[c].v[k]) * param_or(wt, e, A(1));
+              const A xh = (to_acc(px[c].v[k]) - mu) * rs;
+              st.a = st.a + g;
+              st.b = st.b + g * xh;
+            }
+          }
+        }
+      }
+    }
+    st = group_reduce<Op, G>(st);
+    const A mean_g = st.a * inv_n;
+    const A mean_gx = st.b * inv_n;
+    if (active) {
+      for (i64 t = 0; t < tiles; ++t) {
+        const i64 first = t * TILE + (i64)lane * V;
+        const i64 rem = n - first;
+        const T* gt = gr + first * gs1;
+        const T* xt = xr + first * xs1;
+        T* ot = orow + first * os1;
+        const A* wt = w == nullptr ? nullptr : w + first;
+        if (tiles > 1) {
+#pragma unroll
+          for (int c = 0; c < MAXC; ++c) {
+            load_pack(gt, gs1, c * G * V, rem, vec, pg[c]);
+            load_pack(xt, xs1, c * G * V, rem, vec, px[c]);
+          }
+        }
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) {
+          const int off = c * G * V;
+          if (off < rem) {
+            Pack<T> o;
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+              const int e = off + k < rem ? off + k : off;
+              const A g = to_acc(pg[c].v[k]) * param_or(wt, e, A(1));
+              const A xh = (to_acc(px[c].v[k]) - mu) * rs;
+              A v;
+              if constexpr (RMS) {
+                v = (g - xh * mean_gx) * rs;
+              } else {
+                v = ((g - mean_g) - xh * mean_gx) * rs;
+              }
+              o.v[k] = Elem<T>::from(v);
+            }
+            store_pack(ot, os1, off, rem, vec, o);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ================================================================= backward, cols
+
+template <typename T, typename A, bool RMS>
+__global__ void __launch_bounds__(256)
+bwd_cols(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* gx,
+         i64 rows, i64 n, i64 inner, double inv_inner, i64 gs0, i64 gs1, i64 gs2,
+         i64 xs0, i64 xs1, i64 xs2,
+         i64 os0, i64 os1, i64 os2, int G, int MAXC, i64 tiles) {
+  constexpr int V = VecWidth<T>::value;
+  const i64 TILE = (i64)G * MAXC * V;
+  const int L = G / (int)blockDim.y;
+  typedef Sum2Op<A> Op;
+  typedef typename Op::S S;
+  __shared__ S part[COL_MAX_RY][32];
+  const int tx = threadIdx.x;
+  const int ty = threadIdx.y;
+  const A inv_n = A(1) / A(n);
+
+  for (i64 base = (i64)blockIdx.x * 32; base < rows; base += (i64)gridDim.x * 32) {
+    const i64 row = base + tx;
+    const bool active = row < rows;
+    const T* gr = gy + (active ? row_offset(row, inner, inv_inner, gs0, gs2) : 0);
+    const T* xr = x + (active ? row_offset(row, inner, inv_inner, xs0, xs2) : 0);
+    T* orow = gx + (active ? row_offset(row, inner, inv_inner, os0, os2) : 0);
+    const A mu = (RMS || !active) ? A(0) : mean[row];
+    const A rs = active ? rstd[row] : A(0);
+
+    S st = Op::identity();
+    if (active) {
+      st = sequential_tree<Op>(L, [&](int j) -> S {
+        const int l = ty * L + j;
+        S ls = Op::identity();
+        for (i64 t = 0; t < tiles; ++t) {
+          const i64 t0 = t * TILE;
+#pragma unroll 1
+          for (int c = 0; c < MAXC; ++c) {
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+              const i64 e = t0 + (i64)(c * G + l) * V + k;
+              if (e < n) {
+                const A g = to_acc(gr[e * gs1]) * param_or(w, e, A(1));
+                const A xh = (to_acc(xr[e * xs1]) - mu) * rs;
+                ls.a = ls.a + g;
+                ls.b = ls.b + g * xh;
+              }
+            }
+          }
+        }
+        return ls;
+      });
+    }
+    part[ty][tx] = st;
+    __syncthreads();
+    st = sequential_tree<Op>((int)blockDim.y, [&](int j) -> S { return part[j][tx]; });
+    const A mean_g = st.a * inv_n;
+    const A mean_gx = st.b * inv_n;
+    if (active) {
+      for (int j = 0; j < L; ++j) {
+        const int l = ty * L + j;
+        for (i64 t = 0; t < tiles; ++t) {
+          const i64 t0 = t * TILE;
+#pragma unroll 1
+          for (int c = 0; c < MAXC; ++c) {
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+              const i64 e = t0 + (i64)(c * G + l) * V + k;
+              if (e < n) {
+                const A g = to_acc(gr[e * gs1]) * param_or(w, e, A(1));
+                const A xh = (to_acc(xr[e * xs1]) - mu) * rs;
+                A v;
+                if constexpr (RMS) {
+                  v = (g - xh * mean_gx) * rs;
+                } else {
+                  v = ((g - mean_g) - xh * mean_gx) * rs;
+                }
+                orow[e * os1] = Elem<T>::from(v);
+              }
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// ====================================================== parameter gradients
+
+// part[(c * blocks + blk) * n + i] = sum over the rows r of row block blk, in
+// increasing r, of dy * xhat (c = 0) and dy (c = 1, LayerNorm only). Row blocks have
+// a fixed size chosen by the host, so the result never depends on the grid.
+template <typename T, typename A, bool RMS>
+__global__ void __launch_bounds__(256)
+param_partials(const T* gy, const T* x, const A* mean, const A* rstd, A* part,
+               i64 rows, i64 n, i64 inner, double inv_inner, i64 gs0, i64 gs1, i64 gs2,
+         i64 xs0, i64 xs1, i64 xs2,
+               i64 block_rows, i64 blocks, double inv_n) {
+  const i64 total = blocks * n;
+  for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+       idx += (i64)gridDim.x * blockDim.x) {
+    const i64 blk = div_fast(idx, n, inv_n);
+    const i64 i = idx - blk * n;
+    const i64 r0 = blk * block_rows;
+    const i64 r1 = r0 + block_rows < rows ? r0 + block_rows : rows;
+    i64 o = inner == 1 ? r0 : div_fast(r0, inner, inv_inner);
+    i64 j = r0 - o * inner;
+    A sw = A(0);
+    A sb = A(0);
+    for (i64 r = r0; r < r1; ++r) {
+      const A dy = to_acc(gy[o * gs0 + i * gs1 + j * gs2]);
+      const A xv = to_acc(x[o * xs0 + i * xs1 + j * xs2]);
+      A xh;
+      if constexpr (RMS) {
+        xh = xv * rstd[r];
+      } else {
+        xh = (xv - mean[r]) * rstd[r];
+      }
+      sw = sw + dy * xh;
+      sb = sb + dy;
+      if (++j == inner) {
+        j = 0;
+        ++o;
+      }
+    }
+    part[blk * n + i] = sw;
+    if (!RMS) part[(blocks + blk) * n + i] = sb;
+  }
+}
+
+// out[c * n + i] = sum over blk, in increasing blk, of part[(c * blocks + blk) * n + i].
+template <typename A>
+__global__ void __launch_bounds__(256)
+sum_partials(const A* part, A* out, i64 count, i64 blocks, i64 n, double inv_n) {
+  const i64 total = count * n;
+  for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+       idx += (i64)gridDim.x * blockDim.x) {
+    const i64 c = div_fast(idx, n, inv_n);
+    const i64 i = idx - c * n;
+    const A* p = part + c * blocks * n + i;
+    A s = A(0);
+    for (i64 blk = 0; blk < blocks; ++blk) s = s + p[blk * n];
+    out[idx] = s;
+  }
+}
+
+}  // namespace lnk
