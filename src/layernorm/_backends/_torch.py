@@ -124,7 +124,7 @@ def from_numpy(a: Any) -> Any:
     """Zero-copy tensor sharing the memory of a NumPy array (bfloat16 via int16 bits)."""
     if a is None:
         return None
-    if a.dtype.name == "bfloat16":
+    if a.dtype.kind == "V":  # ml_dtypes.bfloat16 (the only non-native dtype we return)
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 
