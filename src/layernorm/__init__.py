@@ -6,12 +6,14 @@ are imported (and kernels compiled) on first use.
 """
 
 from ._api import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
+from ._backends._dask import LargeBlockWarning
 from ._dispatch import backend_name
 from .layer import LayerNorm, RMSNorm
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LargeBlockWarning",
     "LayerNorm",
     "RMSNorm",
     "__version__",

@@ -91,7 +91,10 @@ def backend_name(x: Any) -> str:
         if device == "cpu":
             return "numba"
         if device == "cuda":
-            return "cupy"
+            # Without CuPy, CUDA tensors take the generic path on torch's namespace.
+            from importlib.util import find_spec
+
+            return "cupy" if find_spec("cupy") is not None else "array_api"
         return "array_api"
     if lib == "dask":
         meta = getattr(x, "_meta", None)
@@ -104,8 +107,14 @@ def describe(x: Any) -> str:
     return f"{type(x).__module__.split('.', 1)[0]} ({type(x).__qualname__})"
 
 
+def _device(arr: Any) -> Any:
+    from array_api_compat import device
+
+    return device(arr)
+
+
 def check_companions(x: Any, lib: str, **arrays: Any) -> None:
-    """Every other array argument must come from the library of ``x``.
+    """Every other array argument must come from the library and device of ``x``.
 
     NumPy parameters are accepted with a Dask ``x`` (Dask arrays hold NumPy blocks).
     """
@@ -122,6 +131,11 @@ def check_companions(x: Any, lib: str, **arrays: Any) -> None:
                         f"{name} comes from {describe(arr)} but x comes from {describe(x)}; "
                         "pass arrays of one library"
                     )
+            if lib in ("array_api", "cupy") and _device(arr) != _device(x):
+                raise TypeError(
+                    f"{name} is on device {_device(arr)} but x is on device {_device(x)}; "
+                    "pass arrays on one device"
+                )
             continue
         if lib == "dask" and other == "numpy":
             continue

@@ -35,7 +35,7 @@ MACHINE_EPS: dict[str, float] = {
 
 
 def dtype_name(dtype: Any) -> str:
-    """Canonical short name of a dtype from any array library.
+    """Canonical short name of a dtype from any array library (cached per dtype).
 
     Examples
     --------
@@ -45,11 +45,31 @@ def dtype_name(dtype: Any) -> str:
     >>> dtype_name(np.int64)
     'int64'
     """
+    # Keyed by type first, so dtypes of different libraries are never compared for
+    # equality (array_api_strict warns when one of its dtypes meets a NumPy dtype).
+    try:
+        key = (type(dtype), dtype)
+        name = _NAMES.get(key)
+    except TypeError:  # an unhashable dtype object
+        return _name(dtype)
+    if name is None:
+        name = _NAMES[key] = _name(dtype)
+    return name
+
+
+_NAMES: dict[tuple[type, Any], str] = {}
+
+
+def _name(dtype: Any) -> str:
     name = getattr(dtype, "name", None)
-    if not isinstance(name, str):
-        # NumPy scalar types (np.float32) carry the name on their dtype.
-        inner = getattr(dtype, "dtype", None)
-        name = getattr(inner, "name", None) if inner is not None else None
+    if not isinstance(name, str) and isinstance(dtype, type):
+        # NumPy scalar types (np.float32, ml_dtypes.bfloat16) name themselves via np.dtype.
+        import numpy as np
+
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = None
     if not isinstance(name, str):
         # torch.float32 -> "torch.float32"; array_api_strict dtypes print similarly.
         name = str(dtype)

@@ -1,0 +1,14 @@
+"""Root pytest configuration: skip doctest collection of modules whose library is missing.
+
+``--doctest-modules`` imports every module under ``src/layernorm``; the torch glue and the
+drop-in torch modules import torch at module level, which is only right when torch is
+installed.
+"""
+
+from importlib.util import find_spec
+
+collect_ignore: list[str] = []
+if find_spec("torch") is None:
+    collect_ignore += ["src/layernorm/torch.py", "src/layernorm/_backends/_torch.py"]
+if find_spec("dask") is None:
+    collect_ignore += ["src/layernorm/_backends/_dask.py", "src/layernorm/_bench_dask.py"]
