@@ -77,16 +77,20 @@ def test_installed_and_distribution_version():
 
 @pytest.fixture(scope="module")
 def bench_report(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench") / "bench.json"
-    proc = _run("bench", "--quick", "--backward", "--shape", "64,128", "--threads", "1",
-                "--repeats", "2", "--no-progress", "--json", str(path))
+    folder = tmp_path_factory.mktemp("bench")
+    path = folder / "bench.json"
+    args = ["bench", "--quick", "--backward", "--shape", "64,128", "--threads", "1",
+            "--repeats", "2", "--no-progress", "--json", str(path)]
+    if _cli.installed("matplotlib"):
+        args += ["--plot", str(folder / "bench.png")]
+    proc = _run(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout, json.loads(path.read_text())
+    return proc.stdout, json.loads(path.read_text()), folder
 
 
 @pytest.mark.slow
 def test_bench_json_structure(bench_report):
-    _, report = bench_report
+    _, report, _ = bench_report
     assert report["settings"]["shapes"] == [[64, 128]]
     assert report["settings"]["threads"] == [1]
     results = report["results"]
@@ -131,7 +135,7 @@ def test_bench_json_structure(bench_report):
 @pytest.mark.slow
 def test_bench_torch_is_measured_in_both_regimes(bench_report):
     pytest.importorskip("torch")
-    _, report = bench_report
+    _, report, _ = bench_report
     regimes = {r["regime"] for r in report["results"] if r["impl"].startswith("torch")}
     assert "fresh" in regimes
     if _bench_impls.heap_reuse_available():
@@ -140,7 +144,7 @@ def test_bench_torch_is_measured_in_both_regimes(bench_report):
 
 @pytest.mark.slow
 def test_bench_prints_a_table(bench_report):
-    out, _ = bench_report
+    out, _, _ = bench_report
     assert "LayerNorm forward, float32, 1 thread(s)" in out
     assert "RMSNorm backward, float32, 1 thread(s)" in out
     for name in ("layernorm numba", "copy np.copyto", "numpy composite"):
@@ -237,6 +241,13 @@ def test_numpy_composites_match_layernorm():
         np.testing.assert_allclose(b_, a, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_bench_plot_option(bench_report):
+    pytest.importorskip("matplotlib")
+    *_, folder = bench_report
+    assert (folder / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     recs = []
@@ -279,3 +290,27 @@ def test_dask_bench_structure():
         assert r["gbps"] == pytest.approx(report["bytes"] / r["median_s"] / 1e9)
     text = _bench_dask.format_dask(report)
     assert "dask.distributed 1 worker(s)" in text and "numpy (numba) 1 thread(s)" in text
+
+
+def _first_output(result):
+    if isinstance(result, (tuple, list)):
+        result = result[0]
+    if hasattr(result, "detach"):
+        result = result.detach().float().numpy()
+    return np.asarray(result, dtype=np.float64)
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_every_timed_implementation_computes_the_same_thing(op, direction):
+    # A benchmark that compares against a peer computing something else is worthless:
+    # every peer's output (grad_x for the backward) must match layernorm's.
+    case = _bench_impls.make_case(op, direction, "float32", (16, 64), seed=3)
+    case.extras["threads"] = 1
+    impls = _bench_impls.ours_impls(case) + _bench_impls.peer_impls(case)
+    assert {"layernorm numba", "numpy composite"} <= {i.name for i in impls}
+    reference = _first_output(impls[0].fn())
+    assert np.abs(reference).max() > 0.1
+    for impl in impls[1:]:
+        np.testing.assert_allclose(_first_output(impl.fn()), reference, rtol=1e-4, atol=1e-4,
+                                   err_msg=impl.name)

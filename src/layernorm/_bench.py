@@ -27,6 +27,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -404,20 +405,24 @@ def plot(report: dict[str, Any], path: str) -> None:
     keys = sorted(panels)
     cols = min(2, len(keys))
     rows = math.ceil(len(keys) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4.5 * rows), squeeze=False)
+    labels = sorted({line for panel in panels.values() for line in panel})
+    colors = plt.get_cmap("tab20")
+    markers = "os^vD<>ph*"
+    fig, axes = plt.subplots(rows, cols, figsize=(9.5 * cols, 4.5 * rows), squeeze=False)
     for ax, key in zip(axes.flat, keys, strict=False):
         op, direction, dtype, threads = key
         for (impl, regime), points in sorted(panels[key].items()):
             ds = sorted(points)
+            i = labels.index((impl, regime))
             style = "--" if impl.startswith("copy") else "-"
-            ax.plot(ds, [points[d][1] for d in ds], style, marker="o", markersize=3,
-                    label=f"{impl} [{regime}]")
+            ax.plot(ds, [points[d][1] for d in ds], style, color=colors(i % 20),
+                    marker=markers[i % len(markers)], markersize=4, label=f"{impl} [{regime}]")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("row length D")
         ax.set_ylabel("GB/s")
         ax.set_title(f"{op} {direction} {dtype}, {threads} thread(s)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     for ax in list(axes.flat)[len(keys):]:
         ax.set_visible(False)
     fig.tight_layout()
@@ -428,11 +433,32 @@ def plot(report: dict[str, Any], path: str) -> None:
 # --------------------------------------------------------------------------- entry
 
 
+def header() -> str:
+    """One line on the machine and the libraries being compared."""
+    from ._cli import cpu_info, versions
+
+    cpu = cpu_info()
+    ver = versions()
+    libs = ", ".join(f"{name} {ver[name]}" for name in
+                     ("layernorm", "numpy", "numba", "torch", "jax", "onnxruntime", "dask")
+                     if ver.get(name))
+    line = f"{cpu['model']}, {cpu['logical_cores']} logical cores; {libs}"
+    if hasattr(os, "getloadavg") and cpu["logical_cores"]:
+        load = os.getloadavg()[0]
+        if load > 0.5 * cpu["logical_cores"]:
+            line += (f"\nwarning: the machine is busy (load average {load:.1f} on "
+                     f"{cpu['logical_cores']} cores): other processes will add noise, "
+                     "most of all at more than one thread")
+    return line
+
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``bench`` from parsed command-line arguments."""
     settings = settings_from_args(args)
     started = time.perf_counter()
     report: dict[str, Any] = {"results": [], "phases": []}
+    print(header())
     if not args.dask:
         report = run(settings, progress=not args.no_progress)
         print(format_table(report))
