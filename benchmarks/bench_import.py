@@ -53,8 +53,14 @@ class FirstCall:
             subprocess.run([sys.executable, "-c", code], env=env, check=True)
 
     def timeraw_first_call(self, cache: str, shape: str) -> tuple[str, str]:
-        cache_dir = tempfile.mkdtemp(prefix="layernorm-asv-cold-") if cache == "cold" \
-            else _warm_cache_dir()
-        setup = f"import os\nos.environ['NUMBA_CACHE_DIR'] = {cache_dir!r}\n"
+        if cache == "cold":
+            # A new empty folder in every process asv starts (each repeat is cold too),
+            # removed when that process exits.
+            setup = ("import atexit, os, shutil, tempfile\n"
+                     "cache_dir = tempfile.mkdtemp(prefix='layernorm-asv-cold-')\n"
+                     "atexit.register(shutil.rmtree, cache_dir, True)\n")
+        else:
+            setup = f"import os\ncache_dir = {_warm_cache_dir()!r}\n"
+        setup += "os.environ['NUMBA_CACHE_DIR'] = cache_dir\n"
         setup += _CALL.format(n=_ROWS[shape]).replace("import layernorm as ln\n", "")
         return "import layernorm as ln\nln.layer_norm(x)", setup

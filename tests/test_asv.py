@@ -29,6 +29,7 @@ QUICK_SUBSET = (
     r"ForwardPeakMemory\.peakmem_forward\('layer_norm', '4096x768'\)",
     r"Accuracy\.track_max_abs_error\('layer_norm', 'numba'\)",
     r"Import\.timeraw_import_layernorm",
+    r"FirstCall\.timeraw_first_call\('cold', '1x768'\)",
 )
 
 
@@ -108,6 +109,7 @@ def test_asv_quick_run(tmp_path):
         "bench_forward.ForwardPeakMemory.peakmem_forward",
         "bench_accuracy.Accuracy.track_max_abs_error",
         "bench_import.Import.timeraw_import_layernorm",
+        "bench_import.FirstCall.timeraw_first_call",
     }
     assert expected <= names, names
     # Each selected benchmark produced a positive number (the first entry of a result

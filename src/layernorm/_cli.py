@@ -164,7 +164,7 @@ def backends_info() -> dict[str, str]:
     elif not installed("layernorm._backends._cupy"):
         out["cupy"] = "CuPy installed; the CuPy backend is not in this build"
     else:
-        out["cupy"] = "CuPy installed: CuPy arrays on the GPU"
+        out["cupy"] = "CuPy installed: CuPy arrays on the GPU (if one is usable, see gpu)"
     for lib, what in (("torch", "torch tensors via DLPack"),
                       ("dask", "Dask arrays via map_blocks")):
         glue = installed(f"layernorm._backends._{lib}")
