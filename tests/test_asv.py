@@ -125,3 +125,44 @@ def measured_values(values: object) -> list[float]:
     """The values asv measured, without the NaN/None of parameters not selected."""
     values = values if isinstance(values, list) else [values]
     return [v for v in values if v is not None and not math.isnan(v)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_benchmark_parameters_run_or_skip(dtype):
+    # In-process sweep of every op x backend for one small shape: each combination
+    # either runs or raises NotImplementedError (asv's "skipped"), never anything else.
+    import itertools
+    import warnings
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import bench_accuracy, bench_backward, bench_forward
+    finally:
+        sys.path.remove(str(ROOT))
+    ran = 0
+    cases = [(bench_forward.Forward, "time_forward"), (bench_backward.Backward, "time_backward"),
+             (bench_forward.ForwardOut, "time_forward_out")]
+    for cls, method in cases:
+        for params in itertools.product(*cls.params):
+            if params[1] != dtype or params[2] != "1x768":
+                continue
+            bench = cls()
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    bench.setup(*params)
+                    getattr(bench, method)(*params)
+            except NotImplementedError:
+                continue
+            ran += 1
+    if dtype == "float32":
+        for params in itertools.product(*bench_accuracy.Accuracy.params):
+            bench = bench_accuracy.Accuracy()
+            try:
+                bench.setup(*params)
+            except NotImplementedError:
+                continue
+            assert bench.track_max_abs_error(*params) > 0
+            ran += 1
+    assert ran >= 2 * 2 * 2 + 2  # at least numba and array_api, both ops, both passes
