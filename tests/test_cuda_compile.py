@@ -334,3 +334,284 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, dtype, n):
             cfg = launch.row_config(n, dtype)
             tile = cfg.g * cfg.maxc * launch.vector_width(dtype)
             assert [int(v) for v in fwd_args[-3:]] == [cfg.g, cfg.maxc, -(-n // tile)]
+
+
+# ------------------------------------------------ the kernels on a host emulation of CUDA
+#
+# The CUDA source itself, compiled with g++ against a tiny emulation of the CUDA features
+# it uses (one std::thread per CUDA thread, barriers for __syncthreads and warp shuffles,
+# blocks one after another) and launched through launch.py's real forward/backward code
+# on NumPy memory. This checks the algorithm without a GPU: results against the float64
+# reference, and the bitwise guarantees across layouts, alignment and batch position.
+# (The GPU's rsqrt and float16 conversions may differ from the host's in the last bit,
+# so these results are compared with each other, never with the GPU's.)
+
+_EMULATION_PRELUDE = r"""
+// Host emulation of the few CUDA features the kernels use: one std::thread per CUDA
+// thread, std::barrier for __syncthreads and warp shuffles, blocks run one by one.
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+
+struct EmuWarp { std::barrier<>* bar; unsigned char slots[32][16]; };
+thread_local EmuWarp* emu_warp;
+thread_local int emu_lane;
+thread_local std::barrier<>* emu_block;
+
+inline void __syncthreads() { emu_block->arrive_and_wait(); }
+template <typename V> V __shfl_xor_sync(unsigned, V v, int off) {
+  static_assert(sizeof(V) <= 16, "shuffle size");
+  std::memcpy(emu_warp->slots[emu_lane], &v, sizeof(V));
+  emu_warp->bar->arrive_and_wait();
+  V o;
+  std::memcpy(&o, emu_warp->slots[emu_lane ^ off], sizeof(V));
+  emu_warp->bar->arrive_and_wait();
+  return o;
+}
+template <typename V> V __ldg(const V* p) { return *p; }
+inline double rsqrt(double v) { return 1.0 / std::sqrt(v); }
+
+struct __half { _Float16 v; };
+inline float __half2float(__half h) { return (float)h.v; }
+inline __half __float2half_rn(float f) { __half h; h.v = (_Float16)f; return h; }
+struct __nv_bfloat16 { uint16_t bits; };
+inline float __bfloat162float(__nv_bfloat16 b) {
+  uint32_t u = (uint32_t)b.bits << 16; float f; std::memcpy(&f, &u, 4); return f;
+}
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {uint16_t((u >> 16) | 0x40u)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return {uint16_t(u >> 16)};
+}
+
+template <typename F>
+void emu_launch(unsigned grid, unsigned bx, unsigned by, F body) {
+  gridDim = {grid, 1, 1};
+  blockDim = {bx, by, 1};
+  const unsigned nt = bx * by;
+  for (unsigned b = 0; b < grid; ++b) {
+    std::barrier<> block(nt);
+    const unsigned nw = (nt + 31) / 32;
+    std::vector<std::unique_ptr<std::barrier<>>> bars;
+    std::vector<EmuWarp> warps(nw);
+    for (unsigned w = 0; w < nw; ++w) {
+      bars.emplace_back(new std::barrier<>(std::min(32u, nt - 32 * w)));
+      warps[w].bar = bars.back().get();
+    }
+    std::vector<std::thread> ts;
+    for (unsigned t = 0; t < nt; ++t) {
+      ts.emplace_back([&, t, b] {
+        threadIdx = {t % bx, t / bx, 0};
+        blockIdx = {b, 0, 0};
+        emu_warp = &warps[t / 32];
+        emu_lane = t % 32;
+        emu_block = &block;
+        body();
+      });
+    }
+    for (auto& th : ts) th.join();
+  }
+}
+"""
+
+
+def _emulated_library(exprs, workdir):
+    import ctypes
+    import hashlib
+    import os
+
+    sigs = _signatures()
+    kdir = os.path.join(os.path.dirname(launch.__file__), "kernels")
+    for header in ("cuda_fp16.h", "cuda_bf16.h"):  # the prelude defines the types
+        (workdir / header).write_text("// host emulation\n")
+    lines = [_EMULATION_PRELUDE, '#include "layernorm.cu"']
+    names = {}
+    for expr in exprs:
+        m = re.fullmatch(r"lnk::(\w+)<([^>]*)>", expr)
+        kind, targs = m.group(1), [t.strip() for t in m.group(2).split(",")]
+        t_name, a_name = targs[0], targs[1] if len(targs) > 1 else targs[0]
+        name = "run_" + hashlib.sha1(expr.encode()).hexdigest()[:16]
+        names[expr] = name
+        lines.append(f'extern "C" void {name}(unsigned g, unsigned bx, unsigned by, '
+                     "const uint64_t* a) {")
+        params = []
+        for i, ptype in enumerate(sigs[kind]):
+            ctype = re.sub(r"\bT\b", t_name, re.sub(r"\bA\b", a_name, ptype))
+            lines.append(f"  {ctype.replace('i64', 'long long')} p{i}; "
+                         f"std::memcpy(&p{i}, &a[{i}], sizeof(p{i}));")
+            params.append(f"p{i}")
+        lines.append(f"  emu_launch(g, bx, by, [=] {{ {expr}({', '.join(params)}); }});")
+        lines.append("}")
+    src = workdir / "emulation.cpp"
+    src.write_text("\n".join(lines))
+    lib = workdir / "emulation.so"
+    proc = subprocess.run(["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-shared",
+                           "-fPIC", "-pthread", f"-I{workdir}", f"-I{kdir}", str(src), "-o",
+                           str(lib)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return ctypes.CDLL(str(lib)), names
+
+
+def _pack(arg) -> int:
+    if isinstance(arg, _FakeArray):
+        return arg.data.ptr
+    arg = np.asarray(arg)
+    return int(arg.view(np.uint32 if arg.dtype.itemsize == 4 else np.uint64))
+
+
+def _emulation_lengths(dtype):
+    vec = launch.vector_width(dtype)
+    # a few lanes per row, a warp with several vectors, a 4-warp block, two 512-thread tiles
+    return [5, 16 * vec - 3, 32 * 4 * vec, 128 * 2 * vec - 3, 2048 * vec + 1]
+
+
+@pytest.mark.slow
+def test_kernels_on_host_emulation(monkeypatch, tmp_path):
+    import ctypes
+
+    from . import reference
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed for the host emulation")
+    exprs = set()
+    for dtype in DTYPES:
+        for n in _emulation_lengths(dtype):
+            cfg = launch.row_config(n, dtype)
+            for rms in (False, True):
+                exprs |= {launch.expression(k, dtype, cfg[:2], rms) for k in ("fwd_rows",
+                                                                             "bwd_rows")}
+                exprs |= {launch.expression(k, dtype, rms=rms)
+                          for k in ("fwd_cols", "bwd_cols", "param_partials")}
+    exprs |= {launch.expression("sum_partials", d) for d in ("float32", "float64")}
+    lib, names = _emulated_library(sorted(exprs), tmp_path)
+
+    def kernel(device_id, expr):
+        fn = getattr(lib, names[expr])
+
+        def run(grid, block, args):
+            packed = (ctypes.c_uint64 * len(args))(*[_pack(a) for a in args])
+            fn(ctypes.c_uint(int(grid[0])), ctypes.c_uint(int(block[0])),
+               ctypes.c_uint(int(block[1]) if len(block) > 1 else 1), packed)
+        return run
+
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(launch, "_kernel", kernel)
+    monkeypatch.setattr(launch, "_sm_count", lambda device_id: 1)  # small grids: loops
+    for dtype in DTYPES:
+        for n in _emulation_lengths(dtype):
+            _check_emulated(reference, dtype, n)
+
+
+_NP = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+       "float64": np.float64}
+_ATOL = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 2e-5, "float64": 1e-12}
+_GATOL = {"float16": 2e-2, "bfloat16": 1.5e-1, "float32": 5e-5, "float64": 1e-11}
+
+
+def _emu_forward(x3, dtype, rms, w, b):
+    acc = "float64" if dtype == "float64" else "float32"
+    rows = x3.shape[0] * x3.shape[2]
+    y3 = np.full(x3.shape, np.nan, dtype=x3.dtype)  # poisoned: every element is written
+    mean, rstd = np.full(rows, np.nan, acc), np.full(rows, np.nan, acc)
+    launch.forward(_FakeArray(x3), None if w is None else _FakeArray(w),
+                   None if b is None else _FakeArray(b), 1e-5, _FakeArray(y3),
+                   None if rms else _FakeArray(mean), _FakeArray(rstd), dtype, rms)
+    return y3, mean, rstd
+
+
+def _emu_backward(gy3, x3, mean, rstd, w, dtype, rms):
+    gx3 = np.full(x3.shape, np.nan, dtype=x3.dtype)
+    gw, gb = launch.backward(_FakeArray(gy3), _FakeArray(x3),
+                             None if rms else _FakeArray(mean), _FakeArray(rstd),
+                             _FakeArray(w), _FakeArray(gx3), dtype, rms)
+    return gx3, gw.arr, (None if gb is None else gb.arr)
+
+
+def _same_bits(a, b, what):
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    ua, ub = a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}")
+    assert np.array_equal(ua, ub), f"{what}: {int((ua != ub).sum())} elements differ"
+
+
+def _check_emulated(reference, dtype, n):
+    rows = 37 if n <= 4096 else 5
+    rng = np.random.default_rng(n)
+    x = (0.5 + 2 * rng.standard_normal((rows, n))).astype(_NP[dtype])
+    x[::5] = (300 + 20 * rng.standard_normal((len(x[::5]), n))).astype(_NP[dtype])
+    gy = rng.standard_normal((rows, n)).astype(_NP[dtype])
+    acc = np.float64 if dtype == "float64" else np.float32
+    w = (1 + 0.3 * rng.standard_normal(n)).astype(acc)
+    b = (0.5 * rng.standard_normal(n)).astype(acc)
+    big = np.zeros((rows + 1, n + 1), x.dtype)
+    big[1:, 1:] = x
+    gbig = np.zeros((rows + 1, n + 1), x.dtype)
+    gbig[1:, 1:] = gy
+    layouts = {  # name: (x3, gy3, back-to-(rows, n))
+        "channels-first": (np.ascontiguousarray(x.T)[None], np.ascontiguousarray(gy.T)[None],
+                           lambda a: a[0].T),
+        "fortran": (np.asfortranarray(x).reshape(rows, n, 1),
+                    np.asfortranarray(gy).reshape(rows, n, 1), lambda a: a[:, :, 0]),
+        "misaligned": (big[1:, 1:].reshape(rows, n, 1), gbig[1:, 1:].reshape(rows, n, 1),
+                       lambda a: a[:, :, 0]),
+    }
+    for rms in (False, True):
+        tag = f"{dtype} n={n} {'rms' if rms else 'layer'}_norm"
+        x3 = x.reshape(rows, n, 1)
+        y, mean, rstd = _emu_forward(x3, dtype, rms, w, None if rms else b)
+        if rms:
+            y_ref, rstd_ref = reference.rms_norm(x, (1,), w, eps=1e-5)
+        else:
+            y_ref, mean_ref, rstd_ref = reference.layer_norm(x, (1,), w, b)
+            np.testing.assert_allclose(mean, mean_ref.ravel().astype(np.float64),
+                                       rtol=1e-6, atol=1e-6, err_msg=tag)
+        np.testing.assert_allclose(y[:, :, 0].astype(np.float64), y_ref.astype(np.float64),
+                                   rtol=0, atol=_ATOL[dtype] * max(1, np.abs(y_ref).max()),
+                                   err_msg=tag)
+        np.testing.assert_allclose(rstd, rstd_ref.ravel().astype(np.float64),
+                                   rtol=1e-11 if dtype == "float64" else 2e-5, err_msg=tag)
+        gx, gw, gb = _emu_backward(gy.reshape(rows, n, 1), x3, mean, rstd, w, dtype, rms)
+        if rms:
+            gx_ref, gw_ref = reference.rms_norm_backward(gy, x, (1,), w, eps=1e-5)
+        else:
+            gx_ref, gw_ref, gb_ref = reference.layer_norm_backward(gy, x, (1,), w)
+            np.testing.assert_allclose(gb, gb_ref.astype(np.float64), rtol=1e-4,
+                                       atol=1e-3 * max(1, np.abs(gb_ref).max()), err_msg=tag)
+        tol = _GATOL[dtype]
+        np.testing.assert_allclose(gx[:, :, 0].astype(np.float64), gx_ref.astype(np.float64),
+                                   rtol=0, atol=tol * 4 * max(1, np.abs(gx_ref).max()),
+                                   err_msg=tag)
+        np.testing.assert_allclose(gw, gw_ref.astype(np.float64), rtol=1e-3,
+                                   atol=tol * 40 * max(1, np.abs(gw_ref).max()), err_msg=tag)
+        for name, (xv, gv, back) in layouts.items():
+            yv, mv, sv = _emu_forward(xv, dtype, rms, w, None if rms else b)
+            _same_bits(back(yv), y[:, :, 0], f"{tag} y, {name}")
+            _same_bits(sv, rstd, f"{tag} rstd, {name}")
+            gxv, gwv, gbv = _emu_backward(gv, xv, mean, rstd, w, dtype, rms)
+            _same_bits(back(gxv), gx[:, :, 0], f"{tag} grad_x, {name}")
+            _same_bits(gwv, gw, f"{tag} grad_weight, {name}")
+            if not rms:
+                _same_bits(mv, mean, f"{tag} mean, {name}")
+                _same_bits(gbv, gb, f"{tag} grad_bias, {name}")
+        for r in (0, rows - 1):
+            alone, _, _ = _emu_forward(x[r:r + 1].reshape(1, n, 1).copy(), dtype, rms, w,
+                                       None if rms else b)
+            _same_bits(alone[0, :, 0], y[r, :, 0], f"{tag} row {r} alone")
+    constant = np.full((3, n), 1e4 / 3).astype(_NP[dtype])
+    yc, _, _ = _emu_forward(constant.reshape(3, n, 1), dtype, False, w, b)
+    _same_bits(yc[:, :, 0], np.broadcast_to(b.astype(_NP[dtype]), (3, n)),
+               f"{dtype} n={n} constant rows give exactly bias")

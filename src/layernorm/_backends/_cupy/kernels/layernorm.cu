@@ -236,7 +236,7 @@ __device__ __forceinline__ typename Op::S group_reduce(typename Op::S s) {
     __shared__ S partial[W];
     if (lane == 0) partial[threadIdx.x >> 5] = s;
     __syncthreads();
-    s = (lane < W) ? partial[lane] : Op::identity();
+    s = partial[lane & (W - 1)];  // every aligned group of W lanes builds the same tree
 #pragma unroll
     for (int off = 1; off < W; off <<= 1) {
       const S o = Op::shfl_xor(s, off);
