@@ -38,6 +38,14 @@ if hasattr(os, "register_at_fork"):
 
 @functools.cache
 def _kernels() -> Any:
+    import numba
+
+    # GNU OpenMP (the layer Numba picks when TBB is missing) aborts a forked child of a
+    # process that ran a parallel region; "workqueue" is fork-safe, and _parallel_lock
+    # keeps it from being entered by two Python threads at once. An explicit user
+    # choice (NUMBA_THREADING_LAYER) is kept.
+    if numba.config.THREADING_LAYER == "default" and "NUMBA_THREADING_LAYER" not in os.environ:
+        numba.config.THREADING_LAYER = "workqueue"
     from . import kernels
 
     return kernels
