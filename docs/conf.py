@@ -78,7 +78,6 @@ numpydoc_xref_param_type = False
 numpydoc_validation_checks = {"PR01", "PR02", "RT01"}
 numpydoc_validation_exclude = {
     r"\.__call__$",
-    r"\.backward$",
     r"\.reset_parameters$",
     r"\.state_dict$",
     r"\.load_state_dict$",

@@ -131,11 +131,14 @@ def check_companions(x: Any, lib: str, **arrays: Any) -> None:
                         f"{name} comes from {describe(arr)} but x comes from {describe(x)}; "
                         "pass arrays of one library"
                     )
-            if lib in ("array_api", "cupy") and _device(arr) != _device(x):
-                raise TypeError(
-                    f"{name} is on device {_device(arr)} but x is on device {_device(x)}; "
-                    "pass arrays on one device"
-                )
+            if lib in ("array_api", "cupy"):
+                dev_x, dev_arr = _device(x), _device(arr)
+                # A JAX tracer (under jax.jit / jax.grad) has no device: nothing to compare.
+                if dev_x is not None and dev_arr is not None and dev_arr != dev_x:
+                    raise TypeError(
+                        f"{name} is on device {dev_arr} but x is on device {dev_x}; "
+                        "pass arrays on one device"
+                    )
             continue
         if lib == "dask" and other == "numpy":
             continue

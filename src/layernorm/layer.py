@@ -128,6 +128,18 @@ class LayerNorm(_Norm):
     device : optional
         Device for the parameters, passed to ``xp.full``.
 
+    Attributes
+    ----------
+    normalized_shape : tuple of int
+        The normalized trailing dimensions.
+    eps : float
+        Added to the variance.
+    elementwise_affine : bool
+        Whether the layer has ``weight`` (and ``bias``).
+    weight, bias : array or None
+        Parameters of shape ``normalized_shape`` in the layer's namespace; ``bias`` is None
+        with ``bias=False``, both are None without ``elementwise_affine``.
+
     Examples
     --------
     >>> import numpy as np
@@ -157,7 +169,20 @@ class LayerNorm(_Norm):
         return y
 
     def backward(self, grad_y: Any) -> tuple[Any, Any, Any]:
-        """``(grad_x, grad_weight, grad_bias)`` for the last call; None for absent params."""
+        """Gradients for the last call, from the statistics it saved.
+
+        Parameters
+        ----------
+        grad_y : array
+            Gradient of the loss with respect to the last output (its shape and dtype).
+
+        Returns
+        -------
+        grad_x : array
+            Gradient with respect to the last input.
+        grad_weight, grad_bias : array or None
+            Gradients of the parameters; None for a parameter the layer does not have.
+        """
         x, mean, rstd = self._require_saved()
         gx, gw, gb = layer_norm_backward(grad_y, x, mean, rstd, self.weight,
                                          self.normalized_shape)
@@ -187,6 +212,18 @@ class RMSNorm(_Norm):
     device : optional
         Device for the parameters.
 
+    Attributes
+    ----------
+    normalized_shape : tuple of int
+        The normalized trailing dimensions.
+    eps : float or None
+        Added to the mean square; None means the accumulation dtype's machine epsilon.
+    elementwise_affine : bool
+        Whether the layer has ``weight``.
+    weight : array or None
+        Scale of shape ``normalized_shape`` in the layer's namespace; None without
+        ``elementwise_affine``.
+
     Examples
     --------
     >>> import numpy as np
@@ -213,7 +250,20 @@ class RMSNorm(_Norm):
         return y
 
     def backward(self, grad_y: Any) -> tuple[Any, Any]:
-        """``(grad_x, grad_weight)`` for the last call; grad_weight None without affine."""
+        """Gradients for the last call, from the statistics it saved.
+
+        Parameters
+        ----------
+        grad_y : array
+            Gradient of the loss with respect to the last output (its shape and dtype).
+
+        Returns
+        -------
+        grad_x : array
+            Gradient with respect to the last input.
+        grad_weight : array or None
+            Gradient of ``weight``; None without ``elementwise_affine``.
+        """
         x, rstd = self._require_saved()
         gx, gw = rms_norm_backward(grad_y, x, rstd, self.weight, self.normalized_shape)
         return gx, (gw if self.weight is not None else None)
