@@ -75,8 +75,37 @@ def _target(lib: str, backend: str | None) -> str:
     raise ValueError(f"backend={backend!r} needs {needs} as x, got a {lib} array")
 
 
+_REQUESTS: dict[tuple[Any, ...], Request] = {}
+_REQUESTS_MAX = 512
+
+
 def _request(x: Any, lib: str, normalized_shape: Any, axis: Any, backend: str | None,
              **params: Any) -> Request:
+    """Validated facts about one call, memoized on everything they depend on.
+
+    A repeated call (same type, shape and dtype of every array, same axes and backend)
+    skips the checks it passed before: for a one-row input these checks cost more than
+    the kernel. Types lead the key so dtypes of different libraries are never compared.
+    """
+    try:
+        key: tuple[Any, ...] | None = (
+            type(x), x.dtype, tuple(x.shape), normalized_shape, axis, backend, lib,
+            *((name, None) if p is None else (name, type(p), p.dtype, tuple(p.shape))
+              for name, p in params.items()),
+        )
+        cached = _REQUESTS.get(key)
+    except TypeError:  # unhashable normalized_shape/axis (a list): no memo
+        key, cached = None, None
+    if cached is not None:
+        return cached
+    req = _validated_request(x, lib, normalized_shape, axis, backend, params)
+    if key is not None and len(_REQUESTS) < _REQUESTS_MAX:
+        _REQUESTS[key] = req
+    return req
+
+
+def _validated_request(x: Any, lib: str, normalized_shape: Any, axis: Any,
+                       backend: str | None, params: dict[str, Any]) -> Request:
     dtype = check_float_dtype(x, "x")
     shape = shape_of(x)
     axes = resolve_axes(shape, normalized_shape, axis)
@@ -90,6 +119,8 @@ def _request(x: Any, lib: str, normalized_shape: Any, axis: Any, backend: str | 
 def _flat_param(xp: Any, param: Any, acc: str) -> Any:
     if param is None:
         return None
+    if param.ndim == 1 and param.dtype == acc and param.flags.c_contiguous:
+        return param
     return xp.ascontiguousarray(param.reshape(-1)).astype(acc, copy=False)
 
 
