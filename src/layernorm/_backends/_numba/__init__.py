@@ -51,35 +51,42 @@ def _kernels() -> Any:
     return kernels
 
 
+#: Numba has no float16/bfloat16 on the CPU: the kernels see the raw bits and convert
+#: (int16 bits mean float16, uint16 bits mean bfloat16).
+_BITS = {"float16": np.int16, "bfloat16": np.uint16}
+
+
 def _as_kernel_array(arr: Any, dtype: str) -> Any:
-    # Numba has no float16/bfloat16 on the CPU: the kernels see the raw bits and convert
-    # (int16 bits mean float16, uint16 bits mean bfloat16).
-    if dtype == "float16":
-        return arr.view(np.int16)
-    if dtype == "bfloat16":
-        return arr.view(np.uint16)
-    return arr
+    bits = _BITS.get(dtype)
+    return arr if bits is None else arr.view(bits)
+
+
+_eps_scalars: dict[tuple[float, bool], Any] = {}
 
 
 def _acc_scalar(value: float, dtype: str) -> Any:
-    return np.float64(value) if dtype == "float64" else np.float32(value)
+    # Memoized: building a NumPy scalar costs as much as a small kernel's arithmetic.
+    key = (value, dtype == "float64")
+    scalar = _eps_scalars.get(key)
+    if scalar is None:
+        if len(_eps_scalars) > 64:
+            _eps_scalars.clear()
+        scalar = _eps_scalars[key] = (np.float64 if key[1] else np.float32)(value)
+    return scalar
 
 
-class _Launch:
-    """Context manager choosing the parallel kernel when it pays and is safe."""
+def _run(serial: Any, parallel: Any, elements: int, *args: Any) -> Any:
+    """Run the parallel kernel when it pays and no other thread is in one, else serial.
 
-    def __init__(self, elements: int) -> None:
-        self.parallel = False
-        self._want = elements >= PARALLEL_MIN_ELEMENTS and _num_threads() > 1
-
-    def __enter__(self) -> _Launch:
-        if self._want:
-            self.parallel = _parallel_lock.acquire(blocking=False)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.parallel:
+    Both perform the same arithmetic per row; small inputs never touch the thread pool.
+    """
+    if elements >= PARALLEL_MIN_ELEMENTS and _num_threads() > 1 \
+            and _parallel_lock.acquire(blocking=False):
+        try:
+            return parallel(*args)
+        finally:
             _parallel_lock.release()
+    return serial(*args)
 
 
 def _num_threads() -> int:
@@ -117,7 +124,7 @@ def _streaming(x: Any, y: Any) -> bool:
     if y.shape[-1] < STREAM_MIN_ROW or y.nbytes < STREAM_MIN_FRACTION * _last_level_cache_bytes():
         return False
     # In place, the lines are already cached: a streaming store would only evict them.
-    return not np.shares_memory(x, y)
+    return not np.may_share_memory(x, y)
 
 
 def layer_norm_forward(x3, weight, bias, eps, y3, mean, rstd, dtype) -> None:
@@ -126,15 +133,14 @@ def layer_norm_forward(x3, weight, bias, eps, y3, mean, rstd, dtype) -> None:
     x = _as_kernel_array(x3, dtype)
     y = _as_kernel_array(y3, dtype)
     e = _acc_scalar(eps, dtype)
-    with _Launch(x3.size) as launch:
-        if x.shape[2] == 1:
-            x = x[:, :, 0]
-            y = y[:, :, 0]
-            fn = k.ln_forward_parallel if launch.parallel else k.ln_forward_serial
-            fn(x, weight, bias, e, y, mean, rstd, _streaming(x, y))
-        else:
-            fn = k.ln_forward_cols_parallel if launch.parallel else k.ln_forward_cols_serial
-            fn(x, weight, bias, e, y, mean, rstd)
+    if x.shape[2] == 1:
+        x = x[:, :, 0]
+        y = y[:, :, 0]
+        _run(k.ln_forward_serial, k.ln_forward_parallel, x.size,
+             x, weight, bias, e, y, mean, rstd, _streaming(x, y))
+    else:
+        _run(k.ln_forward_cols_serial, k.ln_forward_cols_parallel, x.size,
+             x, weight, bias, e, y, mean, rstd)
 
 
 def rms_norm_forward(x3, weight, eps, y3, rstd, dtype) -> None:
@@ -143,15 +149,14 @@ def rms_norm_forward(x3, weight, eps, y3, rstd, dtype) -> None:
     x = _as_kernel_array(x3, dtype)
     y = _as_kernel_array(y3, dtype)
     e = _acc_scalar(eps, dtype)
-    with _Launch(x3.size) as launch:
-        if x.shape[2] == 1:
-            x = x[:, :, 0]
-            y = y[:, :, 0]
-            fn = k.rms_forward_parallel if launch.parallel else k.rms_forward_serial
-            fn(x, weight, e, y, rstd, _streaming(x, y))
-        else:
-            fn = k.rms_forward_cols_parallel if launch.parallel else k.rms_forward_cols_serial
-            fn(x, weight, e, y, rstd)
+    if x.shape[2] == 1:
+        x = x[:, :, 0]
+        y = y[:, :, 0]
+        _run(k.rms_forward_serial, k.rms_forward_parallel, x.size,
+             x, weight, e, y, rstd, _streaming(x, y))
+    else:
+        _run(k.rms_forward_cols_serial, k.rms_forward_cols_parallel, x.size,
+             x, weight, e, y, rstd)
 
 
 def _col_blocks(x3: Any) -> int:
@@ -165,16 +170,14 @@ def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype):
     x = _as_kernel_array(x3, dtype)
     gx = _as_kernel_array(gx3, dtype)
     n = x3.shape[1]
-    with _Launch(x3.size) as launch:
-        if x.shape[2] == 1:
-            partials = _grad_partials(-(-mean.shape[0] // GRAD_ROW_BLOCK), n, mean.dtype, 2)
-            fn = k.ln_backward_parallel if launch.parallel else k.ln_backward_serial
-            fn(gy[:, :, 0], x[:, :, 0], mean, rstd, weight, gx[:, :, 0], partials,
-               GRAD_ROW_BLOCK)
-        else:
-            partials = _grad_partials(_col_blocks(x3), n, mean.dtype, 2)
-            fn = k.backward_cols_parallel if launch.parallel else k.backward_cols_serial
-            fn(gy, x, mean, rstd, weight, gx, partials, False)
+    if x.shape[2] == 1:
+        partials = _grad_partials(-(-mean.shape[0] // GRAD_ROW_BLOCK), n, mean.dtype, 2)
+        _run(k.ln_backward_serial, k.ln_backward_parallel, x.size, gy[:, :, 0], x[:, :, 0],
+             mean, rstd, weight, gx[:, :, 0], partials, GRAD_ROW_BLOCK)
+    else:
+        partials = _grad_partials(_col_blocks(x3), n, mean.dtype, 2)
+        _run(k.backward_cols_serial, k.backward_cols_parallel, x.size,
+             gy, x, mean, rstd, weight, gx, partials, False)
     sums = k.sum_blocks(partials)
     return sums[0], sums[1]
 
@@ -186,13 +189,12 @@ def rms_norm_backward(gy3, x3, rstd, weight, gx3, dtype):
     x = _as_kernel_array(x3, dtype)
     gx = _as_kernel_array(gx3, dtype)
     n = x3.shape[1]
-    with _Launch(x3.size) as launch:
-        if x.shape[2] == 1:
-            partials = _grad_partials(-(-rstd.shape[0] // GRAD_ROW_BLOCK), n, rstd.dtype, 1)
-            fn = k.rms_backward_parallel if launch.parallel else k.rms_backward_serial
-            fn(gy[:, :, 0], x[:, :, 0], rstd, weight, gx[:, :, 0], partials, GRAD_ROW_BLOCK)
-        else:
-            partials = _grad_partials(_col_blocks(x3), n, rstd.dtype, 1)
-            fn = k.backward_cols_parallel if launch.parallel else k.backward_cols_serial
-            fn(gy, x, rstd, rstd, weight, gx, partials, True)
+    if x.shape[2] == 1:
+        partials = _grad_partials(-(-rstd.shape[0] // GRAD_ROW_BLOCK), n, rstd.dtype, 1)
+        _run(k.rms_backward_serial, k.rms_backward_parallel, x.size, gy[:, :, 0], x[:, :, 0],
+             rstd, weight, gx[:, :, 0], partials, GRAD_ROW_BLOCK)
+    else:
+        partials = _grad_partials(_col_blocks(x3), n, rstd.dtype, 1)
+        _run(k.backward_cols_serial, k.backward_cols_parallel, x.size,
+             gy, x, rstd, rstd, weight, gx, partials, True)
     return k.sum_blocks(partials)[0]
