@@ -464,3 +464,23 @@ def _maybe_raw(arr):
     if isinstance(arr, types.Array):
         return lambda arr: raw(arr)
     return None
+
+
+@intrinsic
+def copy2(typingctx, dst, di, dj, src, si, sj):
+    """``dst[di, dj:dj+WIDTH] = src[si, sj:sj+WIDTH]``, bits unchanged (same dtype)."""
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array)
+            and dst.ndim == 2 and src.ndim == 2 and dst.dtype == src.dtype
+            and _int_ok(di, dj, si, sj)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        sptr = _element_pointer(context, builder, src, args[3], args[4:6])
+        dptr = _element_pointer(context, builder, dst, args[0], args[1:3])
+        vty = ir.VectorType(_element_ir(context, src.dtype), WIDTH)
+        align = src.dtype.bitwidth // 8
+        value = builder.load(builder.bitcast(sptr, vty.as_pointer()), align=align)
+        builder.store(value, builder.bitcast(dptr, vty.as_pointer()), align=align)
+        return context.get_dummy_value()
+
+    return types.none(dst, di, dj, src, si, sj), codegen

@@ -60,6 +60,7 @@ from ._scalars import cast, narrow, widen
 from ._simd import (
     WIDTH,
     Vec,
+    copy2,
     down1,
     down2,
     down4,
@@ -427,7 +428,13 @@ def _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item)
     valid = min(WIDTH, inner - c0)
     r0 = o * inner + c0
     if valid == WIDTH and x.strides[2] == x.itemsize and y.strides[2] == y.itemsize:
-        _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, cs, mean_out, rstd_out, r0, valid)
+        # Copy the tile in row order first: rows are far apart, and a sequential walk
+        # is what the hardware prefetchers follow (the lane order is not).
+        for i in range(x.shape[1]):
+            copy2(xt, i, 0, x2, i, c0)
+        _ln_cols(xt, yt, 0, w, b, eps, tab, lm, lm2, cs, mean_out, rstd_out, r0, valid)
+        for i in range(x.shape[1]):
+            copy2(y2, i, c0, yt, i, 0)
     else:
         for i in range(x.shape[1]):
             for k in range(WIDTH):
@@ -613,7 +620,11 @@ def _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item):
     valid = min(WIDTH, inner - c0)
     r0 = o * inner + c0
     if valid == WIDTH and x.strides[2] == x.itemsize and y.strides[2] == y.itemsize:
-        _rms_cols(x2, y2, c0, w, eps, lanes, cs, rstd_out, r0, valid)
+        for i in range(x.shape[1]):
+            copy2(xt, i, 0, x2, i, c0)
+        _rms_cols(xt, yt, 0, w, eps, lanes, cs, rstd_out, r0, valid)
+        for i in range(x.shape[1]):
+            copy2(y2, i, c0, yt, i, 0)
     else:
         for i in range(x.shape[1]):
             for k in range(WIDTH):
