@@ -415,50 +415,77 @@ def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, cs, mean_out, rstd_out, r0, va
         store2(y2, v, i, c0)
 
 
+@njit(inline="always", error_model="numpy")
+def _tile_columns(n):
+    # Columns per work item: several WIDTH blocks, so each visit of a (far away) row
+    # reads a few contiguous cache lines, while the tile stays within L2.
+    return WIDTH * max(1, min(8, 4096 // max(n, 1)))
+
+
+@njit(inline="always", error_model="numpy")
+def _load_tile(x2, xt, c0, valid, unit):
+    """Copy columns ``c0 .. c0+valid`` of ``x2`` into ``xt``, in row order.
+
+    Rows are far apart in memory and a sequential walk is what the hardware prefetchers
+    follow. Columns past ``valid`` in the last block repeat the last valid column.
+    """
+    full = valid // WIDTH if unit else 0
+    for i in range(x2.shape[0]):
+        for s in range(full):
+            copy2(xt, i, s * WIDTH, x2, i, c0 + s * WIDTH)
+        for k in range(full * WIDTH, xt.shape[1]):
+            xt[i, k] = x2[i, c0 + min(k, valid - 1)]
+
+
+@njit(inline="always", error_model="numpy")
+def _store_tile(yt, y2, c0, valid, unit):
+    full = valid // WIDTH if unit else 0
+    for i in range(y2.shape[0]):
+        for s in range(full):
+            copy2(y2, i, c0 + s * WIDTH, yt, i, s * WIDTH)
+        for k in range(full * WIDTH, valid):
+            y2[i, c0 + k] = yt[i, k]
+
+
 @njit(error_model="numpy")
 def _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item):
     lm, lm2, cs = scratch
     xt, yt = tiles
     inner = x.shape[2]
-    per = (inner + WIDTH - 1) // WIDTH
+    tw = xt.shape[1]
+    per = (inner + tw - 1) // tw
     o = item // per
-    c0 = (item % per) * WIDTH
-    x2 = x[o]
-    y2 = y[o]
-    valid = min(WIDTH, inner - c0)
-    r0 = o * inner + c0
-    if valid == WIDTH and x.strides[2] == x.itemsize and y.strides[2] == y.itemsize:
-        # Copy the tile in row order first: rows are far apart, and a sequential walk
-        # is what the hardware prefetchers follow (the lane order is not).
-        for i in range(x.shape[1]):
-            copy2(xt, i, 0, x2, i, c0)
-        _ln_cols(xt, yt, 0, w, b, eps, tab, lm, lm2, cs, mean_out, rstd_out, r0, valid)
-        for i in range(x.shape[1]):
-            copy2(y2, i, c0, yt, i, 0)
-    else:
-        for i in range(x.shape[1]):
-            for k in range(WIDTH):
-                xt[i, k] = x2[i, c0 + min(k, valid - 1)]
-        _ln_cols(xt, yt, 0, w, b, eps, tab, lm, lm2, cs, mean_out, rstd_out, r0, valid)
-        for i in range(x.shape[1]):
-            for k in range(valid):
-                y2[i, c0 + k] = yt[i, k]
+    c0 = (item % per) * tw
+    valid = min(tw, inner - c0)
+    unit = x.strides[2] == x.itemsize and y.strides[2] == y.itemsize
+    _load_tile(x[o], xt, c0, valid, unit)
+    for s in range(0, valid, WIDTH):
+        _ln_cols(xt, yt, s, w, b, eps, tab, lm, lm2, cs, mean_out, rstd_out,
+                 o * inner + c0 + s, min(WIDTH, valid - s))
+    _store_tile(yt, y[o], c0, valid, unit)
 
 
 @njit(inline="always", error_model="numpy")
 def _col_scratch(x, y, acc):
     n = x.shape[1]
+    tw = _tile_columns(n)
     scratch = (np.empty((LANES, WIDTH), dtype=acc), np.empty((LANES, WIDTH), dtype=acc),
                np.empty((2, WIDTH), dtype=acc))
-    tiles = (np.empty((n, WIDTH), dtype=x.dtype), np.empty((n, WIDTH), dtype=y.dtype))
+    tiles = (np.empty((n, tw), dtype=x.dtype), np.empty((n, tw), dtype=y.dtype))
     return scratch, tiles
+
+
+@njit(inline="always", error_model="numpy")
+def _col_items(x):
+    tw = _tile_columns(x.shape[1])
+    return x.shape[0] * ((x.shape[2] + tw - 1) // tw), max(1, WORK_ELEMENTS // (tw * x.shape[1]))
 
 
 @njit(cache=True, error_model="numpy")
 def ln_forward_cols_serial(x, w, b, eps, y, mean_out, rstd_out):
     """LayerNorm forward over axis 1 of a 3-D ``(outer, n, inner)`` array."""
     tab = merge_weights(x.shape[1], eps)
-    items = x.shape[0] * ((x.shape[2] + WIDTH - 1) // WIDTH)
+    items, _ = _col_items(x)
     scratch, tiles = _col_scratch(x, y, mean_out.dtype)
     for item in range(items):
         _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item)
@@ -466,10 +493,9 @@ def ln_forward_cols_serial(x, w, b, eps, y, mean_out, rstd_out):
 
 @njit(cache=True, parallel=True, error_model="numpy")
 def ln_forward_cols_parallel(x, w, b, eps, y, mean_out, rstd_out):
-    """Channels-first LayerNorm forward, column blocks spread over Numba's threads."""
+    """Channels-first LayerNorm forward, column tiles spread over Numba's threads."""
     tab = merge_weights(x.shape[1], eps)
-    items = x.shape[0] * ((x.shape[2] + WIDTH - 1) // WIDTH)
-    per_work = max(1, WORK_ELEMENTS // (WIDTH * x.shape[1]))
+    items, per_work = _col_items(x)
     for wk in prange((items + per_work - 1) // per_work):
         scratch, tiles = _col_scratch(x, y, mean_out.dtype)
         for item in range(wk * per_work, min(items, (wk + 1) * per_work)):
@@ -612,33 +638,23 @@ def _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item):
     lanes, _, cs = scratch
     xt, yt = tiles
     inner = x.shape[2]
-    per = (inner + WIDTH - 1) // WIDTH
+    tw = xt.shape[1]
+    per = (inner + tw - 1) // tw
     o = item // per
-    c0 = (item % per) * WIDTH
-    x2 = x[o]
-    y2 = y[o]
-    valid = min(WIDTH, inner - c0)
-    r0 = o * inner + c0
-    if valid == WIDTH and x.strides[2] == x.itemsize and y.strides[2] == y.itemsize:
-        for i in range(x.shape[1]):
-            copy2(xt, i, 0, x2, i, c0)
-        _rms_cols(xt, yt, 0, w, eps, lanes, cs, rstd_out, r0, valid)
-        for i in range(x.shape[1]):
-            copy2(y2, i, c0, yt, i, 0)
-    else:
-        for i in range(x.shape[1]):
-            for k in range(WIDTH):
-                xt[i, k] = x2[i, c0 + min(k, valid - 1)]
-        _rms_cols(xt, yt, 0, w, eps, lanes, cs, rstd_out, r0, valid)
-        for i in range(x.shape[1]):
-            for k in range(valid):
-                y2[i, c0 + k] = yt[i, k]
+    c0 = (item % per) * tw
+    valid = min(tw, inner - c0)
+    unit = x.strides[2] == x.itemsize and y.strides[2] == y.itemsize
+    _load_tile(x[o], xt, c0, valid, unit)
+    for s in range(0, valid, WIDTH):
+        _rms_cols(xt, yt, s, w, eps, lanes, cs, rstd_out, o * inner + c0 + s,
+                  min(WIDTH, valid - s))
+    _store_tile(yt, y[o], c0, valid, unit)
 
 
 @njit(cache=True, error_model="numpy")
 def rms_forward_cols_serial(x, w, eps, y, rstd_out):
     """RMSNorm forward over axis 1 of a 3-D array."""
-    items = x.shape[0] * ((x.shape[2] + WIDTH - 1) // WIDTH)
+    items, _ = _col_items(x)
     scratch, tiles = _col_scratch(x, y, rstd_out.dtype)
     for item in range(items):
         _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item)
@@ -646,9 +662,8 @@ def rms_forward_cols_serial(x, w, eps, y, rstd_out):
 
 @njit(cache=True, parallel=True, error_model="numpy")
 def rms_forward_cols_parallel(x, w, eps, y, rstd_out):
-    """Channels-first RMSNorm forward, column blocks spread over threads."""
-    items = x.shape[0] * ((x.shape[2] + WIDTH - 1) // WIDTH)
-    per_work = max(1, WORK_ELEMENTS // (WIDTH * x.shape[1]))
+    """Channels-first RMSNorm forward, column tiles spread over threads."""
+    items, per_work = _col_items(x)
     for wk in prange((items + per_work - 1) // per_work):
         scratch, tiles = _col_scratch(x, y, rstd_out.dtype)
         for item in range(wk * per_work, min(items, (wk + 1) * per_work)):
