@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_bench.add_argument("--op", nargs="+", metavar="OP",
                          help="layer_norm and/or rms_norm (default: both)")
     p_bench.add_argument("--repeats", type=int, metavar="R",
-                         help="round-robin repeats per measurement (default 5, quick 5)")
+                         help="round-robin repeats per measurement (default 11; 5 with --quick)")
     p_bench.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
     p_bench.add_argument("--plot", metavar="FILE.png",
                          help="plot GB/s against row length (needs matplotlib)")
