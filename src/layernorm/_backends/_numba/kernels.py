@@ -10,11 +10,18 @@ of threads, so each row's result is bitwise reproducible. Three code paths perfo
   run through the row path, and the result copied out;
 * **column path** (3-D, ``inner > 1``, the channels-first case): ``WIDTH`` neighbouring
   columns are processed at once, one column per SIMD lane, and the row arithmetic's
-  lanes become a loop over lane-state vectors; column blocks at the edge (or with a
-  non-unit stride) are copied into a ``(n, WIDTH)`` scratch tile first.
+  lanes become a loop over lane-state vectors. A work item copies a tile of up to
+  ``8 * WIDTH`` columns into an ``(n, columns)`` scratch tile in row order first (rows
+  are far apart; a sequential walk is what the prefetchers follow), padding a last
+  partial block by repeating its last column. The backward of this layout gathers each
+  column into a scratch row and runs the row path on it.
 
 IEEE operations on a vector are the same operations per lane, and Numba is never asked
-for fastmath or FMA contraction, so all paths give identical bits (tested).
+for fastmath or FMA contraction (``error_model="numpy"`` also removes Python's
+zero-division checks: an ``eps=0`` constant row gives NaN), so all paths give
+identical bits (tested in ``tests/test_numba_kernels.py``). Rows reach the per-row
+helpers as :class:`._simd.Raw` views: passing arrays would cost reference-count
+updates per row.
 
 Row arithmetic, LayerNorm statistics (one pass over memory)
 ----------------------------------------------------------
