@@ -94,8 +94,9 @@ CHUNK = LANES * PER_LANE
 COL_BLOCK = 64
 #: Elements per parallel work item (no effect on results).
 WORK_ELEMENTS = 1 << 15
-#: Rows of the merge-weight table: remainder (f, c), then (f, c) per tree level.
-_TAB_ROWS = 10
+#: Rows of the merge-weight table: remainder (f, c), (f, c) per tree level, then the
+#: partial chunk's (f, c, 1/g).
+_TAB_ROWS = 11
 
 
 # --------------------------------------------------------------------------- weights
@@ -116,6 +117,14 @@ def merge_weights(n, like):
             tab[0, j] = f
             tab[1, j] = cast(groups, like) * f
             counts[j] = groups + 1
+    full = groups // PER_LANE
+    g = groups - full * PER_LANE
+    if g > 0:
+        # The partial chunk's weights, hoisted out of the row loop (same formula).
+        f, c = _chunk_weights(full, g, like)
+        tab[10, 0] = f
+        tab[10, 1] = c
+        tab[10, 2] = one / cast(g, like)
     h = LANES // 2
     level = 0
     while h >= 1:
@@ -213,9 +222,8 @@ def _row_moments(xr, r, n, shift, tab, rem):
         mean, m2 = _merge(mean, m2, m, q, splat(f), splat(cc))
     g = groups - full * PER_LANE
     if g > 0:
-        m, q = _row_chunk(xr, r, full * CHUNK, g, kv, splat(cast(1.0, like) / cast(g, like)))
-        f, cc = _chunk_weights(full, g, like)
-        mean, m2 = _merge(mean, m2, m, q, splat(f), splat(cc))
+        m, q = _row_chunk(xr, r, full * CHUNK, g, kv, splat(get(tab, 10, 2)))
+        mean, m2 = _merge(mean, m2, m, q, splat(get(tab, 10, 0)), splat(get(tab, 10, 1)))
     start = groups * LANES
     if start < n:
         for j in range(LANES):
