@@ -139,7 +139,7 @@ def run_tests(timeout: int, workers: int) -> bool:
     runs = [
         ("gpu-suite", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                        *par, "tests/test_cupy_backend.py", "tests/test_cuda_compile.py",
-                       "-k", "not numpy"]),
+                       "-k", "not numpy and not emulation"]),
         ("cupy-params", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                          *par, "tests", "-k", "cupy and not test_cupy_backend",
                          "--ignore=tests/test_cupy_backend.py",

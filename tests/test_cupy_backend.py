@@ -69,10 +69,11 @@ def _inputs(xp, dtype, rows, n, seed):
     x = random_rows(rng, (rows, n), dtype, loc=0.5, scale=2.0)
     x[::5] = random_rows(rng, x[::5].shape, dtype, loc=300.0, scale=20.0)  # large offsets
     gy = random_rows(rng, (rows, n), dtype)
-    w = (1 + 0.3 * rng.standard_normal(n)).astype(np.float32)
-    b = (0.5 * rng.standard_normal(n)).astype(np.float32)
+    acc = "float64" if dtype == "float64" else "float32"  # parameters in the acc dtype
+    w = (1 + 0.3 * rng.standard_normal(n)).astype(acc)
+    b = (0.5 * rng.standard_normal(n)).astype(acc)
     return (x, gy, w, b), (asarray(xp, x, dtype), asarray(xp, gy, dtype),
-                           asarray(xp, w, "float32"), asarray(xp, b, "float32"))
+                           asarray(xp, w, acc), asarray(xp, b, acc))
 
 
 def _all_outputs(x, gy, w, b, axis=-1):

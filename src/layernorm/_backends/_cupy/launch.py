@@ -26,8 +26,11 @@ import numpy as np
 from ..._dtypes import ACCUMULATION, CPP_TYPES
 
 #: Extra NVRTC options. ``--fmad=false`` keeps every rounding step as written, so two
-#: kernels that compute the same row give the same bits.
-OPTIONS: tuple[str, ...] = ("--std=c++17", "--fmad=false")
+#: kernels that compute the same row give the same bits. Approximate (2 ulp, inline)
+#: float division and square root keep subroutine calls, whose register saves spill to
+#: local memory, out of the kernels; they are as deterministic as the exact ones.
+OPTIONS: tuple[str, ...] = ("--std=c++17", "--fmad=false", "--prec-div=false",
+                             "--prec-sqrt=false")
 
 #: Rows per block of the parameter-gradient reduction (fixed: bitwise reproducible).
 GRAD_ROW_BLOCK = 64
@@ -281,7 +284,8 @@ def forward(x3: Any, weight: Any, bias: Any, eps: float, y3: Any, mean: Any, rst
         return
     device_id = x3.device.id
     with cupy.cuda.Device(device_id):
-        args = (x3, y3, _ptr_or_null(weight), _ptr_or_null(bias), _scalar(eps, dtype),
+        inv_n = _scalar(1.0, dtype) / _scalar(n, dtype)  # IEEE, as the kernels would
+        args = (x3, y3, _ptr_or_null(weight), _ptr_or_null(bias), _scalar(eps, dtype), inv_n,
                 _ptr_or_null(mean), rstd, *_i64(rows, n, inner), np.float64(1.0 / inner),
                 *_i64(*_strides(x3), *_strides(y3)))
         _launch("fwd", dtype, rms, n, rows, device_id, args, (x3, y3))
@@ -302,7 +306,8 @@ def backward(gy3: Any, x3: Any, mean: Any, rstd: Any, weight: Any, gx3: Any, dty
             sums = cupy.zeros((count, n), dtype=acc)
             return sums[0], (None if rms else sums[1])
         inv_inner = np.float64(1.0 / inner)
-        args = (gy3, x3, _ptr_or_null(mean), rstd, _ptr_or_null(weight), gx3,
+        inv_n = _scalar(1.0, dtype) / _scalar(n, dtype)
+        args = (gy3, x3, _ptr_or_null(mean), rstd, _ptr_or_null(weight), gx3, inv_n,
                 *_i64(rows, n, inner), inv_inner,
                 *_i64(*_strides(gy3), *_strides(x3), *_strides(gx3)))
         _launch("bwd", dtype, rms, n, rows, device_id, args, (gy3, x3, gx3))

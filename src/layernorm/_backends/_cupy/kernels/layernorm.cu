@@ -123,10 +123,36 @@ __device__ __forceinline__ void store_pack(T* base, i64 s1, int off, i64 rem, bo
   }
 }
 
-// 1 / sqrt(v): correctly rounded division and square root in float; CUDA's rsqrt
-// (1 ulp, no subroutine call, whose register saves would spill) in double.
+// 1 / sqrt(v) for v >= 0. Float: division and square root as compiled (inline with
+// --prec-div=false --prec-sqrt=false, within 2 ulp, like the rsqrt torch uses). Double:
+// the library's rsqrt and 1 / sqrt both call a slow-path subroutine whose register saves
+// spill on sm_80, so it is computed inline: v = m * 4^k with m in [1, 4), a float
+// estimate of 1 / sqrt(m) refined by three Newton steps in double (error ~1 ulp), then
+// scaled by 2^-k exactly.
 __device__ __forceinline__ float inv_sqrt(float v) { return 1.0f / sqrtf(v); }
-__device__ __forceinline__ double inv_sqrt(double v) { return rsqrt(v); }
+__device__ __forceinline__ double inv_sqrt(double v) {
+  if (v != v) return v;                                         // NaN
+  if (v == 0.0) return __longlong_as_double(0x7ff0000000000000LL);  // +inf
+  if (v > 1.7976931348623157e308) return 0.0;                   // +inf
+  long long bits = __double_as_longlong(v);
+  int e = (int)((bits >> 52) & 0x7ff);
+  int extra = 0;
+  if (e == 0) {  // subnormal: scale by 2^64 first
+    v = v * 18446744073709551616.0;
+    bits = __double_as_longlong(v);
+    e = (int)((bits >> 52) & 0x7ff);
+    extra = 32;
+  }
+  const int k = (e - 1023) >> 1;  // floor((e - 1023) / 2)
+  const double m = __longlong_as_double((bits & 0x800fffffffffffffLL) |
+                                        ((long long)(e - 2 * k) << 52));
+  double y = (double)rsqrtf((float)m);
+  const double half_m = 0.5 * m;
+  y = y * (1.5 - half_m * y * y);
+  y = y * (1.5 - half_m * y * y);
+  y = y * (1.5 - half_m * y * y);
+  return y * __longlong_as_double((long long)(1023 - k + extra) << 52);
+}
 
 template <typename A>
 __device__ __forceinline__ A param_or(const A* p, i64 i, A dflt) {
@@ -134,6 +160,21 @@ __device__ __forceinline__ A param_or(const A* p, i64 i, A dflt) {
 }
 
 // ------------------------------------------------------------- reduction states
+
+// num / den for a count den >= 1, with no subroutine call (whose register saves spill):
+// float division is compiled with --prec-div=false (inline, within 2 ulp); in double,
+// a float estimate of 1 / den refined by three Newton steps (within 1 ulp). Only the
+// Chan merge weights and chunk means use it, so results stay deterministic and the same
+// in every kernel.
+__device__ __forceinline__ float ratio(float num, u64 den) { return num / (float)den; }
+__device__ __forceinline__ double ratio(double num, u64 den) {
+  const double d = (double)den;
+  double r = (double)(1.0f / (float)den);
+  r = r * (2.0 - d * r);
+  r = r * (2.0 - d * r);
+  r = r * (2.0 - d * r);
+  return num * r;
+}
 
 template <typename A> struct Mom {
   A mean;
@@ -148,7 +189,7 @@ __device__ __forceinline__ Mom<A> chan(const Mom<A>& a, const Mom<A>& b) {
   if (a.n == 0) return b;
   Mom<A> r;
   r.n = a.n + b.n;
-  const A fb = A(b.n) / A(r.n);
+  const A fb = ratio(A(b.n), r.n);
   const A delta = b.mean - a.mean;
   r.mean = a.mean + delta * fb;
   r.m2 = (a.m2 + b.m2) + (delta * delta) * (A(a.n) * fb);
@@ -299,7 +340,7 @@ __device__ __forceinline__ Mom<A> chunk_moments(int CNT, F get) {
   m.mean = A(0);
   m.m2 = A(0);
   if (cnt == 0) return m;
-  m.mean = s / A(cnt);
+  m.mean = ratio(s, cnt);
   A q = A(0);
 #pragma unroll
   for (int k = 0; k < CNT; ++k) {
@@ -314,12 +355,16 @@ __device__ __forceinline__ Mom<A> chunk_moments(int CNT, F get) {
 }
 
 // ================================================================== forward, rows
+//
+// inv_n = A(1) / A(n) comes from the host (an IEEE division), which keeps a division
+// slow-path call, and its register saves, out of the kernels.
 
 // One group of G threads per row (G <= 32: 128 / G rows per block; G > 32: one row
 // per block of G threads). The row stays in registers when it fits in one tile.
 template <typename T, typename A, int G, int MAXC, bool RMS>
 __global__ void __launch_bounds__(G > 32 ? G : 128)
-fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A* mean_out, A* rstd_out,
+fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
+         A* rstd_out,
          i64 rows, i64 n, i64 inner, double inv_inner, i64 xs0, i64 xs1, i64 xs2,
          i64 ys0, i64 ys1, i64 ys2,
          int vec_ok) {
@@ -330,7 +375,6 @@ fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A* mean_out, A* rstd_o
   const int group = G > 32 ? 0 : (int)(threadIdx.x / G);
   const bool vec = vec_ok != 0;
   const i64 tiles = (n + TILE - 1) / TILE;
-  const A inv_n = A(1) / A(n);
 
   for (i64 base = (i64)blockIdx.x * GPB; base < rows; base += (i64)gridDim.x * GPB) {
     const i64 row = base + group;
@@ -437,14 +481,14 @@ constexpr int COL_MAX_RY = 8;
 // kernels, not the unrolling.
 template <typename T, typename A, bool RMS>
 __global__ void __launch_bounds__(256)
-fwd_cols(const T* x, T* y, const A* w, const A* b, A eps, A* mean_out, A* rstd_out,
+fwd_cols(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
+         A* rstd_out,
          i64 rows, i64 n, i64 inner, double inv_inner, i64 xs0, i64 xs1, i64 xs2,
          i64 ys0, i64 ys1, i64 ys2,
          int G, int MAXC, i64 tiles) {
   constexpr int V = VecWidth<T>::value;
   const i64 TILE = (i64)G * MAXC * V;
   const int L = G / (int)blockDim.y;
-  const A inv_n = A(1) / A(n);
   typedef typename Select<RMS, SumOp<A>, MomOp<A>>::type Op;
   typedef typename Op::S S;
   __shared__ S part[COL_MAX_RY][32];
@@ -544,7 +588,7 @@ fwd_cols(const T* x, T* y, const A* w, const A* b, A eps, A* mean_out, A* rstd_o
 // xhat = (x - mean) * rstd (RMSNorm: no mean(g) term, xhat = x * rstd).
 template <typename T, typename A, int G, int MAXC, bool RMS>
 __global__ void __launch_bounds__(G > 32 ? G : 128)
-bwd_rows(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* gx,
+bwd_rows(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* gx, A inv_n,
          i64 rows, i64 n, i64 inner, double inv_inner, i64 gs0, i64 gs1, i64 gs2,
          i64 xs0, i64 xs1, i64 xs2,
          i64 os0, i64 os1, i64 os2, int vec_ok) {
@@ -555,7 +599,6 @@ bwd_rows(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* g
   const int group = G > 32 ? 0 : (int)(threadIdx.x / G);
   const bool vec = vec_ok != 0;
   const i64 tiles = (n + TILE - 1) / TILE;
-  const A inv_n = A(1) / A(n);
 
   for (i64 base = (i64)blockIdx.x * GPB; base < rows; base += (i64)gridDim.x * GPB) {
     const i64 row = base + group;
@@ -645,7 +688,7 @@ bwd_rows(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* g
 
 template <typename T, typename A, bool RMS>
 __global__ void __launch_bounds__(256)
-bwd_cols(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* gx,
+bwd_cols(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* gx, A inv_n,
          i64 rows, i64 n, i64 inner, double inv_inner, i64 gs0, i64 gs1, i64 gs2,
          i64 xs0, i64 xs1, i64 xs2,
          i64 os0, i64 os1, i64 os2, int G, int MAXC, i64 tiles) {
@@ -657,7 +700,6 @@ bwd_cols(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* g
   __shared__ S part[COL_MAX_RY][32];
   const int tx = threadIdx.x;
   const int ty = threadIdx.y;
-  const A inv_n = A(1) / A(n);
 
   for (i64 base = (i64)blockIdx.x * 32; base < rows; base += (i64)gridDim.x * 32) {
     const i64 row = base + tx;
