@@ -9,7 +9,7 @@ Run from the repository root on a machine with a CUDA GPU::
 Nothing is downloaded: the script uses what is importable (CuPy is required for the GPU
 part; PyTorch only for the comparison columns, which are left empty without it) and
 puts ``src/`` on the path instead of installing the package. Logs, the pytest output and
-the results (JSON and CSV) go to ``$OUT`` when it is set (else ``./gpu_check_out``).
+the results (JSON and CSV) go to ``$OUT`` when it is set (else ``artifacts/gpu_check``).
 
 The benchmark times the backend's kernels on prepared arrays (what ``ln.layer_norm``
 launches, without the argument checks), PyTorch's ``torch.nn.functional.layer_norm`` /
@@ -48,7 +48,7 @@ def log(msg: str) -> None:
 
 
 def out_dir() -> Path:
-    path = Path(os.environ.get("OUT") or (ROOT / "gpu_check_out"))
+    path = Path(os.environ.get("OUT") or (ROOT / "artifacts" / "gpu_check"))
     path.mkdir(parents=True, exist_ok=True)
     return path
 
