@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import multiprocessing
+import os
+import subprocess
 import sys
+import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -31,18 +33,38 @@ def test_eight_python_threads_at_once():
                     np.testing.assert_array_equal(a, b)
 
 
-def _child(queue) -> None:
-    queue.put(float(_work(5)[0].sum()))
+_FORK_SCRIPT = textwrap.dedent(
+    """
+    import multiprocessing, sys
+    import numpy as np
+    import layernorm as ln
+
+    def work():
+        x = np.random.default_rng(5).standard_normal((256, 512)).astype(np.float32)
+        return float(ln.layer_norm(x).sum())
+
+    def child(queue):
+        queue.put(work())
+
+    if __name__ == "__main__":
+        expected = work()  # the parent has now run the parallel kernel
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=child, args=(queue,))
+        proc.start()
+        value = queue.get(timeout=120)
+        proc.join(timeout=60)
+        sys.exit(0 if proc.exitcode == 0 and value == expected else 1)
+    """
+)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="fork start method is Linux-only here")
-def test_forked_child_after_parallel_kernel():
-    expected = float(_work(5)[0].sum())  # the parent has now run the parallel kernels
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(queue,))
-    proc.start()
-    value = queue.get(timeout=120)
-    proc.join(timeout=60)
-    assert proc.exitcode == 0
-    assert value == expected
+def test_forked_child_after_parallel_kernel(tmp_path):
+    # A clean interpreter: the test process may hold threads of other libraries (JAX)
+    # that make fork unsafe for reasons of their own.
+    script = tmp_path / "fork_after_parallel.py"
+    script.write_text(_FORK_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, NUMBA_NUM_THREADS="2"))
+    assert proc.returncode == 0, proc.stderr

@@ -131,7 +131,10 @@ class _Output:
         self.xp, self.layout, self.out = xp, layout, out
         self.view = None
         if out is not None:
-            self.view = _layout.writable_canonical(out, layout, xp.may_share_memory)
+            if layout.perm is None and out.flags.c_contiguous:
+                self.view = out.reshape(layout.outer, layout.n, layout.inner)
+            else:
+                self.view = _layout.writable_canonical(out, layout, xp.may_share_memory)
         if self.view is None:
             shape = layout.shape
             if layout.perm is not None:
@@ -161,8 +164,8 @@ def _stats_for_kernel(xp: Any, stat: Any, req: Request) -> Any:
 
 
 def _forward(x: Any, lib: str, req: Request, weight: Any, bias: Any, eps: float, out: Any,
-             rms: bool) -> tuple[Any, Any, Any]:
-    """(y, mean or None, rstd) with stats in keepdims shape."""
+             rms: bool, want_stats: bool = True) -> tuple[Any, Any, Any]:
+    """(y, mean or None, rstd) with stats in keepdims shape (None, None unless wanted)."""
     layout = req.layout
     if req.target == "array_api":
         if out is not None:
@@ -197,8 +200,10 @@ def _forward(x: Any, lib: str, req: Request, weight: Any, bias: Any, eps: float,
         else:
             b = _flat_param(xp, bias, req.acc)
             be.layer_norm_forward(x3, w, b, eps, target.view, mean, rstd, req.dtype)
-    stats = layout.stats_shape
     y = target.result()
+    if not want_stats:
+        return y, None, None
+    stats = layout.stats_shape
     return y, (None if mean is None else mean.reshape(stats)), rstd.reshape(stats)
 
 
@@ -272,7 +277,8 @@ def layer_norm(
     check_companions(x, lib, weight=weight, bias=bias, out=out)
     eps = check_eps(eps)
     req = _request(x, lib, normalized_shape, axis, backend, weight=weight, bias=bias)
-    y, mean, rstd = _forward(x, lib, req, weight, bias, eps, out, rms=False)
+    y, mean, rstd = _forward(x, lib, req, weight, bias, eps, out, rms=False,
+                             want_stats=return_stats)
     return (y, mean, rstd) if return_stats else y
 
 
@@ -333,7 +339,8 @@ def rms_norm(
     check_companions(x, lib, weight=weight, out=out)
     req = _request(x, lib, normalized_shape, axis, backend, weight=weight)
     eps = MACHINE_EPS[req.acc] if eps is None else check_eps(eps)
-    y, _, rstd = _forward(x, lib, req, weight, None, eps, out, rms=True)
+    y, _, rstd = _forward(x, lib, req, weight, None, eps, out, rms=True,
+                          want_stats=return_stats)
     return (y, rstd) if return_stats else y
 
 

@@ -118,6 +118,8 @@ def check_companions(x: Any, lib: str, **arrays: Any) -> None:
 
     NumPy parameters are accepted with a Dask ``x`` (Dask arrays hold NumPy blocks).
     """
+    if lib == "numpy" and all(arr is None or type(arr) is np.ndarray for arr in arrays.values()):
+        return
     for name, arr in arrays.items():
         if arr is None:
             continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 
@@ -30,17 +31,17 @@ class Layout:
         """Number of independent rows (``outer * inner``)."""
         return self.outer * self.inner
 
-    @property
+    @cached_property
     def param_shape(self) -> tuple[int, ...]:
         """Shape of ``weight``/``bias``: the normalized axes' sizes."""
         return tuple(self.shape[a] for a in self.axes)
 
-    @property
+    @cached_property
     def stats_shape(self) -> tuple[int, ...]:
         """Shape of ``mean``/``rstd``: ``shape`` with normalized axes kept as 1."""
         return tuple(1 if i in self.axes else s for i, s in enumerate(self.shape))
 
-    @property
+    @cached_property
     def param_broadcast_shape(self) -> tuple[int, ...]:
         """Shape that broadcasts ``weight`` against ``x``."""
         return tuple(s if i in self.axes else 1 for i, s in enumerate(self.shape))

@@ -38,6 +38,8 @@ def check_eps(eps: Any, name: str = "eps") -> float:
     ...
     ValueError: eps must be a finite float >= 0, got -1.0
     """
+    if type(eps) is float and 0.0 <= eps < math.inf:
+        return eps
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise ValueError(f"{name} must be a finite float >= 0, got {eps!r} of type "
                          f"{type(eps).__name__}")
