@@ -9,6 +9,7 @@ view (:mod:`._layout`) or the generic array-API implementation.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Any
@@ -44,10 +45,12 @@ class Request:
     target: str
 
 
+@functools.cache
 def _glue(lib: str) -> Any:
     return importlib.import_module(_GLUE_MODULES[lib], __package__)
 
 
+@functools.cache
 def _native(target: str) -> Any:
     return importlib.import_module(_NATIVE_MODULES[target], __package__)
 
