@@ -14,8 +14,6 @@ import numpy as np
 #: library name -> backend that computes for it (torch and dask are routed by device/meta).
 _LIBRARY_BY_TYPE: dict[type, str] = {np.ndarray: "numpy"}
 
-LIBRARIES = ("numpy", "cupy", "torch", "dask", "array_api")
-
 
 def _classify(x: Any) -> str:
     if isinstance(x, np.ndarray):

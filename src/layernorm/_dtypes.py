@@ -79,11 +79,6 @@ def _name(dtype: Any) -> str:
     return name
 
 
-def is_supported(name: str) -> bool:
-    """Whether a canonical dtype name is one we normalize."""
-    return name in SUPPORTED
-
-
 def accumulation_name(name: str) -> str:
     """Accumulation dtype name for a supported input dtype name."""
     return ACCUMULATION[name]

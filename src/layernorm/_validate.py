@@ -120,16 +120,6 @@ def resolve_axes(shape: tuple[int, ...], normalized_shape: Any, axis: Any) -> tu
     return tuple(sorted(resolved))
 
 
-def normalized_dims(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, ...]:
-    """Shape of the normalized axes (the shape of ``weight`` and ``bias``)."""
-    return tuple(shape[a] for a in axes)
-
-
-def stats_shape(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, ...]:
-    """Shape of ``mean``/``rstd``: ``shape`` with every normalized axis kept as 1."""
-    return tuple(1 if i in axes else s for i, s in enumerate(shape))
-
-
 def check_param(param: Any, name: str, expected: tuple[int, ...], x_shape: tuple[int, ...]) -> str:
     """Check ``weight``/``bias`` shape and dtype; return its canonical dtype name."""
     got = shape_of(param)
@@ -154,13 +144,6 @@ def check_out(out: Any, x_shape: tuple[int, ...], x_dtype: str) -> None:
     got = dtype_name(out.dtype)
     if got != x_dtype:
         raise ValueError(f"out must have the dtype of x ({x_dtype}), got dtype {got}")
-
-
-def check_stats_dtype(stat: Any, name: str, expected: str) -> None:
-    """``mean``/``rstd`` passed to a backward must carry the accumulation dtype."""
-    got = check_float_dtype(stat, name)
-    if got not in (expected, "float32", "float64"):
-        raise TypeError(f"{name} must have dtype {expected}, got dtype {got}")
 
 
 def check_backend_name(backend: Any) -> None:
