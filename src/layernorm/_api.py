@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _layout
+from . import _fast, _layout
 from ._backends import _array_api
 from ._dispatch import check_companions, library_of
 from ._dtypes import MACHINE_EPS, accumulation_name
@@ -27,6 +27,7 @@ from ._validate import (
     check_out,
     check_param,
     check_same_shape,
+    memo_axes,
     resolve_axes,
     shape_of,
 )
@@ -92,12 +93,13 @@ def _request(x: Any, lib: str, normalized_shape: Any, axis: Any, backend: str | 
     """
     try:
         key: tuple[Any, ...] | None = (
-            type(x), x.dtype, tuple(x.shape), normalized_shape, axis, backend, lib,
+            type(x), x.dtype, tuple(x.shape), memo_axes(normalized_shape), memo_axes(axis),
+            backend, lib,
             *((name, None) if p is None else (name, type(p), p.dtype, tuple(p.shape))
               for name, p in params.items()),
         )
         cached = _REQUESTS.get(key)
-    except TypeError:  # unhashable normalized_shape/axis (a list): no memo
+    except TypeError:  # axes of other types, or unhashable ones: no memo
         key, cached = None, None
     if cached is not None:
         return cached
@@ -133,7 +135,9 @@ class _Output:
     def __init__(self, xp: Any, x: Any, layout: _layout.Layout, out: Any) -> None:
         self.xp, self.layout, self.out = xp, layout, out
         self.view = None
-        if out is not None:
+        # An out that overlaps x without being x would overwrite rows not yet read:
+        # compute into a temporary, then copy.
+        if out is not None and (out is x or not xp.may_share_memory(out, x)):
             if layout.perm is None and out.flags.c_contiguous:
                 self.view = out.reshape(layout.outer, layout.n, layout.inner)
             else:
@@ -271,6 +275,10 @@ def layer_norm(
     >>> mean.ravel()
     array([ 2.5, 25. ], dtype=float32)
     """
+    if type(x) is np.ndarray and axis is None and backend is None:
+        result = _fast.layer_norm(x, normalized_shape, weight, bias, eps, return_stats, out)
+        if result is not None:
+            return result
     lib = library_of(x)
     if lib in _GLUE_MODULES:
         return _glue(lib).layer_norm(
@@ -333,6 +341,10 @@ def rms_norm(
     >>> ln.rms_norm(x, eps=0.0)
     array([[0.84852814, 1.13137085]])
     """
+    if type(x) is np.ndarray and axis is None and backend is None:
+        result = _fast.rms_norm(x, normalized_shape, weight, eps, return_stats, out)
+        if result is not None:
+            return result
     lib = library_of(x)
     if lib in _GLUE_MODULES:
         return _glue(lib).rms_norm(

@@ -144,6 +144,8 @@ def check_out(out: Any, x_shape: tuple[int, ...], x_dtype: str) -> None:
     got = dtype_name(out.dtype)
     if got != x_dtype:
         raise ValueError(f"out must have the dtype of x ({x_dtype}), got dtype {got}")
+    if not getattr(getattr(out, "flags", None), "writeable", True):
+        raise ValueError("out must be a writeable array, got a read-only one")
 
 
 def check_backend_name(backend: Any) -> None:
@@ -152,3 +154,21 @@ def check_backend_name(backend: Any) -> None:
         raise ValueError(
             f"backend must be None, 'numba', 'cupy' or 'array_api', got {backend!r}"
         )
+
+
+def memo_axes(value: Any) -> Any:
+    """``value`` if it is None, an int or a tuple of ints (exact types), else raise.
+
+    Memo keys compare by ``==``, under which ``4.0``, ``True`` and ``np.int64(4)`` equal
+    ``4``: a key built from them could serve a call its validation would reject, so such
+    values are never memoized (``TypeError`` tells the caller to validate instead).
+    """
+    kind = type(value)
+    if value is None or kind is int:
+        return value
+    if kind is tuple:
+        for item in value:
+            if type(item) is not int:
+                raise TypeError("not memoizable")
+        return value
+    raise TypeError("not memoizable")

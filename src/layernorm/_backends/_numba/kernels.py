@@ -160,6 +160,22 @@ def _times_w(v, w, i):
     return lambda v, w, i: v * get(w, 0, i)
 
 
+def put_stat(out, r, value):
+    """``out[r] = value``, or nothing when the caller did not ask for ``out`` (None)."""
+    raise NotImplementedError
+
+
+@overload(put_stat, inline="always")
+def _put_stat(out, r, value):
+    if isinstance(out, types.NoneType):
+        return lambda out, r, value: None
+
+    def impl(out, r, value):
+        out[r] = value
+
+    return impl
+
+
 @overload(plus_b, inline="always")
 def _plus_b(v, b, i):
     if isinstance(b, types.NoneType):
@@ -291,7 +307,7 @@ def _unit(a):
 @njit(error_model="numpy")
 def _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, r0, r1):
     n = x.shape[1]
-    rem = np.empty((1, LANES), dtype=mean_out.dtype)
+    rem = np.empty((1, LANES), dtype=tab.dtype)
     strided = not (_unit(x) and _unit(y))
     xs = np.empty((1, n if strided else 0), dtype=x.dtype)
     ys = np.empty((1, n if strided else 0), dtype=y.dtype)
@@ -309,8 +325,8 @@ def _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, r0, r1):
         _ln_row_out(src, dst, rr, n, shift, mean, rstd, wv, bv, nt)
         if strided:
             _copy_row(y, r, ys, 0)
-        mean_out[r] = mo
-        rstd_out[r] = rstd
+        put_stat(mean_out, r, mo)
+        put_stat(rstd_out, r, rstd)
 
 
 @njit(inline="always", error_model="numpy")
@@ -578,7 +594,7 @@ def _rms_row_out(xr, yr, r, n, rstd, w, nt):
 @njit(error_model="numpy")
 def _rms_rows(x, w, eps, y, rstd_out, nt, r0, r1):
     n = x.shape[1]
-    rem = np.empty((1, LANES), dtype=rstd_out.dtype)
+    rem = np.full((1, LANES), eps)
     strided = not (_unit(x) and _unit(y))
     xs = np.empty((1, n if strided else 0), dtype=x.dtype)
     ys = np.empty((1, n if strided else 0), dtype=y.dtype)
@@ -595,7 +611,7 @@ def _rms_rows(x, w, eps, y, rstd_out, nt, r0, r1):
         _rms_row_out(src, dst, rr, n, rstd, wv, nt)
         if strided:
             _copy_row(y, r, ys, 0)
-        rstd_out[r] = rstd
+        put_stat(rstd_out, r, rstd)
 
 
 @njit(cache=True, error_model="numpy")

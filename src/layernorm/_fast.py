@@ -1,0 +1,258 @@
+"""The short path for repeated small NumPy forward calls.
+
+One token of a transformer is a ``(1, 768)`` row: its kernel takes a third of a
+microsecond, so validation, dispatch and allocation would dominate the call. The first
+call with a given shape, dtype and parameter layout goes through full validation
+(:func:`._api._request`) and leaves a :class:`Plan`; a later call that matches it checks
+only what can change between such calls (contiguity, ``eps``, ``out``) and calls the
+serial Numba kernel directly. Anything else (strided or large inputs, other axes,
+forced backends, unusual parameters) returns ``None`` and takes the general path, which
+gives the same bits: both run the same kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ._dtypes import MACHINE_EPS
+from ._validate import memo_axes
+
+#: Inputs at least this large take the general path (they may run in parallel, and
+#: their per-call overhead is negligible). Kept equal to the Numba backend's threshold.
+FAST_MAX_ELEMENTS = 1 << 16
+
+
+class Plan:
+    """What a validated call needs to run again: the 2-D view, dtypes and kernels.
+
+    ``run``/``run_stats`` call the serial kernel without and with statistics outputs.
+    Each starts as the Numba dispatcher (which compiles or loads the kernel and checks
+    argument types) and, after its first call, becomes the compiled entry point for
+    exactly those argument types: the plan's checks guarantee every later call passes
+    the same types (dtype, dimensions, C-contiguity), so the dispatcher's type
+    resolution, a third of the call, is done once.
+    """
+
+    __slots__ = ("acc", "bits", "cast_params", "default_eps", "direct", "eps_scalars", "n",
+                 "rows", "run", "run_stats", "stats_shape")
+
+    def __init__(self, shape: tuple[int, ...], rows: int, n: int, dtype: str, acc: str,
+                 stats_shape: tuple[int, ...], params: tuple[Any, ...], kernel: Any) -> None:
+        from ._backends import _numba
+
+        self.rows, self.n, self.stats_shape = rows, n, stats_shape
+        self.acc = np.dtype(acc)
+        self.bits = _numba._BITS.get(dtype)
+        self.cast_params = any(p is not None and p.dtype != self.acc for p in params)
+        #: x, y, weight and bias go to the kernel as they are (no view, reshape or cast).
+        self.direct = (len(shape) == 2 and self.bits is None and not self.cast_params
+                       and all(p is None or p.ndim == 1 for p in params))
+        self.default_eps = MACHINE_EPS[acc]
+        self.eps_scalars: dict[float, Any] = {}
+        self.run = _resolving(self, "run", kernel)
+        self.run_stats = _resolving(self, "run_stats", kernel)
+
+
+def _resolving(plan: Plan, slot: str, dispatcher: Any) -> Any:
+    def first_call(*args: Any) -> None:
+        dispatcher(*args)
+        setattr(plan, slot, _entry_point(dispatcher, args))
+
+    return first_call
+
+
+def _entry_point(dispatcher: Any, args: tuple[Any, ...]) -> Any:
+    """The compiled function for the types of ``args``, or the dispatcher itself."""
+    try:
+        signature = tuple(dispatcher.typeof_pyval(a) for a in args)
+        return dispatcher.overloads[signature].entry_point
+    except (AttributeError, KeyError, TypeError):  # another Numba: keep its dispatcher
+        return dispatcher
+
+
+_PLANS: dict[tuple[Any, ...], Plan | None] = {}
+_PLANS_MAX = 512
+
+
+def _plan(x: Any, normalized_shape: Any, weight: Any, bias: Any, rms: bool) -> Plan | None:
+    from . import _api
+    from ._backends import _numba
+
+    params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
+    req = _api._request(x, "numpy", normalized_shape, None, None, **params)
+    layout = req.layout
+    if (req.target != "numba" or layout.perm is not None or layout.inner != 1
+            or layout.n == 0 or layout.rows == 0
+            or layout.rows * layout.n >= FAST_MAX_ELEMENTS):
+        return None
+    kernels = _numba._kernels()
+    return Plan(layout.shape, layout.rows, layout.n, req.dtype, req.acc, layout.stats_shape,
+                tuple(params.values()),
+                kernels.rms_forward_serial if rms else kernels.ln_forward_serial)
+
+
+def _plan_of(key: tuple[Any, ...], x: Any, normalized_shape: Any, weight: Any, bias: Any,
+             rms: bool) -> Plan | None:
+    """Validate a call first seen under ``key``; memoize its plan (None: not eligible)."""
+    try:
+        plan = _plan(x, normalized_shape, weight, bias, rms)
+    except (TypeError, ValueError):
+        # Invalid: the general path raises the error, after the checks it makes first.
+        return None
+    if len(_PLANS) < _PLANS_MAX:
+        _PLANS[key] = plan
+    return plan
+
+
+def _plain_axes(normalized_shape: Any) -> bool:
+    """None, an int or a tuple of ints: values a memo key may stand for (4.0 == 4)."""
+    if normalized_shape is None or type(normalized_shape) is int:
+        return True
+    try:
+        memo_axes(normalized_shape)
+    except TypeError:
+        return False
+    return True
+
+
+def _new_eps(plan: Plan, eps: Any) -> Any:
+    """``eps`` in the accumulation dtype if it is a finite float >= 0, else None."""
+    if type(eps) is not float or not 0.0 <= eps < math.inf:
+        return None
+    if len(plan.eps_scalars) > 64:
+        plan.eps_scalars.clear()
+    scalar = plan.eps_scalars[eps] = plan.acc.type(eps)
+    return scalar
+
+
+def _flat(param: Any, plan: Plan) -> Any:
+    if param is None:
+        return None
+    if param.ndim != 1:
+        param = param.reshape(-1)
+    return param.astype(plan.acc) if plan.cast_params else param
+
+
+def _usable_out(out: Any, x: Any) -> bool:
+    if type(out) is not np.ndarray or out.shape != x.shape or out.dtype != x.dtype:
+        return False
+    flags = out.flags
+    if not (flags.c_contiguous and flags.writeable):
+        return False
+    return out is x or not np.may_share_memory(out, x)
+
+
+def _direct_out(out: Any, x: Any) -> bool:
+    """``out`` is ``x`` itself (in place), or a usable array that does not overlap it."""
+    if out is x:
+        return x.flags.writeable
+    return _usable_out(out, x)
+
+
+def _prepare(plan: Plan, x: Any, weight: Any, bias: Any, out: Any) -> tuple[Any, ...]:
+    """Output array and the kernel's views of x, y, weight and bias, or () if unusable."""
+    if out is not None and not _usable_out(out, x):
+        return ()
+    y = np.empty(x.shape, x.dtype) if out is None else out
+    x2 = x.reshape(plan.rows, plan.n) if x.ndim != 2 else x
+    y2 = y.reshape(plan.rows, plan.n) if y.ndim != 2 else y
+    if plan.bits is not None:
+        x2 = x2.view(plan.bits)
+        y2 = y2.view(plan.bits)
+    return y, x2, y2, _flat(weight, plan), _flat(bias, plan)
+
+
+# The two entry points below are written out flat: at one (1, 768) row every Python
+# call and tuple counts (the kernel itself takes about 0.4 us).
+
+
+def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
+               return_stats: bool, out: Any) -> Any:
+    """The result of :func:`layernorm.layer_norm` for a known small call, else None."""
+    if (normalized_shape is not None and type(normalized_shape) is not int
+            and not _plain_axes(normalized_shape)):
+        return None
+    if weight is None:
+        wshape = wdtype = None
+    elif type(weight) is np.ndarray and weight.flags.c_contiguous:
+        wshape, wdtype = weight.shape, weight.dtype
+    else:
+        return None
+    if bias is None:
+        bshape = bdtype = None
+    elif type(bias) is np.ndarray and bias.flags.c_contiguous:
+        bshape, bdtype = bias.shape, bias.dtype
+    else:
+        return None
+    key = (x.shape, x.dtype, normalized_shape, wshape, wdtype, bshape, bdtype)
+    try:
+        plan = _PLANS[key]
+    except KeyError:
+        plan = _plan_of(key, x, normalized_shape, weight, bias, False)
+    except TypeError:  # unhashable normalized_shape
+        return None
+    if plan is None or not x.flags.c_contiguous:
+        return None
+    e = plan.eps_scalars.get(eps) if type(eps) is float else None
+    if e is None and (e := _new_eps(plan, eps)) is None:
+        return None
+    if plan.direct and (out is None or _direct_out(out, x)):
+        y = np.empty(x.shape, x.dtype) if out is None else out
+        x2, y2, w, b = x, y, weight, bias
+    else:
+        prepared = _prepare(plan, x, weight, bias, out)
+        if not prepared:
+            return None
+        y, x2, y2, w, b = prepared
+    if return_stats:
+        mean = np.empty(plan.stats_shape, plan.acc)
+        rstd = np.empty(plan.stats_shape, plan.acc)
+        plan.run_stats(x2, w, b, e, y2, mean.reshape(-1), rstd.reshape(-1), False)
+        return y, mean, rstd
+    plan.run(x2, w, b, e, y2, None, None, False)
+    return y
+
+
+def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, return_stats: bool,
+             out: Any) -> Any:
+    """The result of :func:`layernorm.rms_norm` for a known small call, else None."""
+    if (normalized_shape is not None and type(normalized_shape) is not int
+            and not _plain_axes(normalized_shape)):
+        return None
+    if weight is None:
+        wshape = wdtype = None
+    elif type(weight) is np.ndarray and weight.flags.c_contiguous:
+        wshape, wdtype = weight.shape, weight.dtype
+    else:
+        return None
+    key = (x.shape, x.dtype, normalized_shape, wshape, wdtype)
+    try:
+        plan = _PLANS[key]
+    except KeyError:
+        plan = _plan_of(key, x, normalized_shape, weight, None, True)
+    except TypeError:
+        return None
+    if plan is None or not x.flags.c_contiguous:
+        return None
+    if eps is None:
+        eps = plan.default_eps
+    e = plan.eps_scalars.get(eps) if type(eps) is float else None
+    if e is None and (e := _new_eps(plan, eps)) is None:
+        return None
+    if plan.direct and (out is None or _direct_out(out, x)):
+        y = np.empty(x.shape, x.dtype) if out is None else out
+        x2, y2, w = x, y, weight
+    else:
+        prepared = _prepare(plan, x, weight, None, out)
+        if not prepared:
+            return None
+        y, x2, y2, w, _ = prepared
+    if return_stats:
+        rstd = np.empty(plan.stats_shape, plan.acc)
+        plan.run_stats(x2, w, e, y2, rstd.reshape(-1), False)
+        return y, rstd
+    plan.run(x2, w, e, y2, None, False)
+    return y

@@ -1,0 +1,208 @@
+"""The short path for repeated small NumPy calls (``layernorm._fast``).
+
+It must give exactly the general path's bits (``backend="numba"`` always takes the
+general path), and every call that differs from the planned one in something the plan
+did not check (contiguity, eps, out, argument types) must still be validated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import layernorm as ln
+from layernorm import _fast
+
+from . import reference
+from .conftest import ATOL, DTYPES, random_rows
+
+CASES = [
+    # (x shape, normalized_shape, param shape)
+    ((1, 768), None, (768,)),
+    ((3, 5, 7), 7, (7,)),
+    ((2, 3, 4), (3, 4), (3, 4)),
+    ((33,), None, (33,)),
+]
+
+
+def _args(rng, dtype, shape, pshape, param_dtype=None):
+    x = random_rows(rng, shape, dtype, loc=3.0)
+    pdt = DTYPES[param_dtype or dtype]
+    w = (1.0 + 0.5 * rng.standard_normal(pshape)).astype(pdt)
+    b = (0.1 * rng.standard_normal(pshape)).astype(pdt)
+    return x, w, b
+
+
+@pytest.mark.parametrize(("shape", "normalized_shape", "pshape"), CASES)
+@pytest.mark.parametrize("return_stats", [False, True])
+def test_layer_norm_matches_general_path_bitwise(dtype_name, shape, normalized_shape, pshape,
+                                                 return_stats):
+    rng = np.random.default_rng(1)
+    x, w, b = _args(rng, dtype_name, shape, pshape)
+    x_before = x.copy()
+    for _ in range(3):  # first call plans, later ones take the compiled entry point
+        fast = ln.layer_norm(x, normalized_shape, w, b, 1e-5, return_stats=return_stats)
+    general = ln.layer_norm(x, normalized_shape, w, b, 1e-5, return_stats=return_stats,
+                            backend="numba")
+    fast = fast if return_stats else (fast,)
+    general = general if return_stats else (general,)
+    for got, want in zip(fast, general, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    axes = tuple(range(x.ndim - len(pshape), x.ndim))
+    y_ref, _, _ = reference.layer_norm(x, axes, w, b, 1e-5)
+    np.testing.assert_allclose(fast[0].astype(np.float64), y_ref.astype(np.float64),
+                               atol=ATOL[dtype_name] * 4, rtol=0)
+    np.testing.assert_array_equal(x.view(np.uint8), x_before.view(np.uint8))
+
+
+@pytest.mark.parametrize(("shape", "normalized_shape", "pshape"), CASES)
+@pytest.mark.parametrize("eps", [None, 1e-3])
+def test_rms_norm_matches_general_path_bitwise(dtype_name, shape, normalized_shape, pshape,
+                                               eps):
+    rng = np.random.default_rng(2)
+    x, w, _ = _args(rng, dtype_name, shape, pshape)
+    for _ in range(3):
+        y, rstd = ln.rms_norm(x, normalized_shape, w, eps, return_stats=True)
+        y_plain = ln.rms_norm(x, normalized_shape, w, eps)
+    gy, grstd = ln.rms_norm(x, normalized_shape, w, eps, return_stats=True, backend="numba")
+    assert np.array_equal(y.view(np.uint8), gy.view(np.uint8))
+    assert np.array_equal(y_plain.view(np.uint8), gy.view(np.uint8))
+    assert np.array_equal(rstd, grstd)
+
+
+def test_parameters_of_another_dtype_are_cast_like_the_general_path():
+    rng = np.random.default_rng(3)
+    x, w, b = _args(rng, "float32", (4, 96), (96,), param_dtype="float64")
+    for _ in range(2):
+        fast = ln.layer_norm(x, weight=w, bias=b)
+    general = ln.layer_norm(x, weight=w, bias=b, backend="numba")
+    assert np.array_equal(fast, general)
+
+
+def test_out_and_in_place_match_the_general_path():
+    rng = np.random.default_rng(4)
+    x, w, b = _args(rng, "float32", (2, 3, 64), (64,))
+    want = ln.layer_norm(x, weight=w, bias=b, backend="numba")
+    out = np.full_like(x, 7.0)
+    for _ in range(2):
+        got = ln.layer_norm(x, weight=w, bias=b, out=out)
+        assert got is out
+    assert np.array_equal(out, want)
+    inplace = x.copy()
+    for _ in range(2):
+        inplace[...] = x
+        assert ln.layer_norm(inplace, weight=w, bias=b, out=inplace) is inplace
+    assert np.array_equal(inplace, want)
+
+
+@pytest.mark.parametrize("rows", [4, 2048])
+@pytest.mark.parametrize("kwargs", [{}, {"axis": -1}])
+def test_out_overlapping_x_gives_the_result_of_a_copy(rows, kwargs):
+    # out is x shifted by one row: both contiguous, partially overlapping.
+    rng = np.random.default_rng(5)
+    buf = random_rows(rng, (rows + 1, 64), "float32")
+    x, out = buf[:rows], buf[1:]
+    want = ln.layer_norm(x.copy(), **kwargs)
+    ln.layer_norm(x.copy(), **kwargs)  # a plan for this shape exists
+    got = ln.layer_norm(x, out=out, **kwargs)
+    assert got is out
+    np.testing.assert_array_equal(out, want)
+
+
+def test_strided_arrays_after_a_plan_give_correct_results():
+    rng = np.random.default_rng(6)
+    wide = random_rows(rng, (4, 128), "float32", loc=2.0)
+    x = np.ascontiguousarray(wide[:, ::2])
+    w_wide = (1 + 0.3 * rng.standard_normal(128)).astype(np.float32)
+    w = np.ascontiguousarray(w_wide[::2])
+    for _ in range(2):
+        planned = ln.layer_norm(x, weight=w)
+    strided_x = ln.layer_norm(wide[:, ::2], weight=w)
+    strided_w = ln.layer_norm(x, weight=w_wide[::2])
+    assert np.array_equal(strided_x, planned)
+    assert np.array_equal(strided_w, planned)
+    col = np.asfortranarray(x)
+    assert np.array_equal(ln.layer_norm(col, weight=w), planned)
+
+
+def test_read_only_input_and_read_only_out():
+    rng = np.random.default_rng(7)
+    x = random_rows(rng, (2, 48), "float32")
+    want = ln.layer_norm(x)
+    frozen = x.copy()
+    frozen.flags.writeable = False
+    assert np.array_equal(ln.layer_norm(frozen), want)
+    out = np.empty_like(x)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out must be a writeable array"):
+        ln.layer_norm(x, out=out)
+    with pytest.raises(ValueError, match="out must be a writeable array"):
+        ln.rms_norm(x, out=out)
+
+
+@pytest.mark.parametrize("eps", [float("nan"), -1.0, float("inf"), "1e-5", None, True])
+def test_bad_eps_after_a_plan_is_still_rejected(eps):
+    x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32)
+    ln.layer_norm(x, eps=1e-5)
+    with pytest.raises(ValueError, match="eps"):
+        ln.layer_norm(x, eps=eps)
+
+
+def test_eps_of_other_real_types_gives_the_same_result():
+    x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32)
+    want = ln.layer_norm(x, eps=0.5)
+    assert np.array_equal(ln.layer_norm(x, eps=np.float32(0.5)), want)
+    assert np.array_equal(ln.layer_norm(x, eps=np.float64(0.5)), want)
+    assert not np.array_equal(ln.layer_norm(x, eps=1e-5), want)
+
+
+@pytest.mark.parametrize("bad", [4.0, (4.0,), True, (True,), np.float32(4)])
+def test_axes_equal_to_a_memoized_valid_value_are_still_validated(bad):
+    # 4.0 == 4 and True == 1 as dict keys: the memo must not let them through.
+    x = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+    ln.layer_norm(x, 4)
+    ln.layer_norm(x, (4,))
+    ln.rms_norm(x, 4)
+    with pytest.raises(TypeError, match="normalized_shape"):
+        ln.layer_norm(x, bad)
+    with pytest.raises(TypeError, match="normalized_shape"):
+        ln.rms_norm(x, bad)
+
+
+def test_axis_equal_to_a_memoized_valid_value_is_still_validated():
+    x = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+    ln.layer_norm(x, axis=1)
+    with pytest.raises(TypeError, match="axis"):
+        ln.layer_norm(x, axis=1.0)
+
+
+def test_parameters_from_another_library_or_shape_are_rejected_after_a_plan():
+    x = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+    w = np.ones(4, np.float32)
+    ln.layer_norm(x, weight=w)
+    with pytest.raises(ValueError, match="weight"):
+        ln.layer_norm(x, weight=np.ones(5, np.float32))
+    with pytest.raises(TypeError, match="weight"):
+        ln.layer_norm(x, weight=[1.0, 1.0, 1.0, 1.0])
+    with pytest.raises(TypeError, match="weight"):
+        ln.layer_norm(x, weight=np.ones(4, np.int32))
+
+
+def test_a_planned_call_runs_the_compiled_entry_point():
+    """After its first call a plan skips Numba's type resolution (the point of the path)."""
+    from layernorm._backends._numba import kernels
+
+    x = np.linspace(-1, 1, 3 * 40, dtype=np.float32).reshape(3, 40)
+    ln.layer_norm(x)
+    ln.layer_norm(x)
+    plan = _fast._PLANS[(x.shape, x.dtype, None, None, None, None, None)]
+    assert plan is not None and plan.direct
+    assert callable(plan.run) and plan.run is not kernels.ln_forward_serial
+
+
+def test_large_inputs_take_the_general_path():
+    x = np.ones((4, _fast.FAST_MAX_ELEMENTS // 4), np.float32)
+    x[:, ::3] = 2.0
+    ln.layer_norm(x)
+    assert _fast._PLANS[(x.shape, x.dtype, None, None, None, None, None)] is None
