@@ -256,3 +256,39 @@ def test_threads_script_is_deterministic_in_process():
         digests.append(buf[0])
     assert digests[0] == digests[1]
     assert digests[0] != hashlib.sha256(b"").hexdigest()
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_backward_long_rows_in_pairs_match_rows_alone(rms):
+    """Rows of PAIR_MIN_N or more run the backward two at a time: same bits per row."""
+    k = backend._kernels()
+    n = k.PAIR_MIN_N + 37
+    rows = 7  # three pairs and a single row
+    x = _rows(rows, n, 21)
+    gy = _rows(rows, n, 22, offset=0.0)
+    w, b = _params(n, 21)
+    wide = np.zeros((rows, 2 * n), np.float32)
+    wide[:, ::2] = x
+    gwide = np.zeros_like(wide)
+    gwide[:, ::2] = gy
+    if rms:
+        _, rstd = ln.rms_norm(x, n, w, return_stats=True)
+        batch = ln.rms_norm_backward(gy, x, rstd, w)
+        strided = ln.rms_norm_backward(gwide[:, ::2], wide[:, ::2], rstd, w)
+        alone = [ln.rms_norm_backward(gy[i:i + 1], x[i:i + 1], rstd[i:i + 1], w)
+                 for i in range(rows)]
+    else:
+        _, mean, rstd = ln.layer_norm(x, n, w, b, return_stats=True)
+        batch = ln.layer_norm_backward(gy, x, mean, rstd, w)
+        strided = ln.layer_norm_backward(gwide[:, ::2], wide[:, ::2], mean, rstd, w)
+        alone = [ln.layer_norm_backward(gy[i:i + 1], x[i:i + 1], mean[i:i + 1],
+                                        rstd[i:i + 1], w) for i in range(rows)]
+    for i, single in enumerate(alone):
+        _same_bits(single[0][0], batch[0][i])
+    for got, want in zip(strided, batch, strict=True):
+        _same_bits(got, want)
+    # The pairs add each row's terms to grad_weight in row order, like single rows do.
+    gw_rows = np.zeros(n, np.float32)
+    for single in alone:
+        gw_rows = gw_rows + single[1]
+    _same_bits(gw_rows, batch[1])

@@ -10,6 +10,9 @@ any other kernel doing the same per-lane operations agree bit for bit, on any ma
 Only jitted code can use what this module defines:
 
 * ``a + b``, ``a - b``, ``a * b``, ``a / b`` on two vectors of the same type;
+* :func:`fma` ``(a, b, c)``: ``a * b + c`` rounded once (IEEE fusedMultiplyAdd), on three
+  vectors or three scalars of one type: an exact operation, so the same bits on every
+  machine (never a contraction the compiler chose);
 * :func:`splat` (scalar -> vector), :func:`lane` (vector -> scalar);
 * :func:`load` / :func:`store` of ``WIDTH`` consecutive elements of an array whose
   last axis has unit stride, widening 16-bit floats (float16 as ``int16`` bits, bfloat16
@@ -103,6 +106,25 @@ def splat(typingctx, value):
         return builder.shuffle_vector(one, ir.Constant(llty, ir.Undefined), mask)
 
     return vt(value), codegen
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """``a * b + c`` with a single rounding: three vectors, or three float scalars."""
+    if not (a == b == c and (isinstance(a, Vec) or a in (types.float32, types.float64))):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ty = args[0].type
+        element = ty.element if isinstance(ty, ir.VectorType) else ty
+        suffix = "f64" if element == ir.DoubleType() else "f32"
+        if isinstance(ty, ir.VectorType):
+            suffix = f"v{WIDTH}{suffix}"
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * 3),
+                                            f"llvm.fma.{suffix}")
+        return builder.call(fn, args)
+
+    return a(a, b, c), codegen
 
 
 @intrinsic

@@ -30,10 +30,14 @@ Accumulation type ``T`` is float32 (float64 for float64 input). Values are shift
 lane ``i % LANES``; ``G = n // LANES`` full groups give every lane ``G`` elements and
 the ``r = n % LANES`` remaining elements go one each to lanes ``0 .. r-1``.
 
-1. Groups are taken ``PER_LANE`` at a time (a chunk of ``CHUNK`` elements; the last
+1. Groups are taken ``PER_LANE`` (8) at a time (a chunk of ``CHUNK`` elements; the last
    chunk may hold ``g < PER_LANE`` groups). Per chunk and lane, with ``v_k = x - K``
-   of the lane's ``g`` elements: ``s = v_0 + v_1 + ...`` (in order),
-   ``m = s * (1/g)``, ``q = (v_0 - m)**2 + (v_1 - m)**2 + ...`` (in order).
+   of the lane's ``g`` elements (``v_k = -0.0`` for ``k >= g``, which adds exactly
+   nothing): ``s = ((v_0 + v_1) + (v_2 + v_3)) + ((v_4 + v_5) + (v_6 + v_7))``,
+   ``m = s * (1/g)``, ``d_k = v_k - m`` (``+0.0`` for ``k >= g``) and
+   ``q = (fma(d_0, d_0, d_1 * d_1) + fma(d_2, d_2, d_3 * d_3)) + (fma(d_4, d_4, d_5 * d_5)
+   + fma(d_6, d_6, d_7 * d_7))``. The fixed trees (not running sums) keep the
+   dependency chains short: a running sum over the chunk was latency-bound.
 2. The chunk is merged into the lane state ``(mean, M2)`` (both start at 0) with Chan's
    formula and scalar weights ``f = g / (a + g)``, ``c = a * f`` where ``a`` is the
    lane's count so far: ``d = m - mean; mean = mean + d * f; M2 = (M2 + q) + (d * d) * c``.
@@ -45,10 +49,16 @@ the ``r = n % LANES`` remaining elements go one each to lanes ``0 .. r-1``.
    (0 when lane ``j + h`` is empty) and ``c = n_a * f``. All weights depend on ``n``
    only and are computed once per call (:func:`merge_weights`).
 5. ``rstd = 1 / sqrt(M2 / n + eps)``, ``mean = K + mean_shifted``, and the output pass
-   computes ``y = ((x - K) - mean_shifted) * rstd * w + b`` element by element.
+   computes ``y = fma(((x - K) - mean_shifted) * rstd, w, b)`` element by element
+   (``* w`` or ``+ b`` alone when only one is given).
 
-RMSNorm: lane ``i % LANES`` accumulates ``x * x`` in order, lanes are summed in the same
-fixed tree, ``rstd = 1 / sqrt(ss / n + eps)``, ``y = x * rstd * w``.
+``fma`` is IEEE fusedMultiplyAdd, written explicitly: one rounding, the same bits on
+every machine. The compiler is never allowed to contract or reorder anything itself.
+
+RMSNorm: per chunk and lane, the squares of the chunk's elements are summed in the same
+fixed tree as ``q`` above (absent elements are 0), the chunk sums are added to the lane's
+sum in order, then the remainder's squares; lanes are summed in the fixed tree,
+``rstd = 1 / sqrt(ss / n + eps)``, ``y = x * rstd * w``.
 
 Backward (LayerNorm): lane ``i % LANES`` accumulates ``g = dy * w`` and ``g * xhat``
 (``xhat = (x - mean) * rstd``) in order; tree sums; ``grad_x = ((g - mean_g) - xhat *
@@ -72,6 +82,7 @@ from ._simd import (
     down2,
     down4,
     down8,
+    fma,
     get,
     itemsize,
     lane,
@@ -90,6 +101,9 @@ from ._simd import (
 LANES = WIDTH
 PER_LANE = 8
 CHUNK = LANES * PER_LANE
+#: Rows at least this long run the backward two rows per pass (no effect on results;
+#: measured: it pays once the partial sums no longer fit in L1, and costs below).
+PAIR_MIN_N = 2048
 #: Columns per grad_weight/grad_bias partial block in the channels-first backward.
 COL_BLOCK = 64
 #: Elements per parallel work item (no effect on results).
@@ -185,6 +199,20 @@ def _plus_b(v, b, i):
     return lambda v, b, i: v + get(b, 0, i)
 
 
+def affine(v, w, b, i):
+    """``v * w[i..] + b[i..]`` rounded once (fma) with both; one operation with one; ``v``."""
+    raise NotImplementedError
+
+
+@overload(affine, inline="always")
+def _affine(v, w, b, i):
+    if isinstance(w, types.NoneType) or isinstance(b, types.NoneType):
+        return lambda v, w, b, i: plus_b(times_w(v, w, i), b, i)
+    if isinstance(v, Vec):
+        return lambda v, w, b, i: fma(v, vload(w, 0, i), vload(b, 0, i))
+    return lambda v, w, b, i: fma(v, get(w, 0, i), get(b, 0, i))
+
+
 @njit(inline="always", error_model="numpy")
 def _merge(mean, m2, m, q, f, c):
     d = m - mean
@@ -208,17 +236,45 @@ def _finish(shift, mean, m2, n, eps):
 
 
 @njit(inline="always", error_model="numpy")
-def _row_chunk(xr, r, base, g, kv, inv):
-    s = vload(xr, r, base) - kv
-    for k in range(1, g):
-        s = s + (vload(xr, r, base + k * LANES) - kv)
+def _chunk_tree(v0, v1, v2, v3, v4, v5, v6, v7, g, inv, zero):
+    """(m, q) of one chunk from its ``PER_LANE`` shifted leaves (absent ones are -0.0)."""
+    s = ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))
     m = s * inv
-    d = (vload(xr, r, base) - kv) - m
-    q = d * d
-    for k in range(1, g):
-        d = (vload(xr, r, base + k * LANES) - kv) - m
-        q = q + d * d
-    return m, q
+    d0 = v0 - m
+    d1 = v1 - m if g > 1 else zero
+    d2 = v2 - m if g > 2 else zero
+    d3 = v3 - m if g > 3 else zero
+    d4 = v4 - m if g > 4 else zero
+    d5 = v5 - m if g > 5 else zero
+    d6 = v6 - m if g > 6 else zero
+    d7 = v7 - m if g > 7 else zero
+    return m, _square_tree(d0, d1, d2, d3, d4, d5, d6, d7)
+
+
+@njit(inline="always", error_model="numpy")
+def _square_tree(d0, d1, d2, d3, d4, d5, d6, d7):
+    """``d0**2 + ... + d7**2`` in the fixed tree (pairs fused: ``fma(d0, d0, d1 * d1)``).
+
+    Absent leaves are +0.0: their squares add exactly nothing to sums of squares, which
+    are never -0.0.
+    """
+    return ((fma(d0, d0, d1 * d1) + fma(d2, d2, d3 * d3))
+            + (fma(d4, d4, d5 * d5) + fma(d6, d6, d7 * d7)))
+
+
+@njit(inline="always", error_model="numpy")
+def _row_leaf(xr, r, base, k, g, kv, pad):
+    return vload(xr, r, base + k * LANES) - kv if k < g else pad
+
+
+@njit(inline="always", error_model="numpy")
+def _row_chunk(xr, r, base, g, kv, inv, pad, zero):
+    return _chunk_tree(
+        _row_leaf(xr, r, base, 0, g, kv, pad), _row_leaf(xr, r, base, 1, g, kv, pad),
+        _row_leaf(xr, r, base, 2, g, kv, pad), _row_leaf(xr, r, base, 3, g, kv, pad),
+        _row_leaf(xr, r, base, 4, g, kv, pad), _row_leaf(xr, r, base, 5, g, kv, pad),
+        _row_leaf(xr, r, base, 6, g, kv, pad), _row_leaf(xr, r, base, 7, g, kv, pad),
+        g, inv, zero)
 
 
 @njit(inline="always", error_model="numpy")
@@ -227,18 +283,19 @@ def _row_moments(xr, r, n, shift, tab, rem):
     like = shift
     kv = splat(shift)
     zero = splat(cast(0.0, like))
+    pad = splat(cast(-0.0, like))
     mean = zero
     m2 = zero
     groups = n // LANES
     full = groups // PER_LANE
     inv_full = splat(cast(1.0, like) / cast(PER_LANE, like))
     for c in range(full):
-        m, q = _row_chunk(xr, r, c * CHUNK, PER_LANE, kv, inv_full)
+        m, q = _row_chunk(xr, r, c * CHUNK, PER_LANE, kv, inv_full, pad, zero)
         f, cc = _chunk_weights(c, PER_LANE, like)
         mean, m2 = _merge(mean, m2, m, q, splat(f), splat(cc))
     g = groups - full * PER_LANE
     if g > 0:
-        m, q = _row_chunk(xr, r, full * CHUNK, g, kv, splat(get(tab, 10, 2)))
+        m, q = _row_chunk(xr, r, full * CHUNK, g, kv, splat(get(tab, 10, 2)), pad, zero)
         mean, m2 = _merge(mean, m2, m, q, splat(get(tab, 10, 0)), splat(get(tab, 10, 1)))
     start = groups * LANES
     if start < n:
@@ -265,29 +322,25 @@ def _ln_row_out(xr, yr, r, n, shift, mean, rstd, w, b, nt):
         align = min(64, LANES * itemsize(yr))
         while i < n and vaddress(yr, r, i) % align != 0:
             v = ((widen(get(xr, r, i)) - shift) - mean) * rstd
-            v = times_w(v, w, i)
-            v = plus_b(v, b, i)
+            v = affine(v, w, b, i)
             put(yr, r, i, narrow(v, yr))
             i += 1
     body = i + (n - i) // LANES * LANES
     if nt:
         while i < body:
             v = ((vload(xr, r, i) - kv) - mv) * rv
-            v = times_w(v, w, i)
-            v = plus_b(v, b, i)
+            v = affine(v, w, b, i)
             vstore_nt(yr, v, r, i)
             i += LANES
     else:
         while i < body:
             v = ((vload(xr, r, i) - kv) - mv) * rv
-            v = times_w(v, w, i)
-            v = plus_b(v, b, i)
+            v = affine(v, w, b, i)
             vstore(yr, v, r, i)
             i += LANES
     while i < n:
         v = ((widen(get(xr, r, i)) - shift) - mean) * rstd
-        v = times_w(v, w, i)
-        v = plus_b(v, b, i)
+        v = affine(v, w, b, i)
         put(yr, r, i, narrow(v, yr))
         i += 1
 
@@ -356,17 +409,18 @@ def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, nt):
 
 
 @njit(inline="always", error_model="numpy")
-def _col_chunk(x2, row0, c0, g, kv, inv):
-    s = load2(x2, row0, c0) - kv
-    for k in range(1, g):
-        s = s + (load2(x2, row0 + k * LANES, c0) - kv)
-    m = s * inv
-    d = (load2(x2, row0, c0) - kv) - m
-    q = d * d
-    for k in range(1, g):
-        d = (load2(x2, row0 + k * LANES, c0) - kv) - m
-        q = q + d * d
-    return m, q
+def _col_leaf(x2, row0, k, g, c0, kv, pad):
+    return load2(x2, row0 + k * LANES, c0) - kv if k < g else pad
+
+
+@njit(inline="always", error_model="numpy")
+def _col_chunk(x2, row0, c0, g, kv, inv, pad, zero):
+    return _chunk_tree(
+        _col_leaf(x2, row0, 0, g, c0, kv, pad), _col_leaf(x2, row0, 1, g, c0, kv, pad),
+        _col_leaf(x2, row0, 2, g, c0, kv, pad), _col_leaf(x2, row0, 3, g, c0, kv, pad),
+        _col_leaf(x2, row0, 4, g, c0, kv, pad), _col_leaf(x2, row0, 5, g, c0, kv, pad),
+        _col_leaf(x2, row0, 6, g, c0, kv, pad), _col_leaf(x2, row0, 7, g, c0, kv, pad),
+        g, inv, zero)
 
 
 @njit(inline="always", error_model="numpy")
@@ -379,6 +433,7 @@ def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, cs, mean_out, rstd_out, r0, va
     like = eps
     kv = load2(x2, 0, c0)
     zero = splat(cast(0.0, like))
+    pad = splat(cast(-0.0, like))
     for j in range(LANES):
         store2(lm, zero, j, 0)
         store2(lm2, zero, j, 0)
@@ -390,7 +445,7 @@ def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, cs, mean_out, rstd_out, r0, va
         fv = splat(f)
         cv = splat(cc)
         for j in range(LANES):
-            m, q = _col_chunk(x2, c * CHUNK + j, c0, PER_LANE, kv, inv_full)
+            m, q = _col_chunk(x2, c * CHUNK + j, c0, PER_LANE, kv, inv_full, pad, zero)
             mean, m2 = _merge(load2(lm, j, 0), load2(lm2, j, 0), m, q, fv, cv)
             store2(lm, mean, j, 0)
             store2(lm2, m2, j, 0)
@@ -401,7 +456,7 @@ def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, cs, mean_out, rstd_out, r0, va
         cv = splat(cc)
         inv = splat(cast(1.0, like) / cast(g, like))
         for j in range(LANES):
-            m, q = _col_chunk(x2, full * CHUNK + j, c0, g, kv, inv)
+            m, q = _col_chunk(x2, full * CHUNK + j, c0, g, kv, inv, pad, zero)
             mean, m2 = _merge(load2(lm, j, 0), load2(lm2, j, 0), m, q, fv, cv)
             store2(lm, mean, j, 0)
             store2(lm2, m2, j, 0)
@@ -439,9 +494,11 @@ def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, cs, mean_out, rstd_out, r0, va
     rv = load2(cs, 1, 0)
     for i in range(n):
         v = ((load2(x2, i, c0) - kv) - mv) * rv
-        if w is not None:
+        if w is not None and b is not None:
+            v = fma(v, splat(w[i]), splat(b[i]))
+        elif w is not None:
             v = v * splat(w[i])
-        if b is not None:
+        elif b is not None:
             v = v + splat(b[i])
         store2(y2, v, i, c0)
 
@@ -546,12 +603,31 @@ def _tree_sum(v):
 
 
 @njit(inline="always", error_model="numpy")
+def _row_square_leaf(xr, r, base, k, g, zero):
+    return vload(xr, r, base + k * LANES) if k < g else zero
+
+
+@njit(inline="always", error_model="numpy")
+def _row_square_chunk(xr, r, base, g, zero):
+    return _square_tree(
+        _row_square_leaf(xr, r, base, 0, g, zero), _row_square_leaf(xr, r, base, 1, g, zero),
+        _row_square_leaf(xr, r, base, 2, g, zero), _row_square_leaf(xr, r, base, 3, g, zero),
+        _row_square_leaf(xr, r, base, 4, g, zero), _row_square_leaf(xr, r, base, 5, g, zero),
+        _row_square_leaf(xr, r, base, 6, g, zero), _row_square_leaf(xr, r, base, 7, g, zero))
+
+
+@njit(inline="always", error_model="numpy")
 def _row_sum_squares(xr, r, n, like, rem):
-    acc = splat(cast(0.0, like))
-    body = n - n % LANES
-    for i in range(0, body, LANES):
-        v = vload(xr, r, i)
-        acc = acc + v * v
+    zero = splat(cast(0.0, like))
+    acc = zero
+    groups = n // LANES
+    full = groups // PER_LANE
+    for c in range(full):
+        acc = acc + _row_square_chunk(xr, r, c * CHUNK, PER_LANE, zero)
+    g = groups - full * PER_LANE
+    if g > 0:
+        acc = acc + _row_square_chunk(xr, r, full * CHUNK, g, zero)
+    body = groups * LANES
     if body < n:
         for j in range(LANES):
             put(rem, 0, j, widen(get(xr, r, body + j)) if body + j < n else cast(0.0, like))
@@ -631,16 +707,37 @@ def rms_forward_parallel(x, w, eps, y, rstd_out, nt):
 
 
 @njit(inline="always", error_model="numpy")
+def _col_square_leaf(x2, row0, k, g, c0, zero):
+    return load2(x2, row0 + k * LANES, c0) if k < g else zero
+
+
+@njit(inline="always", error_model="numpy")
+def _col_square_chunk(x2, row0, c0, g, zero):
+    return _square_tree(
+        _col_square_leaf(x2, row0, 0, g, c0, zero), _col_square_leaf(x2, row0, 1, g, c0, zero),
+        _col_square_leaf(x2, row0, 2, g, c0, zero), _col_square_leaf(x2, row0, 3, g, c0, zero),
+        _col_square_leaf(x2, row0, 4, g, c0, zero), _col_square_leaf(x2, row0, 5, g, c0, zero),
+        _col_square_leaf(x2, row0, 6, g, c0, zero), _col_square_leaf(x2, row0, 7, g, c0, zero))
+
+
+@njit(inline="always", error_model="numpy")
 def _rms_cols(x2, y2, c0, w, eps, lanes, cs, rstd_out, r0, valid):
     n = x2.shape[0]
     zero = splat(cast(0.0, eps))
     for j in range(LANES):
         store2(lanes, zero, j, 0)
-    body = n - n % LANES
-    for base in range(0, body, LANES):
+    groups = n // LANES
+    full = groups // PER_LANE
+    for c in range(full):
         for j in range(LANES):
-            v = load2(x2, base + j, c0)
-            store2(lanes, load2(lanes, j, 0) + v * v, j, 0)
+            sq = _col_square_chunk(x2, c * CHUNK + j, c0, PER_LANE, zero)
+            store2(lanes, load2(lanes, j, 0) + sq, j, 0)
+    g = groups - full * PER_LANE
+    if g > 0:
+        for j in range(LANES):
+            sq = _col_square_chunk(x2, full * CHUNK + j, c0, g, zero)
+            store2(lanes, load2(lanes, j, 0) + sq, j, 0)
+    body = groups * LANES
     if body < n:
         for j in range(LANES):
             v = load2(x2, body + j, c0) if body + j < n else zero
@@ -705,7 +802,8 @@ def rms_forward_cols_parallel(x, w, eps, y, rstd_out):
 
 
 @njit(inline="always", error_model="numpy")
-def _ln_bwd_row(gyr, xr, gxr, r, n, mean, rstd, w, dw, db, rg, rx):
+def _ln_bwd_means(gyr, xr, r, n, mean, rstd, w, rg, rx):
+    """(mean of g, mean of g * xhat) of row ``r``, ``g = dy * w``."""
     like = mean
     zero = splat(cast(0.0, like))
     mv = splat(mean)
@@ -734,26 +832,48 @@ def _ln_bwd_row(gyr, xr, gxr, r, n, mean, rstd, w, dw, db, rg, rx):
         acc_g = acc_g + g
         acc_gx = acc_gx + g * xh
     inv_n = cast(1.0, like) / cast(n, like)
-    mean_g = _tree_sum(acc_g) * inv_n
-    mean_gx = _tree_sum(acc_gx) * inv_n
-    mgv = splat(mean_g)
-    mgxv = splat(mean_gx)
+    return _tree_sum(acc_g) * inv_n, _tree_sum(acc_gx) * inv_n
+
+
+@njit(inline="always", error_model="numpy")
+def _ln_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw, db):
+    """grad_x of rows ``ra`` and (if ``two``) ``rb``; their terms added to dw/db in order.
+
+    ``sa``/``sb`` are (mean, rstd, mean_g, mean_gx) of each row. Two rows per pass read
+    and write the partial sums once for both: ``dw = (dw + a) + b`` is exactly what two
+    single-row passes compute.
+    """
+    mva, rva, mga, mgxa = splat(sa[0]), splat(sa[1]), splat(sa[2]), splat(sa[3])
+    mvb, rvb, mgb, mgxb = splat(sb[0]), splat(sb[1]), splat(sb[2]), splat(sb[3])
+    body = n - n % LANES
     for i in range(0, body, LANES):
-        dy = vload(gyr, r, i)
-        g = dy
-        g = times_w(g, w, i)
-        xh = (vload(xr, r, i) - mv) * rv
-        vstore(gxr, ((g - mgv) - xh * mgxv) * rv, r, i)
-        vstore(dw, vload(dw, 0, i) + dy * xh, 0, i)
-        vstore(db, vload(db, 0, i) + dy, 0, i)
+        dya = vload(gyr, ra, i)
+        xha = (vload(xr, ra, i) - mva) * rva
+        vstore(gxr, ((times_w(dya, w, i) - mga) - xha * mgxa) * rva, ra, i)
+        tw = vload(dw, 0, i) + dya * xha
+        tb = vload(db, 0, i) + dya
+        if two:
+            dyb = vload(gyr, rb, i)
+            xhb = (vload(xr, rb, i) - mvb) * rvb
+            vstore(gxr, ((times_w(dyb, w, i) - mgb) - xhb * mgxb) * rvb, rb, i)
+            tw = tw + dyb * xhb
+            tb = tb + dyb
+        vstore(dw, tw, 0, i)
+        vstore(db, tb, 0, i)
     for i in range(body, n):
-        dy = widen(get(gyr, r, i))
-        g = dy
-        g = times_w(g, w, i)
-        xh = (widen(get(xr, r, i)) - mean) * rstd
-        put(gxr, r, i, narrow(((g - mean_g) - xh * mean_gx) * rstd, gxr))
-        put(dw, 0, i, get(dw, 0, i) + dy * xh)
-        put(db, 0, i, get(db, 0, i) + dy)
+        dya = widen(get(gyr, ra, i))
+        xha = (widen(get(xr, ra, i)) - sa[0]) * sa[1]
+        put(gxr, ra, i, narrow(((times_w(dya, w, i) - sa[2]) - xha * sa[3]) * sa[1], gxr))
+        tw = get(dw, 0, i) + dya * xha
+        tb = get(db, 0, i) + dya
+        if two:
+            dyb = widen(get(gyr, rb, i))
+            xhb = (widen(get(xr, rb, i)) - sb[0]) * sb[1]
+            put(gxr, rb, i, narrow(((times_w(dyb, w, i) - sb[2]) - xhb * sb[3]) * sb[1], gxr))
+            tw = tw + dyb * xhb
+            tb = tb + dyb
+        put(dw, 0, i, tw)
+        put(db, 0, i, tb)
 
 
 @njit(error_model="numpy")
@@ -763,22 +883,38 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
     rg = np.empty((1, LANES), dtype=acc)
     rx = np.empty((1, LANES), dtype=acc)
     strided = not (_unit(x) and _unit(gy) and _unit(gx))
-    xs = np.empty((1, n if strided else 0), dtype=x.dtype)
-    gys = np.empty((1, n if strided else 0), dtype=gy.dtype)
-    gxs = np.empty((1, n if strided else 0), dtype=gx.dtype)
+    xs = np.empty((2, n if strided else 0), dtype=x.dtype)
+    gys = np.empty((2, n if strided else 0), dtype=gy.dtype)
+    gxs = np.empty((2, n if strided else 0), dtype=gx.dtype)
     xv, gyv, gxv, xsv, gysv, gxsv = raw(x), raw(gy), raw(gx), raw(xs), raw(gys), raw(gxs)
     wv, rgv, rxv = maybe_raw(w), raw(rg), raw(rx)
     dw = raw(partials[0, blk])
     db = raw(partials[1, blk])
     a, b, c = (gysv, xsv, gxsv) if strided else (gyv, xv, gxv)
-    for r in range(r0, r1):
+    # Long rows in pairs (a last single row alone): the parameter-gradient partial sums,
+    # too long for L1 then, are read and written once per pair. Each row's arithmetic is
+    # the same either way.
+    step = 2 if n >= PAIR_MIN_N else 1
+    for r in range(r0, r1, step):
+        two = step == 2 and r + 1 < r1
         if strided:
             _copy_row(xs, 0, x, r)
             _copy_row(gys, 0, gy, r)
-        _ln_bwd_row(a, b, c, 0 if strided else r, n, mean_in[r], rstd_in[r], wv, dw, db,
-                    rgv, rxv)
+            if two:
+                _copy_row(xs, 1, x, r + 1)
+                _copy_row(gys, 1, gy, r + 1)
+        ra = 0 if strided else r
+        rb = ra + 1 if two else ra
+        ma, sa_ = mean_in[r], rstd_in[r]
+        mb, sb_ = mean_in[r + 1] if two else ma, rstd_in[r + 1] if two else sa_
+        ga, gxa = _ln_bwd_means(a, b, ra, n, ma, sa_, wv, rgv, rxv)
+        gb, gxb = _ln_bwd_means(a, b, rb, n, mb, sb_, wv, rgv, rxv)
+        _ln_bwd_rows_out(a, b, c, ra, rb, two, n, (ma, sa_, ga, gxa), (mb, sb_, gb, gxb),
+                         wv, dw, db)
         if strided:
             _copy_row(gx, r, gxs, 0)
+            if two:
+                _copy_row(gx, r + 1, gxs, 1)
 
 
 @njit(cache=True, error_model="numpy")
@@ -802,7 +938,8 @@ def ln_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows):
 
 
 @njit(inline="always", error_model="numpy")
-def _rms_bwd_row(gyr, xr, gxr, r, n, rstd, w, dw, rg, rx):
+def _rms_bwd_mean(gyr, xr, r, n, rstd, w, rg, rx):
+    """Mean of ``g * xhat`` of row ``r`` (``g = dy * w``, ``xhat = x * rstd``)."""
     like = rstd
     zero = splat(cast(0.0, like))
     rv = splat(rstd)
@@ -823,22 +960,40 @@ def _rms_bwd_row(gyr, xr, gxr, r, n, rstd, w, dw, rg, rx):
                 put(rg, 0, j, cast(0.0, like))
                 put(rx, 0, j, cast(0.0, like))
         acc = acc + vload(rg, 0, 0) * (vload(rx, 0, 0) * rv)
-    mean_gx = _tree_sum(acc) * (cast(1.0, like) / cast(n, like))
-    mgxv = splat(mean_gx)
+    return _tree_sum(acc) * (cast(1.0, like) / cast(n, like))
+
+
+@njit(inline="always", error_model="numpy")
+def _rms_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw):
+    """grad_x of rows ``ra`` and (if ``two``) ``rb``, like :func:`_ln_bwd_rows_out`.
+
+    ``sa``/``sb`` are (rstd, mean_gx) of each row.
+    """
+    rva, mgxa = splat(sa[0]), splat(sa[1])
+    rvb, mgxb = splat(sb[0]), splat(sb[1])
+    body = n - n % LANES
     for i in range(0, body, LANES):
-        dy = vload(gyr, r, i)
-        g = dy
-        g = times_w(g, w, i)
-        xh = vload(xr, r, i) * rv
-        vstore(gxr, (g - xh * mgxv) * rv, r, i)
-        vstore(dw, vload(dw, 0, i) + dy * xh, 0, i)
+        dya = vload(gyr, ra, i)
+        xha = vload(xr, ra, i) * rva
+        vstore(gxr, (times_w(dya, w, i) - xha * mgxa) * rva, ra, i)
+        tw = vload(dw, 0, i) + dya * xha
+        if two:
+            dyb = vload(gyr, rb, i)
+            xhb = vload(xr, rb, i) * rvb
+            vstore(gxr, (times_w(dyb, w, i) - xhb * mgxb) * rvb, rb, i)
+            tw = tw + dyb * xhb
+        vstore(dw, tw, 0, i)
     for i in range(body, n):
-        dy = widen(get(gyr, r, i))
-        g = dy
-        g = times_w(g, w, i)
-        xh = widen(get(xr, r, i)) * rstd
-        put(gxr, r, i, narrow((g - xh * mean_gx) * rstd, gxr))
-        put(dw, 0, i, get(dw, 0, i) + dy * xh)
+        dya = widen(get(gyr, ra, i))
+        xha = widen(get(xr, ra, i)) * sa[0]
+        put(gxr, ra, i, narrow((times_w(dya, w, i) - xha * sa[1]) * sa[0], gxr))
+        tw = get(dw, 0, i) + dya * xha
+        if two:
+            dyb = widen(get(gyr, rb, i))
+            xhb = widen(get(xr, rb, i)) * sb[0]
+            put(gxr, rb, i, narrow((times_w(dyb, w, i) - xhb * sb[1]) * sb[0], gxr))
+            tw = tw + dyb * xhb
+        put(dw, 0, i, tw)
 
 
 @njit(error_model="numpy")
@@ -848,20 +1003,33 @@ def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1):
     rg = np.empty((1, LANES), dtype=acc)
     rx = np.empty((1, LANES), dtype=acc)
     strided = not (_unit(x) and _unit(gy) and _unit(gx))
-    xs = np.empty((1, n if strided else 0), dtype=x.dtype)
-    gys = np.empty((1, n if strided else 0), dtype=gy.dtype)
-    gxs = np.empty((1, n if strided else 0), dtype=gx.dtype)
+    xs = np.empty((2, n if strided else 0), dtype=x.dtype)
+    gys = np.empty((2, n if strided else 0), dtype=gy.dtype)
+    gxs = np.empty((2, n if strided else 0), dtype=gx.dtype)
     xv, gyv, gxv, xsv, gysv, gxsv = raw(x), raw(gy), raw(gx), raw(xs), raw(gys), raw(gxs)
     wv, rgv, rxv = maybe_raw(w), raw(rg), raw(rx)
     dw = raw(partials[0, blk])
     a, b, c = (gysv, xsv, gxsv) if strided else (gyv, xv, gxv)
-    for r in range(r0, r1):
+    step = 2 if n >= PAIR_MIN_N else 1
+    for r in range(r0, r1, step):
+        two = step == 2 and r + 1 < r1
         if strided:
             _copy_row(xs, 0, x, r)
             _copy_row(gys, 0, gy, r)
-        _rms_bwd_row(a, b, c, 0 if strided else r, n, rstd_in[r], wv, dw, rgv, rxv)
+            if two:
+                _copy_row(xs, 1, x, r + 1)
+                _copy_row(gys, 1, gy, r + 1)
+        ra = 0 if strided else r
+        rb = ra + 1 if two else ra
+        sa_ = rstd_in[r]
+        sb_ = rstd_in[r + 1] if two else sa_
+        ma = _rms_bwd_mean(a, b, ra, n, sa_, wv, rgv, rxv)
+        mb = _rms_bwd_mean(a, b, rb, n, sb_, wv, rgv, rxv)
+        _rms_bwd_rows_out(a, b, c, ra, rb, two, n, (sa_, ma), (sb_, mb), wv, dw)
         if strided:
             _copy_row(gx, r, gxs, 0)
+            if two:
+                _copy_row(gx, r + 1, gxs, 1)
 
 
 @njit(cache=True, error_model="numpy")
@@ -900,9 +1068,14 @@ def _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols):
             xs[0, i] = x[o, i, c]
             gys[0, i] = gy[o, i, c]
         if rms:
-            _rms_bwd_row(gysv, xsv, gxsv, 0, n, rstd_in[r], wv, dw, rgv, rxv)
+            sd = rstd_in[r]
+            mgx = _rms_bwd_mean(gysv, xsv, 0, n, sd, wv, rgv, rxv)
+            _rms_bwd_rows_out(gysv, xsv, gxsv, 0, 0, False, n, (sd, mgx), (sd, mgx), wv, dw)
         else:
-            _ln_bwd_row(gysv, xsv, gxsv, 0, n, mean_in[r], rstd_in[r], wv, dw, db, rgv, rxv)
+            m, sd = mean_in[r], rstd_in[r]
+            mg, mgx = _ln_bwd_means(gysv, xsv, 0, n, m, sd, wv, rgv, rxv)
+            _ln_bwd_rows_out(gysv, xsv, gxsv, 0, 0, False, n, (m, sd, mg, mgx),
+                             (m, sd, mg, mgx), wv, dw, db)
         for i in range(n):
             gx[o, i, c] = gxs[0, i]
 
