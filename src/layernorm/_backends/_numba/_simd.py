@@ -18,7 +18,8 @@ Only jitted code can use what this module defines:
   last axis has unit stride, widening 16-bit floats (float16 as ``int16`` bits, bfloat16
   as ``uint16`` bits) to float32 and rounding back to nearest even on store;
   :func:`store_nt` is :func:`store` with a non-temporal (streaming) hint, for addresses
-  aligned to ``min(64, vector bytes)`` only;
+  aligned to ``min(64, vector bytes)`` only, and :func:`store_fence` orders them before
+  the stores that follow (a kernel ends with it, before other threads read its output);
 * :func:`down8`, :func:`down4`, :func:`down2`, :func:`down1`: lane ``j + h`` moved to
   lane ``j`` (the fixed lane tree of the reductions);
 * :func:`address` of an element, for alignment decisions.
@@ -27,6 +28,7 @@ Only jitted code can use what this module defines:
 from __future__ import annotations
 
 import operator
+import platform
 
 from llvmlite import ir
 from numba import types
@@ -402,6 +404,22 @@ def _vstore_impl(nontemporal: bool):
         return types.none(view, vec, r, i), codegen
 
     return typer
+
+
+@intrinsic
+def store_fence(typingctx):
+    """Order earlier streaming stores before later stores (``sfence`` on x86)."""
+
+    def codegen(context, builder, sig, args):
+        if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse.sfence")
+            builder.call(fn, [])
+        else:
+            builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.none(), codegen
 
 
 def _vstore(typingctx, view, vec, r, i):

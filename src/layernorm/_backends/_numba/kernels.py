@@ -92,6 +92,7 @@ from ._simd import (
     raw,
     splat,
     store2,
+    store_fence,
     vaddress,
     vload,
     vstore,
@@ -380,6 +381,8 @@ def _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, r0, r1):
             _copy_row(y, r, ys, 0)
         put_stat(mean_out, r, mo)
         put_stat(rstd_out, r, rstd)
+    if nt:
+        store_fence()  # streaming stores done before another thread reads y
 
 
 @njit(inline="always", error_model="numpy")
@@ -688,6 +691,8 @@ def _rms_rows(x, w, eps, y, rstd_out, nt, r0, r1):
         if strided:
             _copy_row(y, r, ys, 0)
         put_stat(rstd_out, r, rstd)
+    if nt:
+        store_fence()
 
 
 @njit(cache=True, error_model="numpy")
