@@ -87,6 +87,8 @@ class Impl:
     regime: str
     fn: Callable[[], Any]
     note: str = ""
+    #: Arrays of x's size it reads and writes in all (baselines only; 2 for a copy).
+    arrays: int = 2
 
 
 def numpy_dtype(name: str) -> Any:
@@ -137,7 +139,13 @@ def make_case(op: str, direction: str, dtype: str, shape: tuple[int, int],
 
 
 def copy_impls(case: Case) -> list[Impl]:
-    """Copy baselines over the bytes of one ``x``: the bandwidth denominators."""
+    """Streaming baselines over the case's arrays: the bandwidth denominators.
+
+    A forward moves the bytes of a copy of ``x``. A backward reads two arrays and writes
+    a third, so its baselines are ``grad_y + x`` into a preallocated array: exactly its
+    traffic and working set (a copy of one ``x`` may fit in a cache the three arrays do
+    not). The copies are timed for backward cases too, for reference.
+    """
     src = case.x
     dst = np.empty_like(src)
     impls = [
@@ -146,11 +154,27 @@ def copy_impls(case: Case) -> list[Impl]:
         Impl("copy np.copy", COPY, "fresh", lambda: np.copy(src),
              "single-threaded, allocates its output like a fresh-output call"),
     ]
-    if installed("torch"):
+    torch_ok = installed("torch")
+    if torch_ok:
         ts, td = _to_torch(src), _to_torch(dst)
         impls.append(Impl("copy torch copy_", COPY, "prealloc", lambda: td.copy_(ts),
                           "uses torch's threads"))
+    if case.direction == "backward":
+        gy = case.grad_y
+        impls.append(Impl("stream np.add", COPY, "prealloc",
+                          lambda: np.add(gy, src, out=dst), "grad_y + x into out=", 3))
+        if torch_ok:
+            tg = _to_torch(gy)
+            impls.append(Impl("stream torch add", COPY, "prealloc",
+                              lambda: torch_add(tg, ts, td), "uses torch's threads", 3))
     return impls
+
+
+def torch_add(a: Any, b: Any, out: Any) -> Any:
+    """``torch.add(a, b, out=out)`` (torch imported by the caller's tensors already)."""
+    import torch
+
+    return torch.add(a, b, out=out)
 
 
 # --------------------------------------------------------------------------- ours

@@ -913,7 +913,7 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
         ma, sa_ = mean_in[r], rstd_in[r]
         mb, sb_ = mean_in[r + 1] if two else ma, rstd_in[r + 1] if two else sa_
         ga, gxa = _ln_bwd_means(a, b, ra, n, ma, sa_, wv, rgv, rxv)
-        gb, gxb = _ln_bwd_means(a, b, rb, n, mb, sb_, wv, rgv, rxv)
+        gb, gxb = _ln_bwd_means(a, b, rb, n, mb, sb_, wv, rgv, rxv) if two else (ga, gxa)
         _ln_bwd_rows_out(a, b, c, ra, rb, two, n, (ma, sa_, ga, gxa), (mb, sb_, gb, gxb),
                          wv, dw, db)
         if strided:
@@ -1029,7 +1029,7 @@ def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1):
         sa_ = rstd_in[r]
         sb_ = rstd_in[r + 1] if two else sa_
         ma = _rms_bwd_mean(a, b, ra, n, sa_, wv, rgv, rxv)
-        mb = _rms_bwd_mean(a, b, rb, n, sb_, wv, rgv, rxv)
+        mb = _rms_bwd_mean(a, b, rb, n, sb_, wv, rgv, rxv) if two else ma
         _rms_bwd_rows_out(a, b, c, ra, rb, two, n, (sa_, ma), (sb_, mb), wv, dw)
         if strided:
             _copy_row(gx, r, gxs, 0)
