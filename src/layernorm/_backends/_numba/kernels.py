@@ -360,29 +360,40 @@ def _unit(a):
 
 @njit(error_model="numpy")
 def _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, r0, r1):
+    if not (_unit(x) and _unit(y)):
+        _ln_rows_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1)
+        return
     n = x.shape[1]
     rem = np.empty((1, LANES), dtype=tab.dtype)
-    strided = not (_unit(x) and _unit(y))
-    xs = np.empty((1, n if strided else 0), dtype=x.dtype)
-    ys = np.empty((1, n if strided else 0), dtype=y.dtype)
-    xv, yv, xsv, ysv = raw(x), raw(y), raw(xs), raw(ys)
-    wv, bv, tv, remv = maybe_raw(w), maybe_raw(b), raw(tab), raw(rem)
-    # A strided row goes through contiguous scratch rows; the arithmetic is the same.
-    src, dst, nt = (xsv, ysv, False) if strided else (xv, yv, nt)
+    xv, yv, wv, bv, tv, remv = raw(x), raw(y), maybe_raw(w), maybe_raw(b), raw(tab), raw(rem)
     for r in range(r0, r1):
-        if strided:
-            _copy_row(xs, 0, x, r)
-        rr = 0 if strided else r
-        shift = widen(get(src, rr, 0))
-        mean, m2 = _row_moments(src, rr, n, shift, tv, remv)
+        shift = widen(get(xv, r, 0))
+        mean, m2 = _row_moments(xv, r, n, shift, tv, remv)
         mo, rstd = _finish(shift, mean, m2, n, eps)
-        _ln_row_out(src, dst, rr, n, shift, mean, rstd, wv, bv, nt)
-        if strided:
-            _copy_row(y, r, ys, 0)
+        _ln_row_out(xv, yv, r, n, shift, mean, rstd, wv, bv, nt)
         put_stat(mean_out, r, mo)
         put_stat(rstd_out, r, rstd)
     if nt:
         store_fence()  # streaming stores done before another thread reads y
+
+
+@njit(error_model="numpy")
+def _ln_rows_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1):
+    """:func:`_ln_rows` for strided rows: each goes through a contiguous scratch row."""
+    n = x.shape[1]
+    rem = np.empty((1, LANES), dtype=tab.dtype)
+    xs = np.empty((1, n), dtype=x.dtype)
+    ys = np.empty((1, n), dtype=y.dtype)
+    xv, yv, wv, bv, tv, remv = raw(xs), raw(ys), maybe_raw(w), maybe_raw(b), raw(tab), raw(rem)
+    for r in range(r0, r1):
+        _copy_row(xs, 0, x, r)
+        shift = widen(get(xv, 0, 0))
+        mean, m2 = _row_moments(xv, 0, n, shift, tv, remv)
+        mo, rstd = _finish(shift, mean, m2, n, eps)
+        _ln_row_out(xv, yv, 0, n, shift, mean, rstd, wv, bv, False)
+        _copy_row(y, r, ys, 0)
+        put_stat(mean_out, r, mo)
+        put_stat(rstd_out, r, rstd)
 
 
 @njit(inline="always", error_model="numpy")
@@ -672,27 +683,40 @@ def _rms_row_out(xr, yr, r, n, rstd, w, nt):
 
 @njit(error_model="numpy")
 def _rms_rows(x, w, eps, y, rstd_out, nt, r0, r1):
+    if not (_unit(x) and _unit(y)):
+        _rms_rows_gathered(x, w, eps, y, rstd_out, r0, r1)
+        return
     n = x.shape[1]
     rem = np.full((1, LANES), eps)
-    strided = not (_unit(x) and _unit(y))
-    xs = np.empty((1, n if strided else 0), dtype=x.dtype)
-    ys = np.empty((1, n if strided else 0), dtype=y.dtype)
-    xv, yv, xsv, ysv = raw(x), raw(y), raw(xs), raw(ys)
-    wv, remv = maybe_raw(w), raw(rem)
-    one = cast(1.0, eps)
-    src, dst, nt = (xsv, ysv, False) if strided else (xv, yv, nt)
+    xv, yv, wv, remv = raw(x), raw(y), maybe_raw(w), raw(rem)
     for r in range(r0, r1):
-        if strided:
-            _copy_row(xs, 0, x, r)
-        rr = 0 if strided else r
-        ss = _row_sum_squares(src, rr, n, eps, remv)
-        rstd = one / np.sqrt(ss / cast(n, eps) + eps)
-        _rms_row_out(src, dst, rr, n, rstd, wv, nt)
-        if strided:
-            _copy_row(y, r, ys, 0)
+        rstd = _rms_rstd(xv, r, n, eps, remv)
+        _rms_row_out(xv, yv, r, n, rstd, wv, nt)
         put_stat(rstd_out, r, rstd)
     if nt:
         store_fence()
+
+
+@njit(error_model="numpy")
+def _rms_rows_gathered(x, w, eps, y, rstd_out, r0, r1):
+    """:func:`_rms_rows` for strided rows, through a contiguous scratch row."""
+    n = x.shape[1]
+    rem = np.full((1, LANES), eps)
+    xs = np.empty((1, n), dtype=x.dtype)
+    ys = np.empty((1, n), dtype=y.dtype)
+    xv, yv, wv, remv = raw(xs), raw(ys), maybe_raw(w), raw(rem)
+    for r in range(r0, r1):
+        _copy_row(xs, 0, x, r)
+        rstd = _rms_rstd(xv, 0, n, eps, remv)
+        _rms_row_out(xv, yv, 0, n, rstd, wv, False)
+        _copy_row(y, r, ys, 0)
+        put_stat(rstd_out, r, rstd)
+
+
+@njit(inline="always", error_model="numpy")
+def _rms_rstd(xr, r, n, eps, rem):
+    ss = _row_sum_squares(xr, r, n, eps, rem)
+    return cast(1.0, eps) / np.sqrt(ss / cast(n, eps) + eps)
 
 
 @njit(cache=True, error_model="numpy")
