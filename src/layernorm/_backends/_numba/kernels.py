@@ -44,10 +44,13 @@ the ``r = n % LANES`` remaining elements go one each to lanes ``0 .. r-1``.
 3. The remainder is merged the same way, as a chunk of one element per lane (``m = v``,
    ``q = (v - v)**2``) with per-lane weights that are 0 for lanes ``>= r`` (those lanes
    see ``v = K - K``).
-4. Lanes are merged in a fixed tree: lane ``j`` with lane ``j + h`` for
-   ``h = 8, 4, 2, 1``, by the same formula with per-lane weights ``f = n_b / (n_a + n_b)``
-   (0 when lane ``j + h`` is empty) and ``c = n_a * f``. All weights depend on ``n``
-   only and are computed once per call (:func:`merge_weights`).
+4. Lanes are combined with counts ``c_j`` (``G`` or ``G + 1`` elements): with
+   ``T(v)``, the sum of a vector's lanes in the fixed tree (lane ``j`` plus lane
+   ``j + h`` for ``h = 8, 4, 2, 1``), ``mean_shifted = T(c * mean) * (1/n)``,
+   ``d = mean - mean_shifted`` and ``M2 = T(fma(c * d, d, M2))``: the exact
+   decomposition of the total ``M2``, with two short tree sums instead of a chain of
+   merges. All weights depend on ``n`` only and are computed once per call
+   (:func:`merge_weights`).
 5. ``rstd = 1 / sqrt(M2 / n + eps)``, ``mean = K + mean_shifted``, and the output pass
    computes ``y = fma(((x - K) - mean_shifted) * rstd, w, b)`` element by element
    (``* w`` or ``+ b`` alone when only one is given).
@@ -109,9 +112,10 @@ PAIR_MIN_N = 2048
 COL_BLOCK = 64
 #: Elements per parallel work item (no effect on results).
 WORK_ELEMENTS = 1 << 15
-#: Rows of the merge-weight table: remainder (f, c), (f, c) per tree level, then the
-#: partial chunk's (f, c, 1/g).
-_TAB_ROWS = 11
+#: Rows of the merge-weight table: the remainder's (f, c) per lane, the partial chunk's
+#: (f, c, 1/g), the lanes' element counts, and 1/n.
+_TAB_ROWS = 5
+_TAB_REM_F, _TAB_REM_C, _TAB_PARTIAL, _TAB_COUNTS, _TAB_INV_N = 0, 1, 2, 3, 4
 
 
 # --------------------------------------------------------------------------- weights
@@ -119,40 +123,26 @@ _TAB_ROWS = 11
 
 @njit(cache=True, error_model="numpy")
 def merge_weights(n, like):
-    """Per-lane merge weights of the remainder (rows 0-1) and tree levels (rows 2-9)."""
+    """Weights of the row arithmetic that depend on ``n`` only (rows: ``_TAB_*``)."""
     groups = n // LANES
     r = n % LANES
     tab = np.full((_TAB_ROWS, LANES), cast(0.0, like))
     one = cast(1.0, like)
-    counts = np.empty(LANES, dtype=np.int64)
     for j in range(LANES):
-        counts[j] = groups
+        tab[_TAB_COUNTS, j] = cast(groups + (1 if j < r else 0), like)
         if j < r:
             f = one / cast(groups + 1, like)
-            tab[0, j] = f
-            tab[1, j] = cast(groups, like) * f
-            counts[j] = groups + 1
+            tab[_TAB_REM_F, j] = f
+            tab[_TAB_REM_C, j] = cast(groups, like) * f
     full = groups // PER_LANE
     g = groups - full * PER_LANE
     if g > 0:
         # The partial chunk's weights, hoisted out of the row loop (same formula).
         f, c = _chunk_weights(full, g, like)
-        tab[10, 0] = f
-        tab[10, 1] = c
-        tab[10, 2] = one / cast(g, like)
-    h = LANES // 2
-    level = 0
-    while h >= 1:
-        for j in range(h):
-            na = counts[j]
-            nb = counts[j + h]
-            if nb > 0:
-                f = cast(nb, like) / cast(na + nb, like)
-                tab[2 + 2 * level, j] = f
-                tab[3 + 2 * level, j] = cast(na, like) * f
-            counts[j] = na + nb
-        h = h // 2
-        level += 1
+        tab[_TAB_PARTIAL, 0] = f
+        tab[_TAB_PARTIAL, 1] = c
+        tab[_TAB_PARTIAL, 2] = one / cast(g, like)
+    tab[_TAB_INV_N, 0] = one / cast(max(n, 1), like)
     return tab
 
 
@@ -296,20 +286,22 @@ def _row_moments(xr, r, n, shift, tab, rem):
         mean, m2 = _merge(mean, m2, m, q, splat(f), splat(cc))
     g = groups - full * PER_LANE
     if g > 0:
-        m, q = _row_chunk(xr, r, full * CHUNK, g, kv, splat(get(tab, 10, 2)), pad, zero)
-        mean, m2 = _merge(mean, m2, m, q, splat(get(tab, 10, 0)), splat(get(tab, 10, 1)))
+        m, q = _row_chunk(xr, r, full * CHUNK, g, kv, splat(get(tab, _TAB_PARTIAL, 2)), pad,
+                          zero)
+        mean, m2 = _merge(mean, m2, m, q, splat(get(tab, _TAB_PARTIAL, 0)),
+                          splat(get(tab, _TAB_PARTIAL, 1)))
     start = groups * LANES
     if start < n:
         for j in range(LANES):
             put(rem, 0, j, widen(get(xr, r, start + j)) if start + j < n else shift)
         v = vload(rem, 0, 0) - kv
         d = v - v
-        mean, m2 = _merge(mean, m2, v, d * d, vload(tab, 0, 0), vload(tab, 1, 0))
-    mean, m2 = _merge(mean, m2, down8(mean), down8(m2), vload(tab, 2, 0), vload(tab, 3, 0))
-    mean, m2 = _merge(mean, m2, down4(mean), down4(m2), vload(tab, 4, 0), vload(tab, 5, 0))
-    mean, m2 = _merge(mean, m2, down2(mean), down2(m2), vload(tab, 6, 0), vload(tab, 7, 0))
-    mean, m2 = _merge(mean, m2, down1(mean), down1(m2), vload(tab, 8, 0), vload(tab, 9, 0))
-    return lane(mean, 0), lane(m2, 0)
+        mean, m2 = _merge(mean, m2, v, d * d, vload(tab, _TAB_REM_F, 0),
+                          vload(tab, _TAB_REM_C, 0))
+    counts = vload(tab, _TAB_COUNTS, 0)
+    mu = _tree_sum(counts * mean) * get(tab, _TAB_INV_N, 0)
+    d = mean - splat(mu)
+    return mu, _tree_sum(fma(counts * d, d, m2))
 
 
 @njit(inline="always", error_model="numpy")
@@ -438,7 +430,17 @@ def _col_chunk(x2, row0, c0, g, kv, inv, pad, zero):
 
 
 @njit(inline="always", error_model="numpy")
-def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, cs, mean_out, rstd_out, r0, valid):
+def _lane_tree_sum(lt):
+    """Row 0 of ``lt`` becomes the sum of its LANES rows, in :func:`_tree_sum`'s tree."""
+    h = LANES // 2
+    while h >= 1:
+        for j in range(h):
+            store2(lt, load2(lt, j, 0) + load2(lt, j + h, 0), j, 0)
+        h = h // 2
+
+
+@njit(inline="always", error_model="numpy")
+def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out, r0, valid):
     """The row arithmetic for columns ``c0 .. c0+WIDTH`` of ``x2`` (unit column stride).
 
     Writes the outputs of the first ``valid`` columns' statistics at ``r0 ..``.
@@ -481,24 +483,24 @@ def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, cs, mean_out, rstd_out, r0, va
             v = (load2(x2, start + j, c0) - kv) if j < r else (kv - kv)
             d = v - v
             mean, m2 = _merge(load2(lm, j, 0), load2(lm2, j, 0), v, d * d,
-                              splat(tab[0, j]), splat(tab[1, j]))
+                              splat(tab[_TAB_REM_F, j]), splat(tab[_TAB_REM_C, j]))
             store2(lm, mean, j, 0)
             store2(lm2, m2, j, 0)
-    h = LANES // 2
-    level = 0
-    while h >= 1:
-        for j in range(h):
-            mean, m2 = _merge(load2(lm, j, 0), load2(lm2, j, 0), load2(lm, j + h, 0),
-                              load2(lm2, j + h, 0), splat(tab[2 + 2 * level, j]),
-                              splat(tab[3 + 2 * level, j]))
-            store2(lm, mean, j, 0)
-            store2(lm2, m2, j, 0)
-        h = h // 2
-        level += 1
+    # Lanes to columns: the row path's two tree sums, lane j of a vector being row j of
+    # the lane-state tiles here.
+    for j in range(LANES):
+        store2(lt, splat(tab[_TAB_COUNTS, j]) * load2(lm, j, 0), j, 0)
+    _lane_tree_sum(lt)
+    mu = load2(lt, 0, 0) * splat(tab[_TAB_INV_N, 0])
+    for j in range(LANES):
+        d = load2(lm, j, 0) - mu
+        store2(lt, fma(splat(tab[_TAB_COUNTS, j]) * d, d, load2(lm2, j, 0)), j, 0)
+    _lane_tree_sum(lt)
+    store2(cs, mu, 0, 0)
     # cs rows: 0 shifted mean, 1 rstd (per column)
     for k in range(LANES):
-        mean = lm[0, k]
-        mo, rstd = _finish(lane(kv, k), mean, lm2[0, k], n, eps)
+        mean = cs[0, k]
+        mo, rstd = _finish(lane(kv, k), mean, lt[0, k], n, eps)
         cs[0, k] = mean
         cs[1, k] = rstd
         if k < valid:
@@ -551,7 +553,7 @@ def _store_tile(yt, y2, c0, valid, unit):
 
 @njit(error_model="numpy")
 def _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item):
-    lm, lm2, cs = scratch
+    lm, lm2, lt, cs = scratch
     xt, yt = tiles
     inner = x.shape[2]
     tw = xt.shape[1]
@@ -562,7 +564,7 @@ def _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item)
     unit = x.strides[2] == x.itemsize and y.strides[2] == y.itemsize
     _load_tile(x[o], xt, c0, valid, unit)
     for s in range(0, valid, WIDTH):
-        _ln_cols(xt, yt, s, w, b, eps, tab, lm, lm2, cs, mean_out, rstd_out,
+        _ln_cols(xt, yt, s, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out,
                  o * inner + c0 + s, min(WIDTH, valid - s))
     _store_tile(yt, y[o], c0, valid, unit)
 
@@ -572,7 +574,7 @@ def _col_scratch(x, y, acc):
     n = x.shape[1]
     tw = _tile_columns(n)
     scratch = (np.empty((LANES, WIDTH), dtype=acc), np.empty((LANES, WIDTH), dtype=acc),
-               np.empty((2, WIDTH), dtype=acc))
+               np.empty((LANES, WIDTH), dtype=acc), np.empty((2, WIDTH), dtype=acc))
     tiles = (np.empty((n, tw), dtype=x.dtype), np.empty((n, tw), dtype=y.dtype))
     return scratch, tiles
 
@@ -792,7 +794,7 @@ def _rms_cols(x2, y2, c0, w, eps, lanes, cs, rstd_out, r0, valid):
 
 @njit(error_model="numpy")
 def _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item):
-    lanes, _, cs = scratch
+    lanes, _, _, cs = scratch
     xt, yt = tiles
     inner = x.shape[2]
     tw = xt.shape[1]
