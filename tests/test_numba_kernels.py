@@ -260,10 +260,12 @@ def test_threads_script_is_deterministic_in_process():
 
 
 @pytest.mark.parametrize("rms", [False, True])
-def test_backward_long_rows_in_pairs_match_rows_alone(rms):
-    """Rows of PAIR_MIN_N or more run the backward two at a time: same bits per row."""
+@pytest.mark.parametrize("n", [5, 16, 40, 64, 79, 80, "pairs"])
+def test_backward_rows_in_batch_match_rows_alone(rms, n):
+    """Short rows keep grad_weight partials in registers, long rows run in pairs: each
+    row's grad_x and its grad_weight/grad_bias terms must have the single-row bits."""
     k = backend._kernels()
-    n = k.PAIR_MIN_N + 37
+    n = k.PAIR_MIN_N + 37 if n == "pairs" else n
     rows = 7  # three pairs and a single row
     x = _rows(rows, n, 21)
     gy = _rows(rows, n, 22, offset=0.0)
@@ -288,8 +290,9 @@ def test_backward_long_rows_in_pairs_match_rows_alone(rms):
         _same_bits(single[0][0], batch[0][i])
     for got, want in zip(strided, batch, strict=True):
         _same_bits(got, want)
-    # The pairs add each row's terms to grad_weight in row order, like single rows do.
-    gw_rows = np.zeros(n, np.float32)
-    for single in alone:
-        gw_rows = gw_rows + single[1]
-    _same_bits(gw_rows, batch[1])
+    # Each row's terms are added to grad_weight (and grad_bias) in row order.
+    for j in range(1, len(batch)):
+        total = np.zeros(n, np.float32)
+        for single in alone:
+            total = total + single[j]
+        _same_bits(total, batch[j])

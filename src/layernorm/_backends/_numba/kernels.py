@@ -907,9 +907,80 @@ def _ln_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw, db):
         put(db, 0, i, tb)
 
 
+@njit(inline="always", error_model="numpy")
+def _ln_bwd_vector(gyr, xr, gxr, r, i, w, mv, rv, mgv, mgxv, dwk, dbk):
+    """grad_x of one vector of row ``r``; returns the updated dw/db partial vectors."""
+    dy = vload(gyr, r, i)
+    xh = (vload(xr, r, i) - mv) * rv
+    vstore(gxr, ((times_w(dy, w, i) - mgv) - xh * mgxv) * rv, r, i)
+    return dwk + dy * xh, dbk + dy
+
+
+@njit(error_model="numpy")
+def _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
+    """:func:`_ln_bwd_rows` for contiguous rows of at most ``4 * LANES`` elements.
+
+    The block's dw/db partial vectors stay in registers across its rows instead of being
+    read and written per row (the same additions in the same order, so the same bits).
+    """
+    n = x.shape[1]
+    nv = n // LANES
+    acc = mean_in.dtype
+    rg = np.empty((1, LANES), dtype=acc)
+    rx = np.empty((1, LANES), dtype=acc)
+    xv, gyv, gxv, wv, rgv, rxv = raw(x), raw(gy), raw(gx), maybe_raw(w), raw(rg), raw(rx)
+    dw = raw(partials[0, blk])
+    db = raw(partials[1, blk])
+    zero = splat(cast(0.0, mean_in[0]))
+    dw0 = vload(dw, 0, 0) if nv > 0 else zero
+    db0 = vload(db, 0, 0) if nv > 0 else zero
+    dw1 = vload(dw, 0, LANES) if nv > 1 else zero
+    db1 = vload(db, 0, LANES) if nv > 1 else zero
+    dw2 = vload(dw, 0, 2 * LANES) if nv > 2 else zero
+    db2 = vload(db, 0, 2 * LANES) if nv > 2 else zero
+    dw3 = vload(dw, 0, 3 * LANES) if nv > 3 else zero
+    db3 = vload(db, 0, 3 * LANES) if nv > 3 else zero
+    for r in range(r0, r1):
+        m, s = mean_in[r], rstd_in[r]
+        mg, mgx = _ln_bwd_means(gyv, xv, r, n, m, s, wv, rgv, rxv)
+        mv, rv, mgv, mgxv = splat(m), splat(s), splat(mg), splat(mgx)
+        if nv > 0:
+            dw0, db0 = _ln_bwd_vector(gyv, xv, gxv, r, 0, wv, mv, rv, mgv, mgxv, dw0, db0)
+        if nv > 1:
+            dw1, db1 = _ln_bwd_vector(gyv, xv, gxv, r, LANES, wv, mv, rv, mgv, mgxv, dw1,
+                                      db1)
+        if nv > 2:
+            dw2, db2 = _ln_bwd_vector(gyv, xv, gxv, r, 2 * LANES, wv, mv, rv, mgv, mgxv,
+                                      dw2, db2)
+        if nv > 3:
+            dw3, db3 = _ln_bwd_vector(gyv, xv, gxv, r, 3 * LANES, wv, mv, rv, mgv, mgxv,
+                                      dw3, db3)
+        for i in range(nv * LANES, n):
+            dy = widen(get(gyv, r, i))
+            xh = (widen(get(xv, r, i)) - m) * s
+            put(gxv, r, i, narrow(((times_w(dy, wv, i) - mg) - xh * mgx) * s, gxv))
+            put(dw, 0, i, get(dw, 0, i) + dy * xh)
+            put(db, 0, i, get(db, 0, i) + dy)
+    if nv > 0:
+        vstore(dw, dw0, 0, 0)
+        vstore(db, db0, 0, 0)
+    if nv > 1:
+        vstore(dw, dw1, 0, LANES)
+        vstore(db, db1, 0, LANES)
+    if nv > 2:
+        vstore(dw, dw2, 0, 2 * LANES)
+        vstore(db, db2, 0, 2 * LANES)
+    if nv > 3:
+        vstore(dw, dw3, 0, 3 * LANES)
+        vstore(db, db3, 0, 3 * LANES)
+
+
 @njit(error_model="numpy")
 def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
     n = x.shape[1]
+    if n < 5 * LANES and _unit(x) and _unit(gy) and _unit(gx):
+        _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1)
+        return
     acc = mean_in.dtype
     rg = np.empty((1, LANES), dtype=acc)
     rx = np.empty((1, LANES), dtype=acc)
