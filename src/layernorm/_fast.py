@@ -37,7 +37,7 @@ class Plan:
     """
 
     __slots__ = ("acc", "bits", "cast_params", "default_eps", "direct", "eps_scalars", "n",
-                 "rows", "run", "run_stats", "stats_shape")
+                 "rows", "run", "run_stats", "shape2", "stats_shape")
 
     def __init__(self, shape: tuple[int, ...], rows: int, n: int, dtype: str, acc: str,
                  stats_shape: tuple[int, ...], params: tuple[Any, ...], kernel: Any) -> None:
@@ -48,7 +48,9 @@ class Plan:
         self.bits = _numba._BITS.get(dtype)
         self.cast_params = any(p is not None and p.dtype != self.acc for p in params)
         #: x, y, weight and bias go to the kernel as they are (no view, reshape or cast).
-        self.direct = (len(shape) == 2 and self.bits is None and not self.cast_params
+        self.shape2 = (rows, n)
+        self.direct = (tuple(shape) == self.shape2 and self.bits is None
+                       and not self.cast_params
                        and all(p is None or p.ndim == 1 for p in params))
         self.default_eps = MACHINE_EPS[acc]
         self.eps_scalars: dict[float, Any] = {}
@@ -157,8 +159,8 @@ def _prepare(plan: Plan, x: Any, weight: Any, bias: Any, out: Any) -> tuple[Any,
     if out is not None and not _usable_out(out, x):
         return ()
     y = np.empty(x.shape, x.dtype) if out is None else out
-    x2 = x.reshape(plan.rows, plan.n) if x.ndim != 2 else x
-    y2 = y.reshape(plan.rows, plan.n) if y.ndim != 2 else y
+    x2 = x.reshape(plan.shape2)
+    y2 = y.reshape(plan.shape2)
     if plan.bits is not None:
         x2 = x2.view(plan.bits)
         y2 = y2.view(plan.bits)

@@ -226,7 +226,7 @@ def _finish(shift, mean, m2, n, eps):
 # --------------------------------------------------------------------------- row path
 
 
-@njit(inline="always", error_model="numpy")
+@njit(error_model="numpy")
 def _chunk_tree(v0, v1, v2, v3, v4, v5, v6, v7, g, inv, zero):
     """(m, q) of one chunk from its ``PER_LANE`` shifted leaves (absent ones are -0.0)."""
     s = ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))
@@ -242,7 +242,7 @@ def _chunk_tree(v0, v1, v2, v3, v4, v5, v6, v7, g, inv, zero):
     return m, _square_tree(d0, d1, d2, d3, d4, d5, d6, d7)
 
 
-@njit(inline="always", error_model="numpy")
+@njit(error_model="numpy")
 def _square_tree(d0, d1, d2, d3, d4, d5, d6, d7):
     """``d0**2 + ... + d7**2`` in the fixed tree (pairs fused: ``fma(d0, d0, d1 * d1)``).
 
@@ -253,12 +253,12 @@ def _square_tree(d0, d1, d2, d3, d4, d5, d6, d7):
             + (fma(d4, d4, d5 * d5) + fma(d6, d6, d7 * d7)))
 
 
-@njit(inline="always", error_model="numpy")
+@njit(error_model="numpy")
 def _row_leaf(xr, r, base, k, g, kv, pad):
     return vload(xr, r, base + k * LANES) - kv if k < g else pad
 
 
-@njit(inline="always", error_model="numpy")
+@njit(error_model="numpy")
 def _row_chunk(xr, r, base, g, kv, inv, pad, zero):
     return _chunk_tree(
         _row_leaf(xr, r, base, 0, g, kv, pad), _row_leaf(xr, r, base, 1, g, kv, pad),
@@ -414,12 +414,12 @@ def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, nt):
 # --------------------------------------------------------------------------- column path
 
 
-@njit(inline="always", error_model="numpy")
+@njit(error_model="numpy")
 def _col_leaf(x2, row0, k, g, c0, kv, pad):
     return load2(x2, row0 + k * LANES, c0) - kv if k < g else pad
 
 
-@njit(inline="always", error_model="numpy")
+@njit(error_model="numpy")
 def _col_chunk(x2, row0, c0, g, kv, inv, pad, zero):
     return _chunk_tree(
         _col_leaf(x2, row0, 0, g, c0, kv, pad), _col_leaf(x2, row0, 1, g, c0, kv, pad),
@@ -609,7 +609,7 @@ def ln_forward_cols_parallel(x, w, b, eps, y, mean_out, rstd_out):
 # --------------------------------------------------------------------------- RMSNorm
 
 
-@njit(inline="always", error_model="numpy")
+@njit(error_model="numpy")
 def _tree_sum(v):
     v = v + down8(v)
     v = v + down4(v)
@@ -618,12 +618,12 @@ def _tree_sum(v):
     return lane(v, 0)
 
 
-@njit(inline="always", error_model="numpy")
+@njit(error_model="numpy")
 def _row_square_leaf(xr, r, base, k, g, zero):
     return vload(xr, r, base + k * LANES) if k < g else zero
 
 
-@njit(inline="always", error_model="numpy")
+@njit(error_model="numpy")
 def _row_square_chunk(xr, r, base, g, zero):
     return _square_tree(
         _row_square_leaf(xr, r, base, 0, g, zero), _row_square_leaf(xr, r, base, 1, g, zero),
@@ -737,12 +737,12 @@ def rms_forward_parallel(x, w, eps, y, rstd_out, nt):
         _rms_rows(x, w, eps, y, rstd_out, nt, r0, min(rows, r0 + rb))
 
 
-@njit(inline="always", error_model="numpy")
+@njit(error_model="numpy")
 def _col_square_leaf(x2, row0, k, g, c0, zero):
     return load2(x2, row0 + k * LANES, c0) if k < g else zero
 
 
-@njit(inline="always", error_model="numpy")
+@njit(error_model="numpy")
 def _col_square_chunk(x2, row0, c0, g, zero):
     return _square_tree(
         _col_square_leaf(x2, row0, 0, g, c0, zero), _col_square_leaf(x2, row0, 1, g, c0, zero),
