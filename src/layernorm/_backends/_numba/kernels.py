@@ -918,7 +918,7 @@ def _ln_bwd_vector(gyr, xr, gxr, r, i, w, mv, rv, mgv, mgxv, dwk, dbk):
 
 @njit(error_model="numpy")
 def _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
-    """:func:`_ln_bwd_rows` for contiguous rows of at most ``4 * LANES`` elements.
+    """:func:`_ln_bwd_rows` for contiguous rows shorter than ``5 * LANES`` (four vectors + tail).
 
     The block's dw/db partial vectors stay in registers across its rows instead of being
     read and written per row (the same additions in the same order, so the same bits).
