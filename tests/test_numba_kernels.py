@@ -296,3 +296,47 @@ def test_backward_rows_in_batch_match_rows_alone(rms, n):
         for single in alone:
             total = total + single[j]
         _same_bits(total, batch[j])
+
+
+def test_layouts_and_absent_parameters_share_one_compiled_kernel():
+    """C, Fortran, strided and read-only inputs, with or without weight/bias, reuse one
+    specialization per dtype: each would otherwise cost seconds of compilation."""
+    kernels = backend._kernels()
+    rng = np.random.default_rng(7)
+    base = (2.0 + rng.standard_normal((24, 50))).astype(np.float64)
+    w, b = rng.standard_normal(50), rng.standard_normal(50)
+    read_only = base.copy()
+    read_only.flags.writeable = False
+    inputs = [base, np.asfortranarray(base), base[::2], base[:, ::-1], read_only]
+    ln.layer_norm(base, weight=w, bias=b, axis=-1, return_stats=True)  # general path
+    before = len(kernels.ln_forward_serial.overloads)
+    for x in inputs:
+        for params in ({}, {"weight": w}, {"bias": b}, {"weight": w, "bias": b}):
+            y, mean, rstd = ln.layer_norm(x, axis=-1, return_stats=True, **params)
+            ref_rstd = 1 / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
+            ref = (x - x.mean(-1, keepdims=True)) * ref_rstd
+            np.testing.assert_allclose(y, ref * params.get("weight", 1) + params.get("bias", 0),
+                                       rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(mean, x.mean(-1, keepdims=True), rtol=1e-13)
+            np.testing.assert_allclose(rstd, ref_rstd, rtol=1e-12)
+    assert len(kernels.ln_forward_serial.overloads) == before
+
+
+def test_absent_parameters_are_exact_identities():
+    """No weight is weight 1 and no bias adds nothing, bit for bit (zeros keep their sign)."""
+    rng = np.random.default_rng(8)
+    x = (3.0 + rng.standard_normal((40, 37))).astype(np.float32)
+    x[5] = 1.5  # a constant row: its centred values are exactly zero
+    w = rng.standard_normal(37).astype(np.float32)
+    plain = ln.layer_norm(x, axis=-1)
+    np.testing.assert_array_equal(plain.view(np.int32),
+                                  ln.layer_norm(x, weight=np.ones(37, np.float32)).view(np.int32))
+    # y * w, then + b: the result of the two-step formula, computed here in float64
+    xhat = plain.astype(np.float64)
+    expected = (xhat * w.astype(np.float64)).astype(np.float32)
+    np.testing.assert_array_equal(ln.layer_norm(x, weight=w).view(np.int32),
+                                  expected.view(np.int32))
+    b = rng.standard_normal(37).astype(np.float32)
+    np.testing.assert_array_equal(ln.layer_norm(x, bias=b).view(np.int32),
+                                  (plain + b).view(np.int32))
+    assert not np.signbit(plain[5]).any()

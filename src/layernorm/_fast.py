@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from ._backends import _numba
+from ._backends._numba import _entry
 from ._dtypes import MACHINE_EPS
 from ._validate import memo_axes
 
@@ -29,20 +31,33 @@ class Plan:
     """What a validated call needs to run again: the 2-D view, dtypes and kernels.
 
     ``run``/``run_stats`` call the serial kernel without and with statistics outputs.
-    Each starts as the Numba dispatcher (which compiles or loads the kernel and checks
-    argument types) and, after its first call, becomes the compiled entry point for
-    exactly those argument types: the plan's checks guarantee every later call passes
-    the same types (dtype, dimensions, C-contiguity), so the dispatcher's type
-    resolution, a third of the call, is done once.
+    Each starts as a function that looks up the kernel's compiled entry point
+    (:func:`._backends._numba._entry.entry_point`, which compiles or loads it once per
+    dtype) and, after its first call, becomes that entry point: the plan's checks
+    guarantee every later call passes arrays of the same dtypes and dimensions, so
+    Numba's type resolution, a third of the call, is skipped.
     """
 
-    __slots__ = ("acc", "bits", "cast_params", "default_eps", "direct", "eps_scalars", "n",
-                 "rows", "run", "run_stats", "shape2", "stats_shape")
+    __slots__ = (
+        "acc",
+        "bits",
+        "cast_params",
+        "default_eps",
+        "direct",
+        "eps_scalars",
+        "n",
+        "negative_zeros",
+        "ones",
+        "rows",
+        "run",
+        "run_stats",
+        "shape2",
+        "stats_shape",
+    )
 
     def __init__(self, shape: tuple[int, ...], rows: int, n: int, dtype: str, acc: str,
-                 stats_shape: tuple[int, ...], params: tuple[Any, ...], kernel: Any) -> None:
-        from ._backends import _numba
-
+                 stats_shape: tuple[int, ...], params: tuple[Any, ...], kernel: Any,
+                 rms: bool) -> None:
         self.rows, self.n, self.stats_shape = rows, n, stats_shape
         self.acc = np.dtype(acc)
         self.bits = _numba._BITS.get(dtype)
@@ -54,25 +69,20 @@ class Plan:
                        and all(p is None or p.ndim == 1 for p in params))
         self.default_eps = MACHINE_EPS[acc]
         self.eps_scalars: dict[float, Any] = {}
-        self.run = _resolving(self, "run", kernel)
-        self.run_stats = _resolving(self, "run_stats", kernel)
+        #: Stand-ins for an absent weight or bias (the backend's exact identities).
+        self.ones, self.negative_zeros = _numba._params(None, None, n, self.acc)
+        writes = _numba.RMS_FORWARD_WRITES if rms else _numba.LN_FORWARD_WRITES
+        self.run = _resolving(self, "run", kernel, writes)
+        self.run_stats = _resolving(self, "run_stats", kernel, writes)
 
 
-def _resolving(plan: Plan, slot: str, dispatcher: Any) -> Any:
+def _resolving(plan: Plan, slot: str, dispatcher: Any, writes: tuple[int, ...]) -> Any:
     def first_call(*args: Any) -> None:
-        dispatcher(*args)
-        setattr(plan, slot, _entry_point(dispatcher, args))
+        entry = _entry.entry_point(dispatcher, writes, args)
+        entry(*args)
+        setattr(plan, slot, entry)
 
     return first_call
-
-
-def _entry_point(dispatcher: Any, args: tuple[Any, ...]) -> Any:
-    """The compiled function for the types of ``args``, or the dispatcher itself."""
-    try:
-        signature = tuple(dispatcher.typeof_pyval(a) for a in args)
-        return dispatcher.overloads[signature].entry_point
-    except (AttributeError, KeyError, TypeError):  # another Numba: keep its dispatcher
-        return dispatcher
 
 
 _PLANS: dict[tuple[Any, ...], Plan | None] = {}
@@ -81,7 +91,6 @@ _PLANS_MAX = 512
 
 def _plan(x: Any, normalized_shape: Any, weight: Any, bias: Any, rms: bool) -> Plan | None:
     from . import _api
-    from ._backends import _numba
 
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
     req = _api._request(x, "numpy", normalized_shape, None, None, **params)
@@ -93,7 +102,7 @@ def _plan(x: Any, normalized_shape: Any, weight: Any, bias: Any, rms: bool) -> P
     kernels = _numba._kernels()
     return Plan(layout.shape, layout.rows, layout.n, req.dtype, req.acc, layout.stats_shape,
                 tuple(params.values()),
-                kernels.rms_forward_serial if rms else kernels.ln_forward_serial)
+                kernels.rms_forward_serial if rms else kernels.ln_forward_serial, rms)
 
 
 def _plan_of(key: tuple[Any, ...], x: Any, normalized_shape: Any, weight: Any, bias: Any,
@@ -209,6 +218,10 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
         if not prepared:
             return None
         y, x2, y2, w, b = prepared
+    if w is None:
+        w = plan.ones
+    if b is None:
+        b = plan.negative_zeros
     if return_stats:
         mean = np.empty(plan.stats_shape, plan.acc)
         rstd = np.empty(plan.stats_shape, plan.acc)
@@ -252,6 +265,8 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, return_stats:
         if not prepared:
             return None
         y, x2, y2, w, _ = prepared
+    if w is None:
+        w = plan.ones
     if return_stats:
         rstd = np.empty(plan.stats_shape, plan.acc)
         plan.run_stats(x2, w, e, y2, rstd.reshape(-1), False)

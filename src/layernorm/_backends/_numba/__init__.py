@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from . import _entry
+
 #: Below this many elements a call runs on the calling thread: starting threads for a
 #: microsecond problem costs more than it saves.
 PARALLEL_MIN_ELEMENTS = 1 << 16
@@ -75,20 +77,22 @@ def _acc_scalar(value: float, dtype: str) -> Any:
     return scalar
 
 
-def _run(serial: Any, parallel: Any, elements: int, *args: Any) -> Any:
+def _run(serial: Any, parallel: Any, elements: int, writes: tuple[int, ...],
+         *args: Any) -> Any:
     """Run the parallel kernel when it pays and no other thread is in one, else serial.
 
     Both perform the same arithmetic per row; small inputs never touch the thread pool.
+    ``writes`` are the positions of the arrays the kernels write (see :mod:`._entry`).
     """
     global _parallel_ran
     if elements >= PARALLEL_MIN_ELEMENTS and not _serial_only and _num_threads() > 1 \
             and _parallel_lock.acquire(blocking=False):
         try:
             _parallel_ran = True
-            return parallel(*args)
+            return _entry.call(parallel, writes, *args)
         finally:
             _parallel_lock.release()
-    return serial(*args)
+    return _entry.call(serial, writes, *args)
 
 
 def _num_threads() -> int:
@@ -131,20 +135,49 @@ def _streaming(x: Any, y: Any) -> bool:
     return not np.may_share_memory(x, y)
 
 
+#: Positions of the arrays each kernel family writes (the others are typed read-only).
+LN_FORWARD_WRITES = (4, 5, 6)  # y, mean, rstd
+RMS_FORWARD_WRITES = (3, 4)  # y, rstd
+LN_BACKWARD_WRITES = (5, 6)  # grad_x, partials (also the shared column backward)
+RMS_BACKWARD_WRITES = (4, 5)  # grad_x, partials
+
+
+@functools.lru_cache(maxsize=64)
+def _identity_params(n: int, acc: Any) -> tuple[Any, Any]:
+    ones = np.ones(n, dtype=acc)
+    negative_zeros = np.full(n, -0.0, dtype=acc)
+    ones.flags.writeable = negative_zeros.flags.writeable = False
+    return ones, negative_zeros
+
+
+def _params(weight: Any, bias: Any, n: int, acc: Any) -> tuple[Any, Any]:
+    """``weight`` and ``bias``, an absent one replaced by its exact identity.
+
+    The kernels compute ``fma(v, w, b)``: with ``w = 1`` and ``b = -0.0`` that is ``v``,
+    ``v * w`` or ``v + b`` bit for bit (``-0.0`` is the only addend that leaves a ``+0.0``
+    or ``-0.0`` product unchanged), so one compiled kernel serves every combination.
+    """
+    if weight is not None and bias is not None:
+        return weight, bias
+    ones, negative_zeros = _identity_params(n, np.dtype(acc))
+    return (ones if weight is None else weight), (negative_zeros if bias is None else bias)
+
+
 def layer_norm_forward(x3, weight, bias, eps, y3, mean, rstd, dtype) -> None:
     """LayerNorm forward into ``y3``; fills ``mean`` and ``rstd``."""
     k = _kernels()
     x = _as_kernel_array(x3, dtype)
     y = _as_kernel_array(y3, dtype)
     e = _acc_scalar(eps, dtype)
+    w, b = _params(weight, bias, x3.shape[1], mean.dtype)
     if x.shape[2] == 1:
         x = x[:, :, 0]
         y = y[:, :, 0]
-        _run(k.ln_forward_serial, k.ln_forward_parallel, x.size,
-             x, weight, bias, e, y, mean, rstd, _streaming(x, y))
+        _run(k.ln_forward_serial, k.ln_forward_parallel, x.size, LN_FORWARD_WRITES,
+             x, w, b, e, y, mean, rstd, _streaming(x, y))
     else:
         _run(k.ln_forward_cols_serial, k.ln_forward_cols_parallel, x.size,
-             x, weight, bias, e, y, mean, rstd)
+             LN_FORWARD_WRITES, x, w, b, e, y, mean, rstd)
 
 
 def rms_norm_forward(x3, weight, eps, y3, rstd, dtype) -> None:
@@ -153,14 +186,15 @@ def rms_norm_forward(x3, weight, eps, y3, rstd, dtype) -> None:
     x = _as_kernel_array(x3, dtype)
     y = _as_kernel_array(y3, dtype)
     e = _acc_scalar(eps, dtype)
+    w = _params(weight, None, x3.shape[1], rstd.dtype)[0]
     if x.shape[2] == 1:
         x = x[:, :, 0]
         y = y[:, :, 0]
-        _run(k.rms_forward_serial, k.rms_forward_parallel, x.size,
-             x, weight, e, y, rstd, _streaming(x, y))
+        _run(k.rms_forward_serial, k.rms_forward_parallel, x.size, RMS_FORWARD_WRITES,
+             x, w, e, y, rstd, _streaming(x, y))
     else:
         _run(k.rms_forward_cols_serial, k.rms_forward_cols_parallel, x.size,
-             x, weight, e, y, rstd)
+             RMS_FORWARD_WRITES, x, w, e, y, rstd)
 
 
 def _col_blocks(x3: Any) -> int:
@@ -174,14 +208,15 @@ def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype):
     x = _as_kernel_array(x3, dtype)
     gx = _as_kernel_array(gx3, dtype)
     n = x3.shape[1]
+    w = _params(weight, None, n, mean.dtype)[0]
     if x.shape[2] == 1:
         partials = _grad_partials(-(-mean.shape[0] // GRAD_ROW_BLOCK), n, mean.dtype, 2)
-        _run(k.ln_backward_serial, k.ln_backward_parallel, x.size, gy[:, :, 0], x[:, :, 0],
-             mean, rstd, weight, gx[:, :, 0], partials, GRAD_ROW_BLOCK)
+        _run(k.ln_backward_serial, k.ln_backward_parallel, x.size, LN_BACKWARD_WRITES,
+             gy[:, :, 0], x[:, :, 0], mean, rstd, w, gx[:, :, 0], partials, GRAD_ROW_BLOCK)
     else:
         partials = _grad_partials(_col_blocks(x3), n, mean.dtype, 2)
-        _run(k.backward_cols_serial, k.backward_cols_parallel, x.size,
-             gy, x, mean, rstd, weight, gx, partials, False)
+        _run(k.backward_cols_serial, k.backward_cols_parallel, x.size, LN_BACKWARD_WRITES,
+             gy, x, mean, rstd, w, gx, partials, False)
     sums = k.sum_blocks(partials)
     return sums[0], sums[1]
 
@@ -193,12 +228,13 @@ def rms_norm_backward(gy3, x3, rstd, weight, gx3, dtype):
     x = _as_kernel_array(x3, dtype)
     gx = _as_kernel_array(gx3, dtype)
     n = x3.shape[1]
+    w = _params(weight, None, n, rstd.dtype)[0]
     if x.shape[2] == 1:
         partials = _grad_partials(-(-rstd.shape[0] // GRAD_ROW_BLOCK), n, rstd.dtype, 1)
-        _run(k.rms_backward_serial, k.rms_backward_parallel, x.size, gy[:, :, 0], x[:, :, 0],
-             rstd, weight, gx[:, :, 0], partials, GRAD_ROW_BLOCK)
+        _run(k.rms_backward_serial, k.rms_backward_parallel, x.size, RMS_BACKWARD_WRITES,
+             gy[:, :, 0], x[:, :, 0], rstd, w, gx[:, :, 0], partials, GRAD_ROW_BLOCK)
     else:
         partials = _grad_partials(_col_blocks(x3), n, rstd.dtype, 1)
-        _run(k.backward_cols_serial, k.backward_cols_parallel, x.size,
-             gy, x, rstd, rstd, weight, gx, partials, True)
+        _run(k.backward_cols_serial, k.backward_cols_parallel, x.size, LN_BACKWARD_WRITES,
+             gy, x, rstd, rstd, w, gx, partials, True)
     return k.sum_blocks(partials)[0]

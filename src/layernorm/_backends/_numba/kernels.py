@@ -52,8 +52,10 @@ the ``r = n % LANES`` remaining elements go one each to lanes ``0 .. r-1``.
    merges. All weights depend on ``n`` only and are computed once per call
    (:func:`merge_weights`).
 5. ``rstd = 1 / sqrt(M2 / n + eps)``, ``mean = K + mean_shifted``, and the output pass
-   computes ``y = fma(((x - K) - mean_shifted) * rstd, w, b)`` element by element
-   (``* w`` or ``+ b`` alone when only one is given).
+   computes ``y = fma(((x - K) - mean_shifted) * rstd, w, b)`` element by element. The
+   backend passes ``w = 1`` for an absent weight and ``b = -0.0`` for an absent bias:
+   ``fma(v, 1, -0.0) = v``, ``fma(v, w, -0.0) = v * w`` and ``fma(v, 1, b) = v + b``
+   exactly, so one compiled kernel serves every combination.
 
 ``fma`` is IEEE fusedMultiplyAdd, written explicitly: one rounding, the same bits on
 every machine. The compiler is never allowed to contract or reorder anything itself.
