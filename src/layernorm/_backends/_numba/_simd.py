@@ -23,6 +23,8 @@ Only jitted code can use what this module defines:
 * :func:`down8`, :func:`down4`, :func:`down2`, :func:`down1`: lane ``j + h`` moved to
   lane ``j`` (the fixed lane tree of the reductions);
 * :func:`address` of an element, for alignment decisions.
+* :func:`runtime` of an integer constant, so that passing it to a helper does not compile
+  a specialization per value.
 """
 
 from __future__ import annotations
@@ -91,6 +93,23 @@ def _register_operator(op, instruction: str) -> None:
 for _op, _instruction in ((operator.add, "fadd"), (operator.sub, "fsub"), (operator.mul, "fmul"),
                           (operator.truediv, "fdiv")):
     _register_operator(_op, _instruction)
+
+
+@intrinsic
+def runtime(typingctx, value):
+    """``value`` typed as an ordinary integer, not as the constant it may be.
+
+    Numba compiles a jitted helper once per distinct *constant* argument; leaf helpers
+    called with ``0 .. 7`` would compile eight times. LLVM still sees the constant.
+    """
+    if not isinstance(value, types.Integer):
+        return None
+    plain = types.unliteral(value)
+
+    def codegen(context, builder, sig, args):
+        return context.cast(builder, args[0], value, plain)
+
+    return plain(value), codegen
 
 
 @intrinsic

@@ -95,6 +95,7 @@ from ._simd import (
     maybe_raw,
     put,
     raw,
+    runtime,
     splat,
     store2,
     store_fence,
@@ -256,17 +257,18 @@ def _square_tree(d0, d1, d2, d3, d4, d5, d6, d7):
 
 
 @njit(error_model="numpy")
-def _row_leaf(xr, r, base, k, g, kv, pad):
-    return vload(xr, r, base + k * LANES) - kv if k < g else pad
-
-
-@njit(error_model="numpy")
 def _row_chunk(xr, r, base, g, kv, inv, pad, zero):
+    # Leaves written out: a helper called with the constants 0 .. 7 would be compiled
+    # once per constant.
     return _chunk_tree(
-        _row_leaf(xr, r, base, 0, g, kv, pad), _row_leaf(xr, r, base, 1, g, kv, pad),
-        _row_leaf(xr, r, base, 2, g, kv, pad), _row_leaf(xr, r, base, 3, g, kv, pad),
-        _row_leaf(xr, r, base, 4, g, kv, pad), _row_leaf(xr, r, base, 5, g, kv, pad),
-        _row_leaf(xr, r, base, 6, g, kv, pad), _row_leaf(xr, r, base, 7, g, kv, pad),
+        vload(xr, r, base) - kv if g > 0 else pad,
+        vload(xr, r, base + LANES) - kv if g > 1 else pad,
+        vload(xr, r, base + 2 * LANES) - kv if g > 2 else pad,
+        vload(xr, r, base + 3 * LANES) - kv if g > 3 else pad,
+        vload(xr, r, base + 4 * LANES) - kv if g > 4 else pad,
+        vload(xr, r, base + 5 * LANES) - kv if g > 5 else pad,
+        vload(xr, r, base + 6 * LANES) - kv if g > 6 else pad,
+        vload(xr, r, base + 7 * LANES) - kv if g > 7 else pad,
         g, inv, zero)
 
 
@@ -382,9 +384,9 @@ def _ln_rows_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1):
     for r in range(r0, r1):
         _copy_row(xs, 0, x, r)
         shift = widen(get(xv, 0, 0))
-        mean, m2 = _row_moments(xv, 0, n, shift, tv, remv)
+        mean, m2 = _row_moments(xv, runtime(0), n, shift, tv, remv)
         mo, rstd = _finish(shift, mean, m2, n, eps)
-        _ln_row_out(xv, yv, 0, n, shift, mean, rstd, wv, bv, False)
+        _ln_row_out(xv, yv, runtime(0), n, shift, mean, rstd, wv, bv, False)
         _copy_row(y, r, ys, 0)
         put_stat(mean_out, r, mo)
         put_stat(rstd_out, r, rstd)
@@ -399,7 +401,7 @@ def _row_block(rows, n):
 def ln_forward_serial(x, w, b, eps, y, mean_out, rstd_out, nt):
     """LayerNorm forward of a 2-D ``(rows, n)`` array on the calling thread."""
     tab = merge_weights(x.shape[1], eps)
-    _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, 0, x.shape[0])
+    _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, runtime(0), x.shape[0])
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
@@ -417,17 +419,18 @@ def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, nt):
 
 
 @njit(error_model="numpy")
-def _col_leaf(x2, row0, k, g, c0, kv, pad):
-    return load2(x2, row0 + k * LANES, c0) - kv if k < g else pad
-
-
-@njit(error_model="numpy")
 def _col_chunk(x2, row0, c0, g, kv, inv, pad, zero):
+    # Leaves written out: a helper called with the constants 0 .. 7 would be compiled
+    # once per constant.
     return _chunk_tree(
-        _col_leaf(x2, row0, 0, g, c0, kv, pad), _col_leaf(x2, row0, 1, g, c0, kv, pad),
-        _col_leaf(x2, row0, 2, g, c0, kv, pad), _col_leaf(x2, row0, 3, g, c0, kv, pad),
-        _col_leaf(x2, row0, 4, g, c0, kv, pad), _col_leaf(x2, row0, 5, g, c0, kv, pad),
-        _col_leaf(x2, row0, 6, g, c0, kv, pad), _col_leaf(x2, row0, 7, g, c0, kv, pad),
+        load2(x2, row0, c0) - kv if g > 0 else pad,
+        load2(x2, row0 + LANES, c0) - kv if g > 1 else pad,
+        load2(x2, row0 + 2 * LANES, c0) - kv if g > 2 else pad,
+        load2(x2, row0 + 3 * LANES, c0) - kv if g > 3 else pad,
+        load2(x2, row0 + 4 * LANES, c0) - kv if g > 4 else pad,
+        load2(x2, row0 + 5 * LANES, c0) - kv if g > 5 else pad,
+        load2(x2, row0 + 6 * LANES, c0) - kv if g > 6 else pad,
+        load2(x2, row0 + 7 * LANES, c0) - kv if g > 7 else pad,
         g, inv, zero)
 
 
@@ -621,17 +624,18 @@ def _tree_sum(v):
 
 
 @njit(error_model="numpy")
-def _row_square_leaf(xr, r, base, k, g, zero):
-    return vload(xr, r, base + k * LANES) if k < g else zero
-
-
-@njit(error_model="numpy")
 def _row_square_chunk(xr, r, base, g, zero):
+    # Leaves written out: a helper called with the constants 0 .. 7 would be compiled
+    # once per constant.
     return _square_tree(
-        _row_square_leaf(xr, r, base, 0, g, zero), _row_square_leaf(xr, r, base, 1, g, zero),
-        _row_square_leaf(xr, r, base, 2, g, zero), _row_square_leaf(xr, r, base, 3, g, zero),
-        _row_square_leaf(xr, r, base, 4, g, zero), _row_square_leaf(xr, r, base, 5, g, zero),
-        _row_square_leaf(xr, r, base, 6, g, zero), _row_square_leaf(xr, r, base, 7, g, zero))
+        vload(xr, r, base) if g > 0 else zero,
+        vload(xr, r, base + LANES) if g > 1 else zero,
+        vload(xr, r, base + 2 * LANES) if g > 2 else zero,
+        vload(xr, r, base + 3 * LANES) if g > 3 else zero,
+        vload(xr, r, base + 4 * LANES) if g > 4 else zero,
+        vload(xr, r, base + 5 * LANES) if g > 5 else zero,
+        vload(xr, r, base + 6 * LANES) if g > 6 else zero,
+        vload(xr, r, base + 7 * LANES) if g > 7 else zero)
 
 
 @njit(inline="always", error_model="numpy")
@@ -711,8 +715,8 @@ def _rms_rows_gathered(x, w, eps, y, rstd_out, r0, r1):
     xv, yv, wv, remv = raw(xs), raw(ys), maybe_raw(w), raw(rem)
     for r in range(r0, r1):
         _copy_row(xs, 0, x, r)
-        rstd = _rms_rstd(xv, 0, n, eps, remv)
-        _rms_row_out(xv, yv, 0, n, rstd, wv, False)
+        rstd = _rms_rstd(xv, runtime(0), n, eps, remv)
+        _rms_row_out(xv, yv, runtime(0), n, rstd, wv, False)
         _copy_row(y, r, ys, 0)
         put_stat(rstd_out, r, rstd)
 
@@ -726,7 +730,7 @@ def _rms_rstd(xr, r, n, eps, rem):
 @njit(cache=True, error_model="numpy")
 def rms_forward_serial(x, w, eps, y, rstd_out, nt):
     """RMSNorm forward of a 2-D array on the calling thread."""
-    _rms_rows(x, w, eps, y, rstd_out, nt, 0, x.shape[0])
+    _rms_rows(x, w, eps, y, rstd_out, nt, runtime(0), x.shape[0])
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
@@ -740,17 +744,18 @@ def rms_forward_parallel(x, w, eps, y, rstd_out, nt):
 
 
 @njit(error_model="numpy")
-def _col_square_leaf(x2, row0, k, g, c0, zero):
-    return load2(x2, row0 + k * LANES, c0) if k < g else zero
-
-
-@njit(error_model="numpy")
 def _col_square_chunk(x2, row0, c0, g, zero):
+    # Leaves written out: a helper called with the constants 0 .. 7 would be compiled
+    # once per constant.
     return _square_tree(
-        _col_square_leaf(x2, row0, 0, g, c0, zero), _col_square_leaf(x2, row0, 1, g, c0, zero),
-        _col_square_leaf(x2, row0, 2, g, c0, zero), _col_square_leaf(x2, row0, 3, g, c0, zero),
-        _col_square_leaf(x2, row0, 4, g, c0, zero), _col_square_leaf(x2, row0, 5, g, c0, zero),
-        _col_square_leaf(x2, row0, 6, g, c0, zero), _col_square_leaf(x2, row0, 7, g, c0, zero))
+        load2(x2, row0, c0) if g > 0 else zero,
+        load2(x2, row0 + LANES, c0) if g > 1 else zero,
+        load2(x2, row0 + 2 * LANES, c0) if g > 2 else zero,
+        load2(x2, row0 + 3 * LANES, c0) if g > 3 else zero,
+        load2(x2, row0 + 4 * LANES, c0) if g > 4 else zero,
+        load2(x2, row0 + 5 * LANES, c0) if g > 5 else zero,
+        load2(x2, row0 + 6 * LANES, c0) if g > 6 else zero,
+        load2(x2, row0 + 7 * LANES, c0) if g > 7 else zero)
 
 
 @njit(inline="always", error_model="numpy")
