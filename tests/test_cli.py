@@ -319,3 +319,29 @@ def test_every_timed_implementation_computes_the_same_thing(op, direction):
     for impl in impls[1:]:
         np.testing.assert_allclose(_first_output(impl.fn()), reference, rtol=1e-4, atol=1e-4,
                                    err_msg=impl.name)
+
+
+def test_onnxruntime_workers_block_instead_of_spinning(monkeypatch):
+    """ONNX Runtime's spinning idle workers would take the cores from the next timed
+    implementation, so the bench builds its session with spinning off."""
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    created = []
+    real_session = ort.InferenceSession
+
+    def recording_session(model, options, **kwargs):
+        created.append(options)
+        return real_session(model, options, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", recording_session)
+    case = _bench_impls.make_case("layer_norm", "forward", "float32", (8, 16))
+    case.extras["threads"] = 2
+    (impl,) = _bench_impls.onnxruntime_impls(case)
+    import layernorm as ln
+
+    (y,) = impl.fn()
+    np.testing.assert_allclose(y, ln.layer_norm(case.x, weight=case.weight, bias=case.bias),
+                               rtol=1e-5, atol=1e-5)
+    (options,) = created
+    assert options.intra_op_num_threads == 2
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"

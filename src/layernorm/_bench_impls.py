@@ -450,6 +450,11 @@ def onnxruntime_impls(case: Case) -> list[Impl]:
     threads = case.extras.get("threads")
     if threads:
         opts.intra_op_num_threads = int(threads)
+    # ONNX Runtime's idle workers spin by default and take the cores from whatever runs
+    # next in the interleave (measured at 2 threads, (4096, 768): torch 0.67 -> 1.2-8 ms,
+    # layernorm 0.5 -> 4 ms; ONNX Runtime's own time unchanged). Blocking workers keep
+    # every implementation's time its own.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(model.SerializeToString(), opts,
                                 providers=["CPUExecutionProvider"])
     feeds = {"x": case.x, "w": case.weight, "b": case.bias}
