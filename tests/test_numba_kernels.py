@@ -340,3 +340,37 @@ def test_absent_parameters_are_exact_identities():
     np.testing.assert_array_equal(ln.layer_norm(x, bias=b).view(np.int32),
                                   (plain + b).view(np.int32))
     assert not np.signbit(plain[5]).any()
+
+
+@pytest.mark.parametrize(("x_dtype", "param_dtype"), [
+    (np.float16, np.float16), (ml_dtypes.bfloat16, ml_dtypes.bfloat16),
+    (np.float32, ml_dtypes.bfloat16), (np.float64, np.float16)])
+def test_half_parameters_equal_their_float32_values(x_dtype, param_dtype):
+    """16-bit weight/bias reach the kernels uncast (they widen them); the result must be
+    bit for bit that of the same values given in float32, on every path. (Each pair of
+    dtypes compiles its own kernels: the pairs are the common ones, plus a float64 input,
+    whose parameters are cast to float64.)"""
+    rng = np.random.default_rng(9)
+
+    def bits(a):
+        return np.ascontiguousarray(a).view(np.uint8)
+
+    for shape, axis in (((1, 40), -1), ((300, 24), -1), ((3, 24, 7), 1)):
+        x = (3 + rng.standard_normal(shape)).astype(x_dtype)
+        d = shape[axis]
+        w = (1 + 0.5 * rng.standard_normal(d)).astype(param_dtype)
+        b = rng.standard_normal(d).astype(param_dtype)
+        w32, b32 = w.astype(np.float32), b.astype(np.float32)
+        for kw, kw32 in (({"weight": w, "bias": b}, {"weight": w32, "bias": b32}),
+                         ({"weight": w}, {"weight": w32}), ({"bias": b}, {"bias": b32})):
+            assert np.array_equal(bits(ln.layer_norm(x, axis=axis, **kw)),
+                                  bits(ln.layer_norm(x, axis=axis, **kw32)))
+        assert np.array_equal(bits(ln.rms_norm(x, weight=w, axis=axis)),
+                              bits(ln.rms_norm(x, weight=w32, axis=axis)))
+        _, mean, rstd = ln.layer_norm(x, weight=w, bias=b, axis=axis, return_stats=True)
+        gx, gw, gb = ln.layer_norm_backward(x, x, mean, rstd, w, axis=axis)
+        gx32, gw32, gb32 = ln.layer_norm_backward(x, x, mean, rstd, w32, axis=axis)
+        assert np.array_equal(bits(gx), bits(gx32))
+        assert gw.dtype == w.dtype  # the gradient has the weight's dtype
+        assert np.array_equal(bits(gw), bits(gw32.astype(w.dtype)))
+        assert np.array_equal(bits(gb), bits(gb32.astype(w.dtype)))

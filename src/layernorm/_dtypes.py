@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 SUPPORTED: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64")
+#: The 16-bit floats (stored as raw bits where a library has no native type).
+HALF_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
 
 #: Statistics are accumulated in float32 for 16- and 32-bit inputs, float64 for float64.
 ACCUMULATION: dict[str, str] = {

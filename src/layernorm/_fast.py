@@ -19,7 +19,7 @@ import numpy as np
 
 from ._backends import _numba
 from ._backends._numba import _entry
-from ._dtypes import MACHINE_EPS
+from ._dtypes import HALF_DTYPES, MACHINE_EPS, dtype_name
 from ._validate import memo_axes
 
 #: Inputs at least this large take the general path (they may run in parallel, and
@@ -48,6 +48,7 @@ class Plan:
         "n",
         "negative_zeros",
         "ones",
+        "param_half",
         "rows",
         "run",
         "run_stats",
@@ -61,11 +62,16 @@ class Plan:
         self.rows, self.n, self.stats_shape = rows, n, stats_shape
         self.acc = np.dtype(acc)
         self.bits = _numba._BITS.get(dtype)
-        self.cast_params = any(p is not None and p.dtype != self.acc for p in params)
+        #: Per parameter: float16/bfloat16, passed uncast as on the general path (the
+        #: kernels widen it; NumPy's float16 cast is slow).
+        self.param_half = tuple(p is not None and acc == "float32"
+                                and dtype_name(p.dtype) in HALF_DTYPES for p in params)
+        self.cast_params = any(p is not None and not half and p.dtype != self.acc
+                               for p, half in zip(params, self.param_half, strict=True))
         #: x, y, weight and bias go to the kernel as they are (no view, reshape or cast).
         self.shape2 = (rows, n)
         self.direct = (tuple(shape) == self.shape2 and self.bits is None
-                       and not self.cast_params
+                       and not self.cast_params and not any(self.param_half)
                        and all(p is None or p.ndim == 1 for p in params))
         self.default_eps = MACHINE_EPS[acc]
         self.eps_scalars: dict[float, Any] = {}
@@ -139,11 +145,13 @@ def _new_eps(plan: Plan, eps: Any) -> Any:
     return scalar
 
 
-def _flat(param: Any, plan: Plan) -> Any:
+def _flat(param: Any, plan: Plan, half: bool) -> Any:
     if param is None:
         return None
     if param.ndim != 1:
         param = param.reshape(-1)
+    if half:
+        return _numba._param_bits(param)
     return param.astype(plan.acc) if plan.cast_params else param
 
 
@@ -173,7 +181,8 @@ def _prepare(plan: Plan, x: Any, weight: Any, bias: Any, out: Any) -> tuple[Any,
     if plan.bits is not None:
         x2 = x2.view(plan.bits)
         y2 = y2.view(plan.bits)
-    return y, x2, y2, _flat(weight, plan), _flat(bias, plan)
+    bias_half = len(plan.param_half) > 1 and plan.param_half[1]
+    return y, x2, y2, _flat(weight, plan, plan.param_half[0]), _flat(bias, plan, bias_half)
 
 
 # The two entry points below are written out flat: at one (1, 768) row every Python

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._dtypes import dtype_name
 from . import _entry
 
 #: Below this many elements a call runs on the calling thread: starting threads for a
@@ -150,6 +151,12 @@ def _identity_params(n: int, acc: Any) -> tuple[Any, Any]:
     return ones, negative_zeros
 
 
+def _param_bits(param: Any) -> Any:
+    """A float16/bfloat16 parameter as its raw bits (the kernels widen it), else itself."""
+    bits = _BITS.get(dtype_name(param.dtype))
+    return param if bits is None else param.view(bits)
+
+
 def _params(weight: Any, bias: Any, n: int, acc: Any) -> tuple[Any, Any]:
     """``weight`` and ``bias``, an absent one replaced by its exact identity.
 
@@ -158,9 +165,10 @@ def _params(weight: Any, bias: Any, n: int, acc: Any) -> tuple[Any, Any]:
     or ``-0.0`` product unchanged), so one compiled kernel serves every combination.
     """
     if weight is not None and bias is not None:
-        return weight, bias
+        return _param_bits(weight), _param_bits(bias)
     ones, negative_zeros = _identity_params(n, np.dtype(acc))
-    return (ones if weight is None else weight), (negative_zeros if bias is None else bias)
+    return (ones if weight is None else _param_bits(weight),
+            negative_zeros if bias is None else _param_bits(bias))
 
 
 def layer_norm_forward(x3, weight, bias, eps, y3, mean, rstd, dtype) -> None:

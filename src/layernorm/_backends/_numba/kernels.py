@@ -55,7 +55,8 @@ the ``r = n % LANES`` remaining elements go one each to lanes ``0 .. r-1``.
    computes ``y = fma(((x - K) - mean_shifted) * rstd, w, b)`` element by element. The
    backend passes ``w = 1`` for an absent weight and ``b = -0.0`` for an absent bias:
    ``fma(v, 1, -0.0) = v``, ``fma(v, w, -0.0) = v * w`` and ``fma(v, 1, b) = v + b``
-   exactly, so one compiled kernel serves every combination.
+   exactly, so one compiled kernel serves every combination. Float16/bfloat16 ``w`` and
+   ``b`` arrive as raw bits and are widened exactly to float32 where they are loaded.
 
 ``fma`` is IEEE fusedMultiplyAdd, written explicitly: one rounding, the same bits on
 every machine. The compiler is never allowed to contract or reorder anything itself.
@@ -165,7 +166,7 @@ def _times_w(v, w, i):
         return lambda v, w, i: v
     if isinstance(v, Vec):
         return lambda v, w, i: v * vload(w, 0, i)
-    return lambda v, w, i: v * get(w, 0, i)
+    return lambda v, w, i: v * widen(get(w, 0, i))
 
 
 def put_stat(out, r, value):
@@ -190,7 +191,7 @@ def _plus_b(v, b, i):
         return lambda v, b, i: v
     if isinstance(v, Vec):
         return lambda v, b, i: v + vload(b, 0, i)
-    return lambda v, b, i: v + get(b, 0, i)
+    return lambda v, b, i: v + widen(get(b, 0, i))
 
 
 def affine(v, w, b, i):
@@ -204,7 +205,7 @@ def _affine(v, w, b, i):
         return lambda v, w, b, i: plus_b(times_w(v, w, i), b, i)
     if isinstance(v, Vec):
         return lambda v, w, b, i: fma(v, vload(w, 0, i), vload(b, 0, i))
-    return lambda v, w, b, i: fma(v, get(w, 0, i), get(b, 0, i))
+    return lambda v, w, b, i: fma(v, widen(get(w, 0, i)), widen(get(b, 0, i)))
 
 
 @njit(inline="always", error_model="numpy")
@@ -516,11 +517,11 @@ def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out, r0
     for i in range(n):
         v = ((load2(x2, i, c0) - kv) - mv) * rv
         if w is not None and b is not None:
-            v = fma(v, splat(w[i]), splat(b[i]))
+            v = fma(v, splat(widen(w[i])), splat(widen(b[i])))
         elif w is not None:
-            v = v * splat(w[i])
+            v = v * splat(widen(w[i]))
         elif b is not None:
-            v = v + splat(b[i])
+            v = v + splat(widen(b[i]))
         store2(y2, v, i, c0)
 
 
@@ -795,7 +796,7 @@ def _rms_cols(x2, y2, c0, w, eps, lanes, cs, rstd_out, r0, valid):
     for i in range(n):
         v = load2(x2, i, c0) * rv
         if w is not None:
-            v = v * splat(w[i])
+            v = v * splat(widen(w[i]))
         store2(y2, v, i, c0)
 
 
