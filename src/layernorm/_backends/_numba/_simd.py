@@ -511,20 +511,6 @@ def _itemsize(view):
     return None
 
 
-def maybe_raw(arr):
-    """:func:`raw` of an array, None for None."""
-    raise NotImplementedError
-
-
-@overload(maybe_raw, inline="always")
-def _maybe_raw(arr):
-    if isinstance(arr, (types.NoneType, types.Omitted)) or arr is None:
-        return lambda arr: None
-    if isinstance(arr, types.Array):
-        return lambda arr: raw(arr)
-    return None
-
-
 @intrinsic
 def copy2(typingctx, dst, di, dj, src, si, sj):
     """``dst[di, dj:dj+WIDTH] = src[si, sj:sj+WIDTH]``, bits unchanged (same dtype)."""

@@ -93,7 +93,6 @@ from ._simd import (
     itemsize,
     lane,
     load2,
-    maybe_raw,
     put,
     raw,
     runtime,
@@ -151,19 +150,12 @@ def merge_weights(n, like):
 
 
 def times_w(v, w, i):
-    """``v * w[i:i+WIDTH]`` (vector ``v``) or ``v * w[i]`` (scalar); ``v`` if w is None."""
-    raise NotImplementedError
-
-
-def plus_b(v, b, i):
-    """``v + b[...]`` like :func:`times_w`."""
+    """``v * w[i:i+WIDTH]`` (vector ``v``) or ``v * w[i]`` (scalar), ``w`` widened."""
     raise NotImplementedError
 
 
 @overload(times_w, inline="always")
 def _times_w(v, w, i):
-    if isinstance(w, types.NoneType):
-        return lambda v, w, i: v
     if isinstance(v, Vec):
         return lambda v, w, i: v * vload(w, 0, i)
     return lambda v, w, i: v * widen(get(w, 0, i))
@@ -185,24 +177,13 @@ def _put_stat(out, r, value):
     return impl
 
 
-@overload(plus_b, inline="always")
-def _plus_b(v, b, i):
-    if isinstance(b, types.NoneType):
-        return lambda v, b, i: v
-    if isinstance(v, Vec):
-        return lambda v, b, i: v + vload(b, 0, i)
-    return lambda v, b, i: v + widen(get(b, 0, i))
-
-
 def affine(v, w, b, i):
-    """``v * w[i..] + b[i..]`` rounded once (fma) with both; one operation with one; ``v``."""
+    """``v * w[i..] + b[i..]`` rounded once (fma); an absent parameter is an identity array."""
     raise NotImplementedError
 
 
 @overload(affine, inline="always")
 def _affine(v, w, b, i):
-    if isinstance(w, types.NoneType) or isinstance(b, types.NoneType):
-        return lambda v, w, b, i: plus_b(times_w(v, w, i), b, i)
     if isinstance(v, Vec):
         return lambda v, w, b, i: fma(v, vload(w, 0, i), vload(b, 0, i))
     return lambda v, w, b, i: fma(v, widen(get(w, 0, i)), widen(get(b, 0, i)))
@@ -362,7 +343,7 @@ def _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, r0, r1):
         return
     n = x.shape[1]
     rem = np.empty((1, LANES), dtype=tab.dtype)
-    xv, yv, wv, bv, tv, remv = raw(x), raw(y), maybe_raw(w), maybe_raw(b), raw(tab), raw(rem)
+    xv, yv, wv, bv, tv, remv = raw(x), raw(y), raw(w), raw(b), raw(tab), raw(rem)
     for r in range(r0, r1):
         shift = widen(get(xv, r, 0))
         mean, m2 = _row_moments(xv, r, n, shift, tv, remv)
@@ -381,7 +362,7 @@ def _ln_rows_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1):
     rem = np.empty((1, LANES), dtype=tab.dtype)
     xs = np.empty((1, n), dtype=x.dtype)
     ys = np.empty((1, n), dtype=y.dtype)
-    xv, yv, wv, bv, tv, remv = raw(xs), raw(ys), maybe_raw(w), maybe_raw(b), raw(tab), raw(rem)
+    xv, yv, wv, bv, tv, remv = raw(xs), raw(ys), raw(w), raw(b), raw(tab), raw(rem)
     for r in range(r0, r1):
         _copy_row(xs, 0, x, r)
         shift = widen(get(xv, 0, 0))
@@ -516,12 +497,7 @@ def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out, r0
     rv = load2(cs, 1, 0)
     for i in range(n):
         v = ((load2(x2, i, c0) - kv) - mv) * rv
-        if w is not None and b is not None:
-            v = fma(v, splat(widen(w[i])), splat(widen(b[i])))
-        elif w is not None:
-            v = v * splat(widen(w[i]))
-        elif b is not None:
-            v = v + splat(widen(b[i]))
+        v = fma(v, splat(widen(w[i])), splat(widen(b[i])))
         store2(y2, v, i, c0)
 
 
@@ -697,7 +673,7 @@ def _rms_rows(x, w, eps, y, rstd_out, nt, r0, r1):
         return
     n = x.shape[1]
     rem = np.full((1, LANES), eps)
-    xv, yv, wv, remv = raw(x), raw(y), maybe_raw(w), raw(rem)
+    xv, yv, wv, remv = raw(x), raw(y), raw(w), raw(rem)
     for r in range(r0, r1):
         rstd = _rms_rstd(xv, r, n, eps, remv)
         _rms_row_out(xv, yv, r, n, rstd, wv, nt)
@@ -713,7 +689,7 @@ def _rms_rows_gathered(x, w, eps, y, rstd_out, r0, r1):
     rem = np.full((1, LANES), eps)
     xs = np.empty((1, n), dtype=x.dtype)
     ys = np.empty((1, n), dtype=y.dtype)
-    xv, yv, wv, remv = raw(xs), raw(ys), maybe_raw(w), raw(rem)
+    xv, yv, wv, remv = raw(xs), raw(ys), raw(w), raw(rem)
     for r in range(r0, r1):
         _copy_row(xs, 0, x, r)
         rstd = _rms_rstd(xv, runtime(0), n, eps, remv)
@@ -795,8 +771,7 @@ def _rms_cols(x2, y2, c0, w, eps, lanes, cs, rstd_out, r0, valid):
     rv = load2(cs, 1, 0)
     for i in range(n):
         v = load2(x2, i, c0) * rv
-        if w is not None:
-            v = v * splat(widen(w[i]))
+        v = v * splat(widen(w[i]))
         store2(y2, v, i, c0)
 
 
@@ -936,7 +911,7 @@ def _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
     acc = mean_in.dtype
     rg = np.empty((1, LANES), dtype=acc)
     rx = np.empty((1, LANES), dtype=acc)
-    xv, gyv, gxv, wv, rgv, rxv = raw(x), raw(gy), raw(gx), maybe_raw(w), raw(rg), raw(rx)
+    xv, gyv, gxv, wv, rgv, rxv = raw(x), raw(gy), raw(gx), raw(w), raw(rg), raw(rx)
     dw = raw(partials[0, blk])
     db = raw(partials[1, blk])
     zero = splat(cast(0.0, mean_in[0]))
@@ -997,7 +972,7 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
     gys = np.empty((2, n if strided else 0), dtype=gy.dtype)
     gxs = np.empty((2, n if strided else 0), dtype=gx.dtype)
     xv, gyv, gxv, xsv, gysv, gxsv = raw(x), raw(gy), raw(gx), raw(xs), raw(gys), raw(gxs)
-    wv, rgv, rxv = maybe_raw(w), raw(rg), raw(rx)
+    wv, rgv, rxv = raw(w), raw(rg), raw(rx)
     dw = raw(partials[0, blk])
     db = raw(partials[1, blk])
     a, b, c = (gysv, xsv, gxsv) if strided else (gyv, xv, gxv)
@@ -1117,7 +1092,7 @@ def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1):
     gys = np.empty((2, n if strided else 0), dtype=gy.dtype)
     gxs = np.empty((2, n if strided else 0), dtype=gx.dtype)
     xv, gyv, gxv, xsv, gysv, gxsv = raw(x), raw(gy), raw(gx), raw(xs), raw(gys), raw(gxs)
-    wv, rgv, rxv = maybe_raw(w), raw(rg), raw(rx)
+    wv, rgv, rxv = raw(w), raw(rg), raw(rx)
     dw = raw(partials[0, blk])
     a, b, c = (gysv, xsv, gxsv) if strided else (gyv, xv, gxv)
     step = 2 if n >= PAIR_MIN_N else 1
@@ -1169,7 +1144,7 @@ def _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols):
     c0 = (item % per) * COL_BLOCK
     xs, gys, gxs, rg, rx = cols
     xsv, gysv, gxsv, rgv, rxv = raw(xs), raw(gys), raw(gxs), raw(rg), raw(rx)
-    wv = maybe_raw(w)
+    wv = raw(w)
     dw = raw(partials[0, item])
     db = raw(partials[partials.shape[0] - 1, item])
     for c in range(c0, min(inner, c0 + COL_BLOCK)):
