@@ -99,8 +99,10 @@ for _op, _instruction in ((operator.add, "fadd"), (operator.sub, "fsub"), (opera
 def runtime(typingctx, value):
     """``value`` typed as an ordinary integer, not as the constant it may be.
 
-    Numba compiles a jitted helper once per distinct *constant* argument; leaf helpers
-    called with ``0 .. 7`` would compile eight times. LLVM still sees the constant.
+    Numba compiles a jitted helper once per distinct *constant* argument: a row loop
+    called with the constant first row 0 (serial kernels, gathered rows) would compile
+    again beside the one the parallel kernels call with a variable row. LLVM still sees
+    the constant.
     """
     if not isinstance(value, types.Integer):
         return None
