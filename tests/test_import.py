@@ -39,3 +39,89 @@ def test_backend_names():
     import array_api_strict as xps
 
     assert ln.backend_name(xps.ones(3)) == "array_api"
+
+
+_WARM_PROBE = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import layernorm as ln
+    from layernorm._backends import _numba as backend
+
+    kernels = backend._kernels()
+    refreshed = []
+    context = kernels.ln_forward_serial.targetctx
+    original = context.refresh
+
+    def refresh():
+        refreshed.append(True)
+        original()
+
+    context.refresh = refresh
+    x, w, b, gy = (np.load(sys.argv[1] + f"/{name}.npy") for name in ("x", "w", "b", "gy"))
+    y, mean, rstd = ln.layer_norm(x, w.shape, w, b, return_stats=True)
+    grads = ln.layer_norm_backward(gy, x, mean, rstd, w, w.shape)
+    for name, value in zip(("y", "gx", "gw", "gb"), (y, *grads)):
+        np.save(sys.argv[1] + f"/out_{name}.npy", value)
+    print(len(refreshed))
+    """
+)
+
+
+def test_first_call_with_a_warm_cache_loads_kernels_without_refreshing_numba(tmp_path):
+    """A cached kernel is loaded without Numba's registry refresh (a quarter second of
+    imports) and runs the same machine code: same bits as this process's results."""
+    import numpy as np
+
+    import layernorm as ln
+
+    rng = np.random.default_rng(11)
+    x = (2.0 + rng.standard_normal((6, 300))).astype(np.float32)
+    w, b, gy = (rng.standard_normal(300).astype(np.float32),
+                rng.standard_normal(300).astype(np.float32),
+                rng.standard_normal((6, 300)).astype(np.float32))
+    y, mean, rstd = ln.layer_norm(x, 300, w, b, return_stats=True)  # fills the disk cache
+    grads = ln.layer_norm_backward(gy, x, mean, rstd, w, 300)
+    for name, value in (("x", x), ("w", w), ("b", b), ("gy", gy)):
+        np.save(tmp_path / f"{name}.npy", value)
+    proc = subprocess.run([sys.executable, "-c", _WARM_PROBE, str(tmp_path)],
+                          capture_output=True, text=True, check=True, timeout=300)
+    assert proc.stdout.split() == ["0"]
+    for name, expected in zip(("y", "gx", "gw", "gb"), (y, *grads), strict=True):
+        assert np.load(tmp_path / f"out_{name}.npy").tobytes() == expected.tobytes()
+
+
+def test_kernel_not_in_the_cache_or_unknown_internals_take_the_public_path(monkeypatch):
+    import numpy as np
+    from numba import types
+
+    import layernorm as ln
+    from layernorm import _fast
+    from layernorm._backends import _numba as backend
+    from layernorm._backends._numba import _entry
+
+    kernels = backend._kernels()
+    kernel = kernels.rms_forward_serial
+    # A signature never compiled (int8 data): not in the cache, and nothing compiled.
+    array = types.Array(types.int8, 2, "A", readonly=True)
+    sig = (array, array, types.float32, types.Array(types.int8, 2, "A"),
+           types.Array(types.float32, 1, "A"), types.boolean)
+    before = len(kernel.overloads)
+    assert _entry._load_cached(kernel, sig) is None
+    assert len(kernel.overloads) == before
+
+    attempts = []
+
+    def broken(kernel, sig):
+        attempts.append(kernel)
+        raise AttributeError("internals of another Numba")
+
+    monkeypatch.setattr(_entry, "_load_cached", broken)
+    monkeypatch.setattr(_entry, "_entry_points", {})
+    monkeypatch.setattr(_fast, "_PLANS", {})
+    rng = np.random.default_rng(12)
+    x = (1.0 + rng.standard_normal((3, 40))).astype(np.float32)
+    y = ln.rms_norm(x, 40)
+    assert attempts
+    ss = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
+    np.testing.assert_allclose(y, x / np.sqrt(ss + np.finfo(np.float32).eps), rtol=2e-6)

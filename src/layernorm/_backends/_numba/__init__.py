@@ -225,7 +225,7 @@ def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype):
         partials = _grad_partials(_col_blocks(x3), n, mean.dtype, 2)
         _run(k.backward_cols_serial, k.backward_cols_parallel, x.size, LN_BACKWARD_WRITES,
              gy, x, mean, rstd, w, gx, partials, False)
-    sums = k.sum_blocks(partials)
+    sums = _entry.call(k.sum_blocks, (), partials)
     return sums[0], sums[1]
 
 
@@ -245,4 +245,4 @@ def rms_norm_backward(gy3, x3, rstd, weight, gx3, dtype):
         partials = _grad_partials(_col_blocks(x3), n, rstd.dtype, 1)
         _run(k.backward_cols_serial, k.backward_cols_parallel, x.size, LN_BACKWARD_WRITES,
              gy, x, rstd, rstd, w, gx, partials, True)
-    return k.sum_blocks(partials)[0]
+    return _entry.call(k.sum_blocks, (), partials)[0]

@@ -8,6 +8,12 @@ the dispatcher directly would still compile each of them (seconds each). Here ev
 array argument is typed as layout ``"A"``, read-only unless the kernel writes it, and
 the compiled entry point is memoized by what still matters: dtype, rank and alignment
 of the arrays and the Python types of the scalars.
+
+A first call that finds its kernel in Numba's disk cache loads it without the refresh
+Numba's public ``compile`` performs first: that refresh imports every typing and lowering
+registry Numba has (SciPy's linear algebra included), about 0.25 s, and a cached kernel
+needs none of them, only Numba's runtime (:func:`_load_cached`). A kernel not in the
+cache, or a Numba whose internals differ, takes the public path.
 """
 
 from __future__ import annotations
@@ -58,8 +64,41 @@ def entry_point(kernel: Any, writes: tuple[int, ...], args: tuple[Any, ...]) -> 
     key = _key(kernel, args)
     entry = _entry_points.get(key)
     if entry is None:
-        entry = _entry_points[key] = kernel.compile(_signature(writes, args))
+        entry = _entry_points[key] = _compiled(kernel, _signature(writes, args))
     return entry
+
+
+def _compiled(kernel: Any, sig: tuple[Any, ...]) -> Callable[..., Any]:
+    try:
+        entry = _load_cached(kernel, sig)
+    except Exception:  # internals of another Numba version: the public path is right
+        entry = None
+    return entry if entry is not None else kernel.compile(sig)
+
+
+def _load_cached(kernel: Any, sig: tuple[Any, ...]) -> Callable[..., Any] | None:
+    """``kernel.compile(sig)`` for a kernel in the disk cache, minus the registry refresh.
+
+    The steps of Numba's ``Dispatcher.compile`` on a cache hit, except
+    ``target_context.refresh()``: only the runtime it initializes (the kernels allocate
+    scratch arrays) is needed to run machine code that is already compiled. Returns None
+    on a cache miss.
+    """
+    from numba.core.compiler_lock import global_compiler_lock
+    from numba.core.runtime import rtsys
+
+    with global_compiler_lock:
+        existing = kernel.overloads.get(sig)
+        if existing is not None:
+            return existing.entry_point
+        context = kernel.targetctx
+        rtsys.initialize(context)
+        result = kernel._cache._load_overload(sig, context)
+        if result is None or result.objectmode:
+            return None
+        context.insert_user_function(result.entry_point, result.fndesc, [result.library])
+        kernel.add_overload(result)
+        return result.entry_point
 
 
 def call(kernel: Any, writes: tuple[int, ...], *args: Any) -> Any:
