@@ -73,6 +73,34 @@ def test_rms_norm_matches_general_path_bitwise(dtype_name, shape, normalized_sha
     assert np.array_equal(rstd, grstd)
 
 
+@pytest.mark.parametrize(("axis", "planned"), [
+    (-1, True), (2, True), ((1, 2), True), ((-2, -1), True),
+    (0, False), ((0, 2), False), (1, False),
+])
+def test_axis_keyword_matches_general_path_bitwise(axis, planned):
+    """Trailing axes given as ``axis`` take the short path; other axes do not."""
+    rng = np.random.default_rng(5)
+    x = random_rows(rng, (3, 5, 7), "float32", loc=3.0)
+    axes = (axis,) if type(axis) is int else axis
+    pshape = tuple(x.shape[a] for a in axes)
+    w = (1.0 + 0.5 * rng.standard_normal(pshape)).astype(np.float32)
+    b = (0.1 * rng.standard_normal(pshape)).astype(np.float32)
+    for _ in range(3):
+        y, mean, rstd = ln.layer_norm(x, weight=w, bias=b, axis=axis, return_stats=True)
+        yr = ln.rms_norm(x, weight=w, axis=axis)
+    plan = _fast._PLANS[(x.shape, x.dtype, None, axis, w.shape, w.dtype, b.shape, b.dtype)]
+    assert (plan is not None) == planned
+    general = ln.layer_norm(x, weight=w, bias=b, axis=axis, return_stats=True,
+                            backend="numba")
+    for got, want in zip((y, mean, rstd), general, strict=True):
+        assert got.shape == want.shape
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    gr = ln.rms_norm(x, weight=w, axis=axis, backend="numba")
+    assert np.array_equal(yr.view(np.uint8), gr.view(np.uint8))
+    y_ref, _, _ = reference.layer_norm(x, tuple(a % 3 for a in axes), w, b, 1e-5)
+    np.testing.assert_allclose(y, y_ref, atol=ATOL["float32"] * 4, rtol=0)
+
+
 def test_parameters_of_another_dtype_are_cast_like_the_general_path():
     rng = np.random.default_rng(3)
     x, w, b = _args(rng, "float32", (4, 96), (96,), param_dtype="float64")
@@ -198,7 +226,7 @@ def test_a_planned_call_runs_the_compiled_entry_point():
     x = np.linspace(-1, 1, 3 * 40, dtype=np.float32).reshape(3, 40)
     ln.layer_norm(x)
     ln.layer_norm(x)
-    plan = _fast._PLANS[(x.shape, x.dtype, None, None, None, None, None)]
+    plan = _fast._PLANS[(x.shape, x.dtype, None, None, None, None, None, None)]
     assert plan is not None and plan.direct
     assert callable(plan.run) and plan.run is not kernels.ln_forward_serial
 
@@ -207,4 +235,4 @@ def test_large_inputs_take_the_general_path():
     x = np.ones((4, _fast.FAST_MAX_ELEMENTS // 4), np.float32)
     x[:, ::3] = 2.0
     ln.layer_norm(x)
-    assert _fast._PLANS[(x.shape, x.dtype, None, None, None, None, None)] is None
+    assert _fast._PLANS[(x.shape, x.dtype, None, None, None, None, None, None)] is None

@@ -284,8 +284,9 @@ def layer_norm(
     >>> mean.ravel()
     array([ 2.5, 25. ], dtype=float32)
     """
-    if type(x) is np.ndarray and axis is None and backend is None:
-        result = _fast.layer_norm(x, normalized_shape, weight, bias, eps, return_stats, out)
+    if type(x) is np.ndarray and backend is None:
+        result = _fast.layer_norm(x, normalized_shape, weight, bias, eps, axis, return_stats,
+                                  out)
         if result is not None:
             return result
     lib = library_of(x)
@@ -350,8 +351,8 @@ def rms_norm(
     >>> ln.rms_norm(x, eps=0.0)
     array([[0.84852814, 1.13137085]])
     """
-    if type(x) is np.ndarray and axis is None and backend is None:
-        result = _fast.rms_norm(x, normalized_shape, weight, eps, return_stats, out)
+    if type(x) is np.ndarray and backend is None:
+        result = _fast.rms_norm(x, normalized_shape, weight, eps, axis, return_stats, out)
         if result is not None:
             return result
     lib = library_of(x)

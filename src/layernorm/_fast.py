@@ -5,9 +5,9 @@ microsecond, so validation, dispatch and allocation would dominate the call. The
 call with a given shape, dtype and parameter layout goes through full validation
 (:func:`._api._request`) and leaves a :class:`Plan`; a later call that matches it checks
 only what can change between such calls (contiguity, ``eps``, ``out``) and calls the
-serial Numba kernel directly. Anything else (strided or large inputs, other axes,
-forced backends, unusual parameters) returns ``None`` and takes the general path, which
-gives the same bits: both run the same kernels.
+serial Numba kernel directly. Anything else (strided or large inputs, axes other than
+the trailing ones, forced backends, unusual parameters) returns ``None`` and takes the
+general path, which gives the same bits: both run the same kernels.
 """
 
 from __future__ import annotations
@@ -95,11 +95,12 @@ _PLANS: dict[tuple[Any, ...], Plan | None] = {}
 _PLANS_MAX = 512
 
 
-def _plan(x: Any, normalized_shape: Any, weight: Any, bias: Any, rms: bool) -> Plan | None:
+def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
+          rms: bool) -> Plan | None:
     from . import _api
 
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
-    req = _api._request(x, "numpy", normalized_shape, None, None, **params)
+    req = _api._request(x, "numpy", normalized_shape, axis, None, **params)
     layout = req.layout
     if (req.target != "numba" or layout.perm is not None or layout.inner != 1
             or layout.n == 0 or layout.rows == 0
@@ -111,11 +112,11 @@ def _plan(x: Any, normalized_shape: Any, weight: Any, bias: Any, rms: bool) -> P
                 kernels.rms_forward_serial if rms else kernels.ln_forward_serial, rms)
 
 
-def _plan_of(key: tuple[Any, ...], x: Any, normalized_shape: Any, weight: Any, bias: Any,
-             rms: bool) -> Plan | None:
+def _plan_of(key: tuple[Any, ...], x: Any, normalized_shape: Any, axis: Any, weight: Any,
+             bias: Any, rms: bool) -> Plan | None:
     """Validate a call first seen under ``key``; memoize its plan (None: not eligible)."""
     try:
-        plan = _plan(x, normalized_shape, weight, bias, rms)
+        plan = _plan(x, normalized_shape, axis, weight, bias, rms)
     except (TypeError, ValueError):
         # Invalid: the general path raises the error, after the checks it makes first.
         return None
@@ -190,10 +191,11 @@ def _prepare(plan: Plan, x: Any, weight: Any, bias: Any, out: Any) -> tuple[Any,
 
 
 def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
-               return_stats: bool, out: Any) -> Any:
+               axis: Any, return_stats: bool, out: Any) -> Any:
     """The result of :func:`layernorm.layer_norm` for a known small call, else None."""
-    if (normalized_shape is not None and type(normalized_shape) is not int
-            and not _plain_axes(normalized_shape)):
+    if ((normalized_shape is not None and type(normalized_shape) is not int
+            and not _plain_axes(normalized_shape))
+            or (axis is not None and type(axis) is not int and not _plain_axes(axis))):
         return None
     if weight is None:
         wshape = wdtype = None
@@ -207,11 +209,11 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
         bshape, bdtype = bias.shape, bias.dtype
     else:
         return None
-    key = (x.shape, x.dtype, normalized_shape, wshape, wdtype, bshape, bdtype)
+    key = (x.shape, x.dtype, normalized_shape, axis, wshape, wdtype, bshape, bdtype)
     try:
         plan = _PLANS[key]
     except KeyError:
-        plan = _plan_of(key, x, normalized_shape, weight, bias, False)
+        plan = _plan_of(key, x, normalized_shape, axis, weight, bias, False)
     except TypeError:  # unhashable normalized_shape
         return None
     if plan is None or not x.flags.c_contiguous:
@@ -240,11 +242,12 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
     return y
 
 
-def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, return_stats: bool,
-             out: Any) -> Any:
+def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
+             return_stats: bool, out: Any) -> Any:
     """The result of :func:`layernorm.rms_norm` for a known small call, else None."""
-    if (normalized_shape is not None and type(normalized_shape) is not int
-            and not _plain_axes(normalized_shape)):
+    if ((normalized_shape is not None and type(normalized_shape) is not int
+            and not _plain_axes(normalized_shape))
+            or (axis is not None and type(axis) is not int and not _plain_axes(axis))):
         return None
     if weight is None:
         wshape = wdtype = None
@@ -252,11 +255,11 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, return_stats:
         wshape, wdtype = weight.shape, weight.dtype
     else:
         return None
-    key = (x.shape, x.dtype, normalized_shape, wshape, wdtype)
+    key = (x.shape, x.dtype, normalized_shape, axis, wshape, wdtype)
     try:
         plan = _PLANS[key]
     except KeyError:
-        plan = _plan_of(key, x, normalized_shape, weight, None, True)
+        plan = _plan_of(key, x, normalized_shape, axis, weight, None, True)
     except TypeError:
         return None
     if plan is None or not x.flags.c_contiguous:
