@@ -140,6 +140,17 @@ def test_out_overlapping_x_gives_the_result_of_a_copy(rows, kwargs):
     np.testing.assert_array_equal(out, want)
 
 
+def test_out_owning_the_memory_x_views_gives_the_result_of_a_copy():
+    # out owns its buffer and x is another array object over the same bytes.
+    rng = np.random.default_rng(15)
+    out = random_rows(rng, (4, 64), "float32")
+    x = out.view()
+    want = ln.layer_norm(out.copy())
+    ln.layer_norm(out.copy())  # a plan for this shape exists
+    assert ln.layer_norm(x, out=out) is out
+    np.testing.assert_array_equal(out, want)
+
+
 def test_strided_arrays_after_a_plan_give_correct_results():
     rng = np.random.default_rng(6)
     wide = random_rows(rng, (4, 128), "float32", loc=2.0)

@@ -162,7 +162,10 @@ def _usable_out(out: Any, x: Any) -> bool:
     flags = out.flags
     if not (flags.c_contiguous and flags.writeable):
         return False
-    return out is x or not np.may_share_memory(out, x)
+    # Two arrays that each own their memory are two allocations: no overlap to look for
+    # (np.may_share_memory costs a fifth of a one-row call).
+    return (out is x or (flags.owndata and x.flags.owndata)
+            or not np.may_share_memory(out, x))
 
 
 def _direct_out(out: Any, x: Any) -> bool:
