@@ -22,6 +22,8 @@ import pytest
 import layernorm as ln
 from layernorm._backends import _numba as backend
 
+from . import reference
+
 #: Row lengths covering: remainder only, one group, partial chunk, full chunks + tail.
 SIZES = [1, 5, 16, 64, 100, 128, 300, 1000]
 #: Enough elements for the parallel kernels (PARALLEL_MIN_ELEMENTS) at every size.
@@ -117,6 +119,38 @@ def test_channels_first_matches_rows(n, inner):
     hxr, hwr = ln.rms_norm_backward(gyr, as_rows, sr, w, n)
     _same_bits(np.moveaxis(hx, 1, -1).reshape(-1, n), hxr)
     np.testing.assert_allclose(hw, hwr, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("n", [1, 17, 64, "short_max", "short_max+1"])
+def test_short_rows_in_blocks_match_the_column_path(dtype, n):
+    """Short rows go 16 at a time with their lane trees folded together; the column path
+    runs the same arithmetic another way. Row counts cover partial last blocks, and
+    constant and non-finite rows sit at several positions in a block."""
+    short_max = backend._kernels().SHORT_ROW_MAX
+    n = {"short_max": short_max, "short_max+1": short_max + 1}.get(n, n)
+    npdt = {"float16": np.float16, "float32": np.float32, "float64": np.float64}[dtype]
+    rng = np.random.default_rng(n)
+    w, b = (p.astype(npdt) for p in _params(n, n))
+    for rows in (1, 16, 17, 35):
+        x = (4.0 + rng.standard_normal((rows, n)) * 3).astype(npdt)
+        if rows > 16:
+            x[3] = 2.5
+            x[16, -1] = np.inf
+            x[rows - 1, 0] = np.nan
+        columns = np.ascontiguousarray(x.T)[None]  # (1, n, rows): normalized over axis 1
+        y, mean, rstd = ln.layer_norm(x, n, w, b, return_stats=True)
+        yc, mc, rc = ln.layer_norm(columns, weight=w, bias=b, axis=1, return_stats=True)
+        _same_bits(y, yc[0].T)
+        _same_bits(mean.reshape(-1), mc.reshape(-1))
+        _same_bits(rstd.reshape(-1), rc.reshape(-1))
+        work = x.copy()
+        assert ln.layer_norm(work, n, w, b, out=work) is work  # in place
+        _same_bits(work, y)
+        finite = np.isfinite(x).all(axis=1)
+        ref = reference.layer_norm(x[finite], (1,), w, b, 1e-5)[0].astype(np.float64)
+        tol = 8 * np.finfo(npdt).eps * max(1.0, np.abs(ref).max())
+        np.testing.assert_allclose(y[finite].astype(np.float64), ref, atol=tol, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])

@@ -22,9 +22,16 @@ Only jitted code can use what this module defines:
   the stores that follow (a kernel ends with it, before other threads read its output);
 * :func:`down8`, :func:`down4`, :func:`down2`, :func:`down1`: lane ``j + h`` moved to
   lane ``j`` (the fixed lane tree of the reductions);
+* :func:`fold8`, :func:`fold4`, :func:`fold2`, :func:`fold1` ``(a, b)``: one level of that
+  tree for several rows at once. ``a`` and ``b`` hold blocks of ``2h`` lanes, one block
+  per row; the result holds every block's ``lane j + lane j + h`` (``j < h``), ``a``'s
+  blocks first. Folding 16 row vectors pairwise with ``h = 8, 4, 2, 1`` leaves row
+  ``i``'s tree sum in lane ``i``, computed by the same additions as the tree of one row;
+* :func:`sqrt` of every lane;
 * :func:`address` of an element, for alignment decisions.
 * :func:`runtime` of an integer constant, so that passing it to a helper does not compile
-  a specialization per value.
+  a specialization per value;
+* :func:`alive` keeps a local array allocated up to that point (views borrow memory).
 """
 
 from __future__ import annotations
@@ -97,14 +104,14 @@ for _op, _instruction in ((operator.add, "fadd"), (operator.sub, "fsub"), (opera
 
 @intrinsic
 def runtime(typingctx, value):
-    """``value`` typed as an ordinary integer, not as the constant it may be.
+    """``value`` typed as an ordinary integer or bool, not as the constant it may be.
 
     Numba compiles a jitted helper once per distinct *constant* argument: a row loop
     called with the constant first row 0 (serial kernels, gathered rows) would compile
     again beside the one the parallel kernels call with a variable row. LLVM still sees
     the constant.
     """
-    if not isinstance(value, types.Integer):
+    if not isinstance(value, (types.Integer, types.Boolean)):
         return None
     plain = types.unliteral(value)
 
@@ -112,6 +119,22 @@ def runtime(typingctx, value):
         return context.cast(builder, args[0], value, plain)
 
     return plain(value), codegen
+
+
+@intrinsic
+def alive(typingctx, value):
+    """Nothing: a use of ``value``, which Numba therefore frees no earlier.
+
+    Numba frees a local array right after its last use in the source. A :class:`Raw`
+    view only borrows its array's memory, so a function that reads or writes a local
+    array through a view calls ``alive(array)`` after its last access (measured: without
+    it, the next allocation of the same size reuses the memory).
+    """
+
+    def codegen(context, builder, sig, args):
+        return context.get_dummy_value()
+
+    return types.none(value), codegen
 
 
 @intrinsic
@@ -183,6 +206,55 @@ down8 = _down(8)
 down4 = _down(4)
 down2 = _down(2)
 down1 = _down(1)
+
+
+def _fold(h: int):
+    # a and b each hold WIDTH // (2h) blocks of 2h lanes; the result holds their
+    # WIDTH // h blocks of h lanes, a's first: block lane j is lane j + lane j + h.
+    per_vector = WIDTH // (2 * h)
+    low = []
+    for k in range(WIDTH):
+        block, offset = divmod(k, h)
+        source = block if block < per_vector else block - per_vector
+        low.append(source * 2 * h + offset + (0 if block < per_vector else WIDTH))
+    low_mask = ir.Constant(ir.VectorType(ir.IntType(32), WIDTH), low)
+    high_mask = ir.Constant(ir.VectorType(ir.IntType(32), WIDTH), [i + h for i in low])
+
+    @intrinsic
+    def impl(typingctx, a, b):
+        if not isinstance(a, Vec) or a != b:
+            return None
+
+        def codegen(context, builder, sig, args):
+            low_lanes = builder.shuffle_vector(args[0], args[1], low_mask)
+            high_lanes = builder.shuffle_vector(args[0], args[1], high_mask)
+            return builder.fadd(low_lanes, high_lanes)
+
+        return a(a, b), codegen
+
+    return impl
+
+
+fold8 = _fold(8)
+fold4 = _fold(4)
+fold2 = _fold(2)
+fold1 = _fold(1)
+
+
+@intrinsic
+def sqrt(typingctx, vec):
+    """The IEEE square root of every lane (correctly rounded, like the scalar one)."""
+    if not isinstance(vec, Vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ty = args[0].type
+        suffix = "f64" if ty.element == ir.DoubleType() else "f32"
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty]),
+                                            f"llvm.sqrt.v{WIDTH}{suffix}")
+        return builder.call(fn, args)
+
+    return vec(vec), codegen
 
 
 # --------------------------------------------------------------------------- memory
