@@ -172,6 +172,33 @@ def test_other_dtypes_paths_agree(dtype):
     assert np.abs(y.astype(np.float64) - want).max() <= tol
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("n", [37, 300, 1100])
+def test_16_bit_outputs_are_the_float32_result_rounded_to_nearest_even(dtype, n, monkeypatch):
+    """Outputs are rounded once from the float32 result, exactly as ml_dtypes/NumPy round
+    (to nearest even, denormals included, NaN stays NaN), in vector stores, streaming
+    stores and scalar tails. A weight of about 1e-39 puts bfloat16 outputs among the
+    denormals, next to normal ones in the same vectors (the AVX512-BF16 instruction, used
+    where the CPU has it, flushes those to zero)."""
+    npdt = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+    rows = 40
+    x = _rows(rows, n, n, npdt)
+    x[7, n // 2] = np.nan
+    w, b = _params(n, n)
+    tiny = {"bfloat16": 3e-39, "float16": 3e-6}[dtype]
+    w[::3] *= np.float32(tiny)
+    b[::3] *= np.float32(tiny)
+    want = ln.layer_norm(x.astype(np.float32), n, w, b).astype(npdt)
+    smallest_normal = {"bfloat16": 2.0**-126, "float16": 2.0**-14}[dtype]
+    assert np.count_nonzero(np.abs(want.astype(np.float32)) < smallest_normal) > n
+    got = ln.layer_norm(x, n, w, b)
+    _same_bits(np.isnan(got), np.isnan(want))
+    _same_bits(np.where(np.isnan(want), 0, got), np.where(np.isnan(want), 0, want))
+    monkeypatch.setattr(backend, "_streaming", lambda x, y: True)
+    streamed = ln.layer_norm(x, n, w, b, backend="numba")
+    _same_bits(streamed, got)
+
+
 def test_streaming_stores_give_same_bits(monkeypatch):
     rows, n = 64, 1000
     x = _rows(rows, n, 3)

@@ -294,18 +294,75 @@ def _narrow_vector(builder, value, element):
         half = builder.fptrunc(value, ir.VectorType(ir.HalfType(), WIDTH))
         return builder.bitcast(half, ir.VectorType(ir.IntType(16), WIDTH))
     if element == types.uint16:
-        # Round to nearest even; a NaN stays a (quiet) NaN. Same as the scalar narrow.
         bits = builder.bitcast(value, ir.VectorType(ir.IntType(32), WIDTH))
-        is_nan = builder.icmp_unsigned(">", builder.and_(bits, _splat_i32(0x7FFFFFFF)),
-                                       _splat_i32(0x7F800000))
-        high = builder.lshr(bits, _splat_i32(16))
-        quiet = builder.or_(high, _splat_i32(0x40))
-        odd = builder.and_(high, _splat_i32(1))
-        rounded = builder.lshr(builder.add(builder.add(bits, _splat_i32(0x7FFF)), odd),
-                               _splat_i32(16))
-        chosen = builder.select(is_nan, quiet, rounded)
-        return builder.trunc(chosen, ir.VectorType(ir.IntType(16), WIDTH))
+        if not _bfloat16_instruction():
+            return _bfloat16_software(builder, bits)
+        return _bfloat16_hardware(builder, value, bits)
     return value
+
+
+def _bfloat16_software(builder, bits):
+    # Round to nearest even; a NaN stays a (quiet) NaN. Same as the scalar narrow.
+    is_nan = builder.icmp_unsigned(">", builder.and_(bits, _splat_i32(0x7FFFFFFF)),
+                                   _splat_i32(0x7F800000))
+    high = builder.lshr(bits, _splat_i32(16))
+    quiet = builder.or_(high, _splat_i32(0x40))
+    odd = builder.and_(high, _splat_i32(1))
+    rounded = builder.lshr(builder.add(builder.add(bits, _splat_i32(0x7FFF)), odd),
+                           _splat_i32(16))
+    chosen = builder.select(is_nan, quiet, rounded)
+    return builder.trunc(chosen, ir.VectorType(ir.IntType(16), WIDTH))
+
+
+class _BFloat(ir.types.Type):
+    """LLVM's ``bfloat`` (llvmlite's IR builder has no type for it)."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _BFloat)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+def _bfloat16_instruction() -> bool:
+    """Whether the target CPU has AVX512-BF16 (Numba compiles for the host's features)."""
+    import llvmlite.binding as ll
+    from numba.core import config
+
+    features = config.CPU_FEATURES
+    if features is None:
+        features = ll.get_host_cpu_features().flatten()
+    return WIDTH == 16 and "+avx512bf16" in features.split(",")
+
+
+def _bfloat16_hardware(builder, value, bits):
+    """``vcvtneps2bf16``: the same rounding as the software path, except that it flushes
+    denormal inputs to zero. A vector holding one runs the software path instead."""
+    i16x = ir.VectorType(ir.IntType(16), WIDTH)
+    exponent = builder.and_(bits, _splat_i32(0x7F800000))
+    fraction = builder.and_(bits, _splat_i32(0x007FFFFF))
+    denormal = builder.and_(builder.icmp_unsigned("==", exponent, _splat_i32(0)),
+                            builder.icmp_unsigned("!=", fraction, _splat_i32(0)))
+    mask = builder.bitcast(denormal, ir.IntType(WIDTH))
+    any_denormal = builder.icmp_unsigned("!=", mask, ir.Constant(ir.IntType(WIDTH), 0))
+    with builder.if_else(any_denormal, likely=False) as (exact, fast):
+        with exact:
+            software = _bfloat16_software(builder, bits)
+            exact_block = builder.block
+        with fast:
+            bf16x = ir.VectorType(_BFloat(), WIDTH)
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(bf16x, [value.type]),
+                "llvm.x86.avx512bf16.cvtneps2bf16.512")
+            hardware = builder.bitcast(builder.call(fn, [value]), i16x)
+            fast_block = builder.block
+    result = builder.phi(i16x)
+    result.add_incoming(software, exact_block)
+    result.add_incoming(hardware, fast_block)
+    return result
 
 
 def _element_ir(context, element):
