@@ -104,7 +104,9 @@ def _request(x: Any, lib: str, normalized_shape: Any, axis: Any, backend: str | 
     if cached is not None:
         return cached
     req = _validated_request(x, lib, normalized_shape, axis, backend, params)
-    if key is not None and len(_REQUESTS) < _REQUESTS_MAX:
+    if key is not None:
+        if len(_REQUESTS) >= _REQUESTS_MAX:
+            _REQUESTS.clear()  # start over: the shapes seen now stay fast
         _REQUESTS[key] = req
     return req
 

@@ -120,8 +120,11 @@ def _plan_of(key: tuple[Any, ...], x: Any, normalized_shape: Any, axis: Any, wei
     except (TypeError, ValueError):
         # Invalid: the general path raises the error, after the checks it makes first.
         return None
-    if len(_PLANS) < _PLANS_MAX:
-        _PLANS[key] = plan
+    if len(_PLANS) >= _PLANS_MAX:
+        # Start over rather than stop planning: a server that sees many shapes (varying
+        # sequence lengths) keeps the short path for the shapes it sees now.
+        _PLANS.clear()
+    _PLANS[key] = plan
     return plan
 
 
