@@ -48,10 +48,12 @@ class Plan:
         "n",
         "negative_zeros",
         "ones",
+        "param_bits",
         "param_half",
         "rows",
         "run",
         "run_stats",
+        "same_shape",
         "shape2",
         "stats_shape",
     )
@@ -61,15 +63,20 @@ class Plan:
                  rms: bool) -> None:
         self.rows, self.n, self.stats_shape = rows, n, stats_shape
         self.acc = np.dtype(acc)
-        self.bits = _numba._BITS.get(dtype)
+        bits = _numba._BITS.get(dtype)
+        self.bits = None if bits is None else np.dtype(bits)
         #: Per parameter: float16/bfloat16, passed uncast as on the general path (the
         #: kernels widen it; NumPy's float16 cast is slow).
         self.param_half = tuple(p is not None and acc == "float32"
                                 and dtype_name(p.dtype) in HALF_DTYPES for p in params)
         self.cast_params = any(p is not None and not half and p.dtype != self.acc
                                for p, half in zip(params, self.param_half, strict=True))
+        #: Per parameter: the dtype of its raw bits if it is passed as bits, else None.
+        self.param_bits = tuple(np.dtype(_numba._BITS[dtype_name(p.dtype)]) if half else None
+                                for p, half in zip(params, self.param_half, strict=True))
         #: x, y, weight and bias go to the kernel as they are (no view, reshape or cast).
         self.shape2 = (rows, n)
+        self.same_shape = tuple(shape) == self.shape2
         self.direct = (tuple(shape) == self.shape2 and self.bits is None
                        and not self.cast_params and not any(self.param_half)
                        and all(p is None or p.ndim == 1 for p in params))
@@ -149,13 +156,13 @@ def _new_eps(plan: Plan, eps: Any) -> Any:
     return scalar
 
 
-def _flat(param: Any, plan: Plan, half: bool) -> Any:
+def _flat(param: Any, plan: Plan, bits: Any) -> Any:
     if param is None:
         return None
     if param.ndim != 1:
         param = param.reshape(-1)
-    if half:
-        return _numba._param_bits(param)
+    if bits is not None:
+        return param.view(bits)
     return param.astype(plan.acc) if plan.cast_params else param
 
 
@@ -183,13 +190,12 @@ def _prepare(plan: Plan, x: Any, weight: Any, bias: Any, out: Any) -> tuple[Any,
     if out is not None and not _usable_out(out, x):
         return ()
     y = np.empty(x.shape, x.dtype) if out is None else out
-    x2 = x.reshape(plan.shape2)
-    y2 = y.reshape(plan.shape2)
+    x2, y2 = (x, y) if plan.same_shape else (x.reshape(plan.shape2), y.reshape(plan.shape2))
     if plan.bits is not None:
         x2 = x2.view(plan.bits)
         y2 = y2.view(plan.bits)
-    bias_half = len(plan.param_half) > 1 and plan.param_half[1]
-    return y, x2, y2, _flat(weight, plan, plan.param_half[0]), _flat(bias, plan, bias_half)
+    bias_bits = plan.param_bits[1] if len(plan.param_bits) > 1 else None
+    return y, x2, y2, _flat(weight, plan, plan.param_bits[0]), _flat(bias, plan, bias_bits)
 
 
 # The two entry points below are written out flat: at one (1, 768) row every Python
