@@ -49,7 +49,6 @@ class Plan:
         "negative_zeros",
         "ones",
         "param_bits",
-        "param_half",
         "rows",
         "run",
         "run_stats",
@@ -65,20 +64,20 @@ class Plan:
         self.acc = np.dtype(acc)
         bits = _numba._BITS.get(dtype)
         self.bits = None if bits is None else np.dtype(bits)
-        #: Per parameter: float16/bfloat16, passed uncast as on the general path (the
-        #: kernels widen it; NumPy's float16 cast is slow).
-        self.param_half = tuple(p is not None and acc == "float32"
-                                and dtype_name(p.dtype) in HALF_DTYPES for p in params)
-        self.cast_params = any(p is not None and not half and p.dtype != self.acc
-                               for p, half in zip(params, self.param_half, strict=True))
-        #: Per parameter: the dtype of its raw bits if it is passed as bits, else None.
-        self.param_bits = tuple(np.dtype(_numba._BITS[dtype_name(p.dtype)]) if half else None
-                                for p, half in zip(params, self.param_half, strict=True))
+        #: Per parameter: for float16/bfloat16, the dtype of its raw bits (it is passed
+        #: uncast as on the general path: the kernels widen it, NumPy's float16 cast is
+        #: slow), else None.
+        self.param_bits = tuple(
+            np.dtype(_numba._BITS[dtype_name(p.dtype)])
+            if p is not None and acc == "float32" and dtype_name(p.dtype) in HALF_DTYPES
+            else None for p in params)
+        self.cast_params = any(p is not None and bits is None and p.dtype != self.acc
+                               for p, bits in zip(params, self.param_bits, strict=True))
         #: x, y, weight and bias go to the kernel as they are (no view, reshape or cast).
         self.shape2 = (rows, n)
         self.same_shape = tuple(shape) == self.shape2
-        self.direct = (tuple(shape) == self.shape2 and self.bits is None
-                       and not self.cast_params and not any(self.param_half)
+        self.direct = (self.same_shape and self.bits is None and not self.cast_params
+                       and all(bits is None for bits in self.param_bits)
                        and all(p is None or p.ndim == 1 for p in params))
         self.default_eps = MACHINE_EPS[acc]
         self.eps_scalars: dict[float, Any] = {}

@@ -434,8 +434,8 @@ def _ln_rows_short(xv, yv, wv, bv, tv, remv, eps, n, mean_out, rstd_out, r0, r1,
     n_vec = splat(cast(n, eps))
     eps_vec = splat(eps)
     one = splat(cast(1.0, eps))
+    last = r1 - 1
     for first in range(r0, r1, LANES):
-        last = r1 - 1
         for i in range(LANES):
             row = min(first + i, last)
             shift = widen(get(xv, row, 0))
