@@ -458,12 +458,37 @@ def header() -> str:
 
 
 
+def _main_roofline(args: argparse.Namespace, settings: Settings, report: dict[str, Any],
+                   started: float) -> int:
+    from . import _bench_roofline
+
+    for flag in ("backward", "dask", "plot", "dtype", "op", "threads"):
+        if getattr(args, flag, None):
+            raise _UsageError(f"--roofline measures the float32 LayerNorm forward on one "
+                              f"thread; it takes no --{flag}")
+    shapes = [s for s in settings.shapes if s[0] > 1] or list(settings.shapes)
+    bar = Progress(len(shapes), enabled=not args.no_progress)
+    try:
+        results = _bench_roofline.run(shapes, settings.repeats, settings.target_s, bar.update)
+    finally:
+        bar.close()
+    print(_bench_roofline.format_report(results))
+    report["roofline"] = results
+    report["elapsed_s"] = time.perf_counter() - started
+    if args.json:
+        write_json(report, args.json)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``bench`` from parsed command-line arguments."""
     settings = settings_from_args(args)
     started = time.perf_counter()
     report: dict[str, Any] = {"results": [], "phases": []}
     print(header())
+    if getattr(args, "roofline", False):
+        return _main_roofline(args, settings, report, started)
     if not args.dask:
         report = run(settings, progress=not args.no_progress)
         print(format_table(report))

@@ -1,0 +1,266 @@
+"""``python -m layernorm bench --roofline``: where the LayerNorm forward's time goes.
+
+The forward kernel makes two passes over each row: a **statistics pass** reads the row
+(from memory) and computes its mean and ``rstd``; an **output pass** reads the row again
+(now from L1) and writes ``y``. For each shape this times, interleaved round by round
+like the rest of ``bench`` (float32, one thread, into preallocated outputs):
+
+* ``copy``: ``np.copyto(y, x)``, the memory floor for the same bytes;
+* ``read x`` and ``write y``: a vector sum over ``x`` and a vector fill of ``y`` alone;
+* ``kernel``: the fused serial kernel, as ``layer_norm(x, ..., out=)`` runs it;
+* ``statistics pass`` and ``output pass``: the kernel's own two passes run alone
+  (compiled from the same inlined row helpers, so the same instructions and bits), the
+  output pass reading ``x`` from wherever it lives;
+* the same three **in cache**: on views of the shape whose rows all alias one row of
+  ``x`` and one of ``y`` (row stride 0), so every row is read from and written to L1
+  (L2 for rows over 4096 elements). This is the same work with no memory traffic: the
+  compute floor of the roofline.
+
+The kernel can be no faster than the larger of the copy (memory) and the in-cache time
+(compute); where the kernel exceeds both, the two passes serialize (each row's output
+pass waits for its statistics).
+
+Rows of at most ``SHORT_ROW_MAX`` elements take the short-row path, which computes the
+statistics of 16 rows together: its passes are not separable, and only the fused kernel
+is shown for them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from ._backends._numba import LN_FORWARD_WRITES, _entry, _streaming
+from ._backends._numba import kernels as k
+from ._backends._numba._scalars import widen
+from ._backends._numba._simd import alive, get, lane, raw, splat, store_fence, vload, vstore
+
+LANES = k.LANES
+#: Vector accumulators of the read pass (enough to hide the add latency).
+_UNROLL = 4
+EPS = np.float32(1e-5)
+
+
+@njit(cache=True, error_model="numpy")
+def statistics_pass(x, eps, shift_out, mu_out, rstd_out):
+    """The forward kernel's statistics pass alone: per row its shift ``K``, shifted
+    mean and ``rstd`` (what the output pass takes)."""
+    n = x.shape[1]
+    tab = k.merge_weights(n, eps)
+    rem = np.full((1, LANES), eps)
+    xv, tv, remv = raw(x), raw(tab), raw(rem)
+    for r in range(x.shape[0]):
+        shift = widen(get(xv, r, 0))
+        mean, m2 = k._row_moments(xv, r, n, shift, tv, remv)
+        _, rstd = k._finish(shift, mean, m2, n, eps)
+        shift_out[r] = shift
+        mu_out[r] = mean
+        rstd_out[r] = rstd
+    alive(rem)
+    alive(tab)
+
+
+@njit(cache=True, error_model="numpy")
+def output_pass(x, w, b, shift, mu, rstd, y, nt):
+    """The forward kernel's output pass alone, given :func:`statistics_pass`'s results
+    (``nt``: streaming stores, as the kernel chooses them)."""
+    n = x.shape[1]
+    xv, yv, wv, bv = raw(x), raw(y), raw(w), raw(b)
+    for r in range(x.shape[0]):
+        k._ln_row_out(xv, yv, r, n, shift[r], mu[r], rstd[r], wv, bv, nt)
+    if nt:
+        store_fence()
+
+
+@njit(cache=True, error_model="numpy")
+def read_pass(x):
+    """Sum of ``x`` (float32 rows) in ``_UNROLL`` vector accumulators: a pure read."""
+    xv = raw(x)
+    n = x.shape[1]
+    step = _UNROLL * LANES
+    body = n // step * step
+    a0 = a1 = a2 = a3 = splat(np.float32(0.0))
+    tail = np.float32(0.0)
+    for r in range(x.shape[0]):
+        for i in range(0, body, step):
+            a0 = a0 + vload(xv, r, i)
+            a1 = a1 + vload(xv, r, i + LANES)
+            a2 = a2 + vload(xv, r, i + 2 * LANES)
+            a3 = a3 + vload(xv, r, i + 3 * LANES)
+        for i in range(body, n):
+            tail += x[r, i]
+    total = (a0 + a1) + (a2 + a3)
+    for j in range(LANES):
+        tail += lane(total, j)
+    return tail
+
+
+@njit(cache=True, error_model="numpy")
+def write_pass(y, value):
+    """Fill ``y`` (float32 rows) with ``value``, vector stores: a pure write."""
+    yv = raw(y)
+    n = y.shape[1]
+    body = n // LANES * LANES
+    v = splat(value)
+    for r in range(y.shape[0]):
+        for i in range(0, body, LANES):
+            vstore(yv, v, r, i)
+        for i in range(body, n):
+            y[r, i] = value
+
+
+class _Parts:
+    """Arrays and the timed callables of the kernel and of its two passes alone."""
+
+    def __init__(self, x: np.ndarray, w: np.ndarray, b: np.ndarray, y: np.ndarray,
+                 nt: bool) -> None:
+        rows = x.shape[0]
+        self.x, self.w, self.b, self.y, self.nt = x, w, b, y, nt
+        self.mean = np.empty(rows, np.float32)
+        self.rstd = np.empty(rows, np.float32)
+        self.shift = np.empty(rows, np.float32)
+        self.mu = np.empty(rows, np.float32)
+        args = (x, w, b, EPS, y, self.mean, self.rstd, nt)
+        kernel = _entry.entry_point(k.ln_forward_serial, LN_FORWARD_WRITES, args)
+        self.kernel: Callable[[], Any] = lambda: kernel(*args)
+        self.separable = x.shape[1] > k.SHORT_ROW_MAX
+
+    def statistics(self) -> None:
+        statistics_pass(self.x, EPS, self.shift, self.mu, self.rstd)
+
+    def output(self) -> None:
+        output_pass(self.x, self.w, self.b, self.shift, self.mu, self.rstd, self.y, self.nt)
+
+    def callables(self) -> dict[str, Callable[[], Any]]:
+        fns: dict[str, Callable[[], Any]] = {"kernel": self.kernel}
+        if self.separable:
+            fns["statistics pass"] = self.statistics
+            fns["output pass"] = self.output
+        return fns
+
+
+def _one_row_repeated(row: np.ndarray, rows: int) -> np.ndarray:
+    """A writable ``(rows, n)`` view whose rows are all ``row`` (row stride 0)."""
+    return np.lib.stride_tricks.as_strided(row, (rows, row.shape[0]), (0, row.strides[0]))
+
+
+def check_parts(parts: _Parts) -> None:
+    """Raise unless the separate passes give the fused kernel's bits (they time the same
+    arithmetic only if they do)."""
+    parts.kernel()
+    y, rstd = parts.y.copy(), parts.rstd.copy()
+    parts.y.fill(np.nan)
+    parts.statistics()
+    parts.output()
+    if not (np.array_equal(parts.rstd, rstd) and np.array_equal(parts.y, y, equal_nan=True)):
+        raise AssertionError("the separate statistics and output passes differ from the "
+                             "fused kernel")
+
+
+def _median_times(fns: dict[str, Callable[[], Any]], repeats: int, target_s: float
+                  ) -> dict[str, float]:
+    numbers = {}
+    for name, fn in fns.items():
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        once = time.perf_counter() - t0
+        numbers[name] = max(1, min(100_000, math.ceil(target_s / max(once, 1e-9))))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    items = list(fns.items())
+    for r in range(repeats):
+        for name, fn in (items if r % 2 == 0 else items[::-1]):
+            number = numbers[name]
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / number)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def measure(shape: tuple[int, int], repeats: int = 11, target_s: float = 0.01,
+            seed: int = 0) -> dict[str, Any]:
+    """Time the parts of the LayerNorm forward at ``shape`` (float32, one thread).
+
+    Returns ``{"shape": shape, "streaming": bool, "seconds": {part: median seconds}}``
+    (``streaming``: whether the kernel writes ``y`` with streaming stores, as
+    ``layer_norm`` would for this output).
+    """
+    rows, n = shape
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * 2.0 + 3.0).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    y = np.empty_like(x)
+    full = _Parts(x, w, b, y, _streaming(x, y))  # streaming stores as layer_norm chooses
+    cached = _Parts(_one_row_repeated(x[0], rows), w, b,
+                    _one_row_repeated(np.empty(n, np.float32), rows), False)
+    for parts in (full, cached):
+        if parts.separable:
+            check_parts(parts)
+    fns = {"copy": lambda: np.copyto(full.y, x),
+           "read x": lambda: read_pass(x),
+           "write y": lambda: write_pass(full.y, np.float32(1.5))}
+    fns.update(full.callables())
+    fns.update({f"in cache: {name}": fn for name, fn in cached.callables().items()})
+    return {"shape": shape, "streaming": full.nt,
+            "seconds": _median_times(fns, repeats, target_s)}
+
+
+def _bound(times: dict[str, float]) -> str:
+    copy, kernel, compute = times["copy"], times["kernel"], times["in cache: kernel"]
+    floor = max(copy, compute)
+    which = "compute (in-cache time > copy)" if compute > copy else "memory (copy)"
+    return (f"floor: {which}; the kernel takes {kernel / floor:.2f}x its floor and "
+            f"{100 * copy / kernel:.0f}% of copy speed")
+
+
+def format_report(results: Sequence[dict[str, Any]]) -> str:
+    """The measurements as a text table, one block per shape."""
+    order = ("copy", "read x", "write y", "kernel", "statistics pass", "output pass",
+             "in cache: kernel", "in cache: statistics pass", "in cache: output pass")
+    lines = ["LayerNorm forward, float32, 1 thread, into out=: where the time goes",
+             f"{'shape':>11}  {'part':<28} {'us':>9} {'x copy':>7}",
+             "-" * 59]
+    for res in results:
+        times = res["seconds"]
+        label = "{}x{}".format(*res["shape"])
+        for name in order:
+            if name not in times:
+                continue
+            lines.append(f"{label:>11}  {name:<28} {times[name] * 1e6:>9,.0f} "
+                         f"{times[name] / times['copy']:>7.2f}")
+            label = ""
+        if res["streaming"]:
+            lines.append(f"{'':>11}  (the kernel and the output pass use streaming stores)")
+        lines.append(f"{'':>11}  {_bound(times)}")
+        lines.append("")
+    lines.append(
+        "x copy: the part's time over np.copyto's of the same x into y (1.00 = copy speed). "
+        "In-cache parts run on rows that all alias one row, which stays in L1/L2: "
+        "the compute floor.")
+    return "\n".join(lines)
+
+
+def run(shapes: Sequence[tuple[int, int]], repeats: int, target_s: float,
+        progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """:func:`measure` every shape on one Numba thread (restored afterwards)."""
+    import numba
+
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        results = []
+        for shape in shapes:
+            if progress is not None:
+                progress("{}x{}".format(*shape))
+            results.append(measure(shape, repeats, target_s))
+        return results
+    finally:
+        numba.set_num_threads(before)

@@ -1,0 +1,109 @@
+"""``python -m layernorm bench --roofline``: its parts time the kernel's own arithmetic.
+
+No timing assertions: these check that the separately compiled passes give the fused
+kernel's bits (otherwise the breakdown would time other code), that the in-cache views
+compute every row, and the report's structure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import layernorm as ln
+from layernorm import _bench_roofline as roofline
+from layernorm import _cli
+
+
+def _inputs(rows, n, seed=3):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, n)) * 3.0 + 50.0).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    return x, w, b
+
+
+@pytest.mark.parametrize("rows, n", [(5, 129), (9, 300), (3, 2048)])
+def test_the_two_passes_alone_give_layer_norms_bits(rows, n):
+    x, w, b = _inputs(rows, n)
+    expected = ln.layer_norm(x, (n,), w, b, eps=float(roofline.EPS))
+    shift, mu, rstd = (np.empty(rows, np.float32) for _ in range(3))
+    roofline.statistics_pass(x, roofline.EPS, shift, mu, rstd)
+    y = np.full_like(x, np.nan)
+    roofline.output_pass(x, w, b, shift, mu, rstd, y, False)
+    np.testing.assert_array_equal(y, expected)
+    # The statistics themselves against float64 (shift + shifted mean is the mean).
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(shift.astype(np.float64) + mu, x64.mean(axis=1), rtol=1e-6)
+    np.testing.assert_allclose(rstd, 1 / np.sqrt(x64.var(axis=1) + 1e-5), rtol=1e-5)
+
+
+def test_check_parts_catches_passes_that_differ():
+    x, w, b = _inputs(4, 256)
+    parts = roofline._Parts(x, w, b, np.empty_like(x), False)
+    roofline.check_parts(parts)  # the real passes agree
+    parts.output = lambda: parts.y.fill(0.5)  # a wrong output pass
+    with pytest.raises(AssertionError, match="differ"):
+        roofline.check_parts(parts)
+
+
+@pytest.mark.parametrize("n", [64, 300])
+def test_in_cache_views_compute_every_row_from_one_row(n):
+    x, w, b = _inputs(1, n)
+    rows = 37
+    xs = roofline._one_row_repeated(x[0], rows)
+    ys = roofline._one_row_repeated(np.empty(n, np.float32), rows)
+    assert xs.strides[0] == 0 and ys.strides[0] == 0
+    parts = roofline._Parts(xs, w, b, ys, False)
+    parts.kernel()
+    np.testing.assert_array_equal(ys[0], ln.layer_norm(x, (n,), w, b)[0])
+    expected_rstd = parts.rstd[0]
+    assert np.all(parts.rstd == expected_rstd) and np.isfinite(expected_rstd)
+
+
+def test_read_and_write_passes():
+    x, _, _ = _inputs(7, 100)
+    assert roofline.read_pass(x) == pytest.approx(float(x.astype(np.float64).sum()), rel=1e-5)
+    y = np.zeros_like(x)
+    roofline.write_pass(y, np.float32(2.5))
+    assert np.all(y == 2.5)
+
+
+def test_measure_reports_every_part():
+    res = roofline.measure((16, 256), repeats=1, target_s=0.0)
+    times = res["seconds"]
+    assert set(times) == {"copy", "read x", "write y", "kernel", "statistics pass",
+                          "output pass", "in cache: kernel", "in cache: statistics pass",
+                          "in cache: output pass"}
+    assert all(t > 0 and math.isfinite(t) for t in times.values())
+    # Short rows take the short-row path: only the fused kernel is timed.
+    short = roofline.measure((16, 64), repeats=1, target_s=0.0)["seconds"]
+    assert "statistics pass" not in short and "in cache: kernel" in short
+    text = roofline.format_report([res])
+    assert "16x256" in text and "floor:" in text and "in cache: output pass" in text
+
+
+@pytest.mark.slow
+def test_cli_roofline(tmp_path):
+    path = tmp_path / "roofline.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "layernorm", "bench", "--roofline", "--shape", "32,512",
+         "--repeats", "1", "--no-progress", "--json", str(path)],
+        capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "where the time goes" in proc.stdout and "32x512" in proc.stdout
+    (res,) = json.loads(path.read_text())["roofline"]
+    assert res["shape"] == [32, 512] and res["seconds"]["kernel"] > 0
+
+
+@pytest.mark.parametrize("flag", [["--dtype", "float64"], ["--backward"], ["--op", "rms_norm"]])
+def test_cli_roofline_rejects_what_it_does_not_measure(flag, capsys):
+    with pytest.raises(SystemExit) as info:
+        _cli.main(["bench", "--roofline", "--no-progress", *flag])
+    assert info.value.code == 2
+    assert "--roofline" in capsys.readouterr().err
