@@ -88,6 +88,33 @@ def test_measure_reports_every_part():
     assert "16x256" in text and "floor:" in text and "in cache: output pass" in text
 
 
+def test_measure_backward_reports_the_kernel_and_its_floors():
+    res = roofline.measure_backward((16, 256), repeats=1, target_s=0.0)
+    assert res["direction"] == "backward"
+    times = res["seconds"]
+    assert set(times) == {"copy", "kernel", "in cache: kernel"}
+    assert all(t > 0 and math.isfinite(t) for t in times.values())
+    text = roofline.format_report([res])
+    assert "LayerNorm backward" in text and "grad_y + x (np.add)" in text
+
+
+def test_in_cache_backward_views_compute_every_row_from_one_row():
+    from layernorm._backends._numba import GRAD_ROW_BLOCK, LN_BACKWARD_WRITES, _entry
+    from layernorm._backends._numba import kernels as k
+
+    rows, n = 70, 300
+    x, w, _ = _inputs(1, n)
+    gy = _inputs(1, n, seed=8)[0] - 50.0
+    _, mean, rstd = ln.layer_norm(x, (n,), w, return_stats=True)
+    expected = ln.layer_norm_backward(gy, x, mean, rstd, w)[0][0]
+    views = [roofline._one_row_repeated(a, rows) for a in (gy[0], x[0], np.empty(n, np.float32))]
+    partials = np.zeros((2, -(-rows // GRAD_ROW_BLOCK), n), np.float32)
+    _entry.call(k.ln_backward_serial, LN_BACKWARD_WRITES, views[0], views[1],
+                np.repeat(mean.ravel(), rows), np.repeat(rstd.ravel(), rows), w, views[2],
+                partials, GRAD_ROW_BLOCK)
+    np.testing.assert_array_equal(views[2][0], expected)
+
+
 @pytest.mark.slow
 def test_cli_roofline(tmp_path):
     path = tmp_path / "roofline.json"
@@ -101,7 +128,8 @@ def test_cli_roofline(tmp_path):
     assert res["shape"] == [32, 512] and res["seconds"]["kernel"] > 0
 
 
-@pytest.mark.parametrize("flag", [["--dtype", "float64"], ["--backward"], ["--op", "rms_norm"]])
+@pytest.mark.parametrize("flag", [["--dtype", "float64"], ["--threads", "1"],
+                                  ["--op", "rms_norm"]])
 def test_cli_roofline_rejects_what_it_does_not_measure(flag, capsys):
     with pytest.raises(SystemExit) as info:
         _cli.main(["bench", "--roofline", "--no-progress", *flag])

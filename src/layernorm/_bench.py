@@ -462,14 +462,16 @@ def _main_roofline(args: argparse.Namespace, settings: Settings, report: dict[st
                    started: float) -> int:
     from . import _bench_roofline
 
-    for flag in ("backward", "dask", "plot", "dtype", "op", "threads"):
+    for flag in ("dask", "plot", "dtype", "op", "threads"):
         if getattr(args, flag, None):
-            raise _UsageError(f"--roofline measures the float32 LayerNorm forward on one "
-                              f"thread; it takes no --{flag}")
+            raise _UsageError(f"--roofline measures the float32 LayerNorm (forward, or "
+                              f"backward with --backward) on one thread; it takes no "
+                              f"--{flag}")
     shapes = [s for s in settings.shapes if s[0] > 1] or list(settings.shapes)
     bar = Progress(len(shapes), enabled=not args.no_progress)
     try:
-        results = _bench_roofline.run(shapes, settings.repeats, settings.target_s, bar.update)
+        results = _bench_roofline.run(shapes, settings.repeats, settings.target_s, bar.update,
+                                      backward=args.backward)
     finally:
         bar.close()
     print(_bench_roofline.format_report(results))

@@ -23,6 +23,9 @@ pass waits for its statistics).
 Rows of at most ``SHORT_ROW_MAX`` elements take the short-row path, which computes the
 statistics of 16 rows together: its passes are not separable, and only the fused kernel
 is shown for them.
+
+With ``--backward``, :func:`measure_backward` times the LayerNorm backward kernel against
+``np.add(grad_y, x, out=grad_x)`` (the same bytes) and in cache, without its passes apart.
 """
 
 from __future__ import annotations
@@ -209,48 +212,93 @@ def measure(shape: tuple[int, int], repeats: int = 11, target_s: float = 0.01,
            "write y": lambda: write_pass(full.y, np.float32(1.5))}
     fns.update(full.callables())
     fns.update({f"in cache: {name}": fn for name, fn in cached.callables().items()})
-    return {"shape": shape, "streaming": full.nt,
+    return {"shape": shape, "direction": "forward", "streaming": full.nt,
             "seconds": _median_times(fns, repeats, target_s)}
 
 
-def _bound(times: dict[str, float]) -> str:
+def measure_backward(shape: tuple[int, int], repeats: int = 11, target_s: float = 0.01,
+                     seed: int = 0) -> dict[str, Any]:
+    """Time the LayerNorm backward kernel at ``shape`` against its memory floor and its
+    compute floor (float32, one thread).
+
+    The memory floor is ``np.add(grad_y, x, out=grad_x)`` (the same two reads and one
+    write, key ``"copy"`` as for the forward); the compute floor is the kernel on row
+    views that alias one row of each array. Its two passes are not timed apart.
+    """
+    from ._backends._numba import GRAD_ROW_BLOCK, LN_BACKWARD_WRITES
+
+    rows, n = shape
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * 2.0 + 3.0).astype(np.float32)
+    gy = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    gx = np.empty_like(x)
+    x64 = x.astype(np.float64)
+    mean = x64.mean(axis=1).astype(np.float32)
+    rstd = (1.0 / np.sqrt(x64.var(axis=1) + 1e-5)).astype(np.float32)
+    partials = np.zeros((2, -(-rows // GRAD_ROW_BLOCK), n), np.float32)
+
+    def kernel_of(*arrays: np.ndarray) -> Callable[[], Any]:
+        args = (*arrays[:2], mean, rstd, w, arrays[2], partials, GRAD_ROW_BLOCK)
+        entry = _entry.entry_point(k.ln_backward_serial, LN_BACKWARD_WRITES, args)
+        return lambda: entry(*args)
+
+    fns = {"copy": lambda: np.add(gy, x, out=gx),
+           "kernel": kernel_of(gy, x, gx),
+           "in cache: kernel": kernel_of(*(_one_row_repeated(a[0].copy(), rows)
+                                           for a in (gy, x, gx)))}
+    return {"shape": shape, "direction": "backward", "streaming": False,
+            "seconds": _median_times(fns, repeats, target_s)}
+
+
+def _bound(times: dict[str, float], floor_name: str) -> str:
     copy, kernel, compute = times["copy"], times["kernel"], times["in cache: kernel"]
     floor = max(copy, compute)
-    which = "compute (in-cache time > copy)" if compute > copy else "memory (copy)"
+    which = (f"compute (in-cache time > {floor_name})" if compute > copy
+             else f"memory ({floor_name})")
     return (f"floor: {which}; the kernel takes {kernel / floor:.2f}x its floor and "
-            f"{100 * copy / kernel:.0f}% of copy speed")
+            f"{100 * copy / kernel:.0f}% of {floor_name} speed")
 
 
 def format_report(results: Sequence[dict[str, Any]]) -> str:
     """The measurements as a text table, one block per shape."""
     order = ("copy", "read x", "write y", "kernel", "statistics pass", "output pass",
              "in cache: kernel", "in cache: statistics pass", "in cache: output pass")
-    lines = ["LayerNorm forward, float32, 1 thread, into out=: where the time goes",
-             f"{'shape':>11}  {'part':<28} {'us':>9} {'x copy':>7}",
-             "-" * 59]
+    backward = bool(results) and results[0].get("direction") == "backward"
+    floor_name = "grad_y + x" if backward else "copy"
+    lines = [("LayerNorm backward, float32, 1 thread, into preallocated grad_x"
+              if backward else "LayerNorm forward, float32, 1 thread, into out=")
+             + ": where the time goes",
+             f"{'shape':>11}  {'part':<28} {'us':>9} {'x floor':>8}",
+             "-" * 60]
     for res in results:
         times = res["seconds"]
         label = "{}x{}".format(*res["shape"])
         for name in order:
             if name not in times:
                 continue
-            lines.append(f"{label:>11}  {name:<28} {times[name] * 1e6:>9,.0f} "
-                         f"{times[name] / times['copy']:>7.2f}")
+            shown = floor_name + (" (np.add)" if backward else " (np.copyto)") \
+                if name == "copy" else name
+            lines.append(f"{label:>11}  {shown:<28} {times[name] * 1e6:>9,.0f} "
+                         f"{times[name] / times['copy']:>8.2f}")
             label = ""
         if res["streaming"]:
             lines.append(f"{'':>11}  (the kernel and the output pass use streaming stores)")
-        lines.append(f"{'':>11}  {_bound(times)}")
+        lines.append(f"{'':>11}  {_bound(times, floor_name)}")
         lines.append("")
     lines.append(
-        "x copy: the part's time over np.copyto's of the same x into y (1.00 = copy speed). "
-        "In-cache parts run on rows that all alias one row, which stays in L1/L2: "
-        "the compute floor.")
+        f"x floor: the part's time over the memory floor's ({floor_name} of the same "
+        "bytes into preallocated memory; 1.00 = its speed). In-cache parts run on rows "
+        "that all alias one row, which stays in L1/L2: the compute floor.")
     return "\n".join(lines)
 
 
 def run(shapes: Sequence[tuple[int, int]], repeats: int, target_s: float,
-        progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """:func:`measure` every shape on one Numba thread (restored afterwards)."""
+        progress: Callable[[str], None] | None = None, backward: bool = False
+        ) -> list[dict[str, Any]]:
+    """:func:`measure` (or :func:`measure_backward`) every shape on one Numba thread
+    (restored afterwards)."""
+    timed = measure_backward if backward else measure
     import numba
 
     before = numba.get_num_threads()
@@ -260,7 +308,7 @@ def run(shapes: Sequence[tuple[int, int]], repeats: int, target_s: float,
         for shape in shapes:
             if progress is not None:
                 progress("{}x{}".format(*shape))
-            results.append(measure(shape, repeats, target_s))
+            results.append(timed(shape, repeats, target_s))
         return results
     finally:
         numba.set_num_threads(before)

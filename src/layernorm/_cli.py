@@ -311,9 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_bench.add_argument("--dask", action="store_true",
                          help="Dask throughput with 1 and 2 workers against the NumPy path")
     p_bench.add_argument("--roofline", action="store_true",
-                         help="where the LayerNorm forward's time goes instead: its two "
-                              "passes alone, in memory and in cache, against a copy "
-                              "(float32, 1 thread)")
+                         help="where the LayerNorm forward's (with --backward: "
+                              "backward's) time goes instead: the kernel and its passes "
+                              "alone, in memory and in cache, against a copy (float32, "
+                              "1 thread)")
     p_bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_bench.set_defaults(func=_cmd_bench)
     return parser
