@@ -329,23 +329,40 @@ class _BFloat(ir.types.Type):
 
 def _bfloat16_instruction() -> bool:
     """Whether the target CPU has AVX512-BF16 (Numba compiles for the host's features)."""
+    return WIDTH == 16 and _has_feature("avx512bf16")
+
+
+def _has_feature(name: str) -> bool:
+    """Whether the target CPU has ``name`` (Numba compiles for the host's features)."""
     import llvmlite.binding as ll
     from numba.core import config
 
     features = config.CPU_FEATURES
     if features is None:
         features = ll.get_host_cpu_features().flatten()
-    return WIDTH == 16 and "+avx512bf16" in features.split(",")
+    return f"+{name}" in features.split(",")
+
+
+def _denormal_lanes(builder, value, bits):
+    """An ``i1`` per lane: is that lane a denormal (nonzero, exponent 0)?"""
+    if _has_feature("avx512dq"):
+        # vfpclassps, category 0x20 (denormal): one instruction.
+        mask_ty = ir.VectorType(ir.IntType(1), WIDTH)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(mask_ty, [value.type, ir.IntType(32)]),
+            "llvm.x86.avx512.fpclass.ps.512")
+        return builder.call(fn, [value, ir.Constant(ir.IntType(32), 0x20)])
+    exponent = builder.and_(bits, _splat_i32(0x7F800000))
+    fraction = builder.and_(bits, _splat_i32(0x007FFFFF))
+    return builder.and_(builder.icmp_unsigned("==", exponent, _splat_i32(0)),
+                        builder.icmp_unsigned("!=", fraction, _splat_i32(0)))
 
 
 def _bfloat16_hardware(builder, value, bits):
     """``vcvtneps2bf16``: the same rounding as the software path, except that it flushes
     denormal inputs to zero. A vector holding one runs the software path instead."""
     i16x = ir.VectorType(ir.IntType(16), WIDTH)
-    exponent = builder.and_(bits, _splat_i32(0x7F800000))
-    fraction = builder.and_(bits, _splat_i32(0x007FFFFF))
-    denormal = builder.and_(builder.icmp_unsigned("==", exponent, _splat_i32(0)),
-                            builder.icmp_unsigned("!=", fraction, _splat_i32(0)))
+    denormal = _denormal_lanes(builder, value, bits)
     mask = builder.bitcast(denormal, ir.IntType(WIDTH))
     any_denormal = builder.icmp_unsigned("!=", mask, ir.Constant(ir.IntType(WIDTH), 0))
     with builder.if_else(any_denormal, likely=False) as (exact, fast):
