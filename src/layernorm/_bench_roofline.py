@@ -30,9 +30,6 @@ With ``--backward``, :func:`measure_backward` times the LayerNorm backward kerne
 
 from __future__ import annotations
 
-import math
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,6 +40,7 @@ from ._backends._numba import LN_FORWARD_WRITES, _entry, _streaming
 from ._backends._numba import kernels as k
 from ._backends._numba._scalars import widen
 from ._backends._numba._simd import alive, get, lane, raw, splat, store_fence, vload, vstore
+from ._bench_impls import Impl
 
 LANES = k.LANES
 #: Vector accumulators of the read pass (enough to hide the add latency).
@@ -168,23 +166,15 @@ def check_parts(parts: _Parts) -> None:
 
 def _median_times(fns: dict[str, Callable[[], Any]], repeats: int, target_s: float
                   ) -> dict[str, float]:
-    numbers = {}
-    for name, fn in fns.items():
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        once = time.perf_counter() - t0
-        numbers[name] = max(1, min(100_000, math.ceil(target_s / max(once, 1e-9))))
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    items = list(fns.items())
-    for r in range(repeats):
-        for name, fn in (items if r % 2 == 0 else items[::-1]):
-            number = numbers[name]
-            t0 = time.perf_counter()
-            for _ in range(number):
-                fn()
-            samples[name].append((time.perf_counter() - t0) / number)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    """Median seconds per call of each callable, timed round-robin as ``bench`` does."""
+    from ._bench import time_interleaved
+
+    impls = [Impl(name, "roofline", "prealloc", fn) for name, fn in fns.items()]
+    timings = time_interleaved(impls, repeats, target_s)
+    for name, timing in timings.items():
+        if "error" in timing:
+            raise RuntimeError(f"{name} failed: {timing['error']}")
+    return {name: timing["median_s"] for name, timing in timings.items()}
 
 
 def measure(shape: tuple[int, int], repeats: int = 11, target_s: float = 0.01,
