@@ -160,7 +160,7 @@ def check_parts(parts: _Parts) -> None:
     parts.statistics()
     parts.output()
     if not (np.array_equal(parts.rstd, rstd) and np.array_equal(parts.y, y, equal_nan=True)):
-        raise AssertionError("the separate statistics and output passes differ from the "
+        raise RuntimeError("the separate statistics and output passes differ from the "
                              "fused kernel")
 
 
