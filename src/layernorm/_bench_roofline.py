@@ -177,6 +177,14 @@ def _median_times(fns: dict[str, Callable[[], Any]], repeats: int, target_s: flo
     return {name: timing["median_s"] for name, timing in timings.items()}
 
 
+def _inputs(shape: tuple[int, int], seed: int) -> tuple[Any, np.ndarray, np.ndarray]:
+    """The seeded generator, float32 rows ``x`` (offset, not centred) and a weight."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * 2.0 + 3.0).astype(np.float32)
+    w = rng.standard_normal(shape[1]).astype(np.float32)
+    return rng, x, w
+
+
 def measure(shape: tuple[int, int], repeats: int = 11, target_s: float = 0.01,
             seed: int = 0) -> dict[str, Any]:
     """Time the parts of the LayerNorm forward at ``shape`` (float32, one thread).
@@ -186,9 +194,7 @@ def measure(shape: tuple[int, int], repeats: int = 11, target_s: float = 0.01,
     ``layer_norm`` would for this output).
     """
     rows, n = shape
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(shape) * 2.0 + 3.0).astype(np.float32)
-    w = rng.standard_normal(n).astype(np.float32)
+    rng, x, w = _inputs(shape, seed)
     b = rng.standard_normal(n).astype(np.float32)
     y = np.empty_like(x)
     full = _Parts(x, w, b, y, _streaming(x, y))  # streaming stores as layer_norm chooses
@@ -218,10 +224,8 @@ def measure_backward(shape: tuple[int, int], repeats: int = 11, target_s: float 
     from ._backends._numba import GRAD_ROW_BLOCK, LN_BACKWARD_WRITES
 
     rows, n = shape
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(shape) * 2.0 + 3.0).astype(np.float32)
+    rng, x, w = _inputs(shape, seed)
     gy = rng.standard_normal(shape).astype(np.float32)
-    w = rng.standard_normal(n).astype(np.float32)
     gx = np.empty_like(x)
     x64 = x.astype(np.float64)
     mean = x64.mean(axis=1).astype(np.float32)
