@@ -9,6 +9,6 @@ from importlib.util import find_spec
 
 collect_ignore: list[str] = []
 if find_spec("torch") is None:
-    collect_ignore += ["src/layernorm/torch.py", "src/layernorm/_backends/_torch.py"]
+    collect_ignore += ["src/layernorm/torch.py", "src/layernorm/_adapters/torch.py"]
 if find_spec("dask") is None:
-    collect_ignore += ["src/layernorm/_backends/_dask.py", "src/layernorm/_bench_dask.py"]
+    collect_ignore += ["src/layernorm/_adapters/dask.py", "src/layernorm/_bench_dask.py"]

@@ -14,7 +14,7 @@ from .conftest import DTYPES, random_rows
 
 dask = pytest.importorskip("dask")
 da = pytest.importorskip("dask.array")
-_dask = pytest.importorskip("layernorm._backends._dask")
+_dask = pytest.importorskip("layernorm._adapters.dask")
 
 
 def _chunk_bytes(a):

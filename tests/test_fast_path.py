@@ -244,18 +244,18 @@ def test_a_planned_call_runs_the_compiled_entry_point():
 
 def test_a_full_memo_starts_over_instead_of_refusing_new_shapes(monkeypatch):
     """Many distinct shapes (varying sequence lengths) must not end the short path."""
-    from layernorm import _api
+    from layernorm import _engine
 
     monkeypatch.setattr(_fast, "_PLANS", {})
     monkeypatch.setattr(_fast, "_PLANS_MAX", 4)
-    monkeypatch.setattr(_api, "_REQUESTS", {})
-    monkeypatch.setattr(_api, "_REQUESTS_MAX", 4)
+    monkeypatch.setattr(_engine, "_REQUESTS", {})
+    monkeypatch.setattr(_engine, "_REQUESTS_MAX", 4)
     for rows in range(1, 12):
         x = np.linspace(-1, 1, rows * 8, dtype=np.float32).reshape(rows, 8)
         ln.layer_norm(x)
         key = (x.shape, x.dtype, None, None, None, None, None, None)
         assert _fast._PLANS[key] is not None
-        assert len(_fast._PLANS) <= 4 and len(_api._REQUESTS) <= 4
+        assert len(_fast._PLANS) <= 4 and _engine.cached_requests() <= 4
 
 
 def test_large_inputs_take_the_general_path():

@@ -16,7 +16,7 @@ from .conftest import ATOL
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 lnt = pytest.importorskip("layernorm.torch")
-_torch = pytest.importorskip("layernorm._backends._torch")
+_torch = pytest.importorskip("layernorm._adapters.torch")
 
 TORCH_DTYPES = {
     "float16": torch.float16,
@@ -127,15 +127,17 @@ def test_non_contiguous_tensors(view, dtype):
 
 
 def test_cpu_tensors_reach_the_kernels_without_a_copy(monkeypatch):
-    seen = {}
-    real = ln._api.layer_norm
+    from layernorm import _engine
 
-    def spy(x, *args, **kwargs):
+    seen = {}
+    real = _engine.forward
+
+    def spy(xp, x, *args, **kwargs):
         seen["x"] = x
-        seen["result"] = real(x, *args, **kwargs)
+        seen["result"] = real(xp, x, *args, **kwargs)
         return seen["result"]
 
-    monkeypatch.setattr(ln._api, "layer_norm", spy)
+    monkeypatch.setattr(_engine, "forward", spy)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         base = _randn(5, 12, seed=9, dtype=dtype)
         x = base[:, 2:10:2]  # strided view
@@ -307,12 +309,23 @@ def test_forced_backends_check_the_device():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
 @pytest.mark.parametrize("kw", [{"axis": -1}, {"axis": 1}, {"axis": (0, 2)}], ids=str)
 def test_interface_driver_matches_the_numpy_route(dtype, kw):
-    # The CUDA route drives the backend interface directly (bits + dtype name). Run the
-    # same driver on CPU tensors with NumPy and the Numba backend: it must agree bitwise
-    # with the route through layernorm's public NumPy functions.
-    from layernorm._backends import _numba
+    # The CUDA route hands the engine bfloat16 as raw bits (the request names the dtype)
+    # and parameters cast to the accumulation dtype. Run that bridge on CPU tensors with
+    # NumPy and the Numba backend: it must agree bitwise with the CPU route.
+    from layernorm._dispatch import Route
 
-    drv = _torch._Interface(np, _numba, np.from_dlpack, torch.from_numpy)
+    bridge = _torch.Bridge(np, np.from_dlpack, torch.from_numpy, bfloat16_as_bits=True)
+    route = Route("torch", "numba")
+
+    class drv:
+        @staticmethod
+        def forward(*args):
+            return _torch.forward_with(bridge, route, *args)
+
+        @staticmethod
+        def backward(*args):
+            return _torch.backward_with(bridge, route, *args)
+
     tdt = TORCH_DTYPES[dtype]
     x = _randn(4, 6, 5, seed=30, dtype=tdt, loc=1.0)
     axes = tuple(a % 3 for a in np.atleast_1d(kw["axis"]))
@@ -428,18 +441,22 @@ def test_training_loop_matches_torch(ours, theirs, kwargs):
 
 
 def test_cuda_route_choice(monkeypatch):
-    from types import SimpleNamespace
+    from layernorm import _dispatch
 
-    cuda_x = SimpleNamespace(device=torch.device("cuda", 0))
-    monkeypatch.setattr(_torch, "_cupy_or_none", lambda: object())
-    assert _torch._route(cuda_x, None) == "cupy"
-    assert _torch._route(cuda_x, "array_api") == "array_api"
-    # Without CuPy a CUDA tensor still works, on the generic path with torch's namespace;
-    # insisting on CuPy says what is missing.
-    monkeypatch.setattr(_torch, "_cupy_or_none", lambda: None)
-    assert _torch._route(cuda_x, None) == "array_api"
+    cuda_x = torch.empty(2, 3, device="meta")
+    monkeypatch.setattr(type(cuda_x), "device", property(lambda t: torch.device("cuda", 0)))
+    monkeypatch.setattr(_dispatch, "cupy_available", lambda: True)
+    assert _dispatch.route(cuda_x).backend == "cupy"
+    assert ln.backend_name(cuda_x) == "cupy"
+    assert _dispatch.route(cuda_x, "array_api").backend == "array_api"
+    # Without CuPy (or with a broken install) a CUDA tensor still works, on the generic
+    # path with torch's namespace, and backend_name says so; insisting on CuPy says what
+    # is missing.
+    monkeypatch.setattr(_dispatch, "cupy_available", lambda: False)
+    assert _dispatch.route(cuda_x).backend == "array_api"
+    assert ln.backend_name(cuda_x) == "array_api"
     with pytest.raises(ImportError, match="CuPy"):
-        _torch._route(cuda_x, "cupy")
+        _dispatch.route(cuda_x, "cupy")
 
 
 def _cuda_or_skip():

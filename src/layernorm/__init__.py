@@ -5,8 +5,8 @@ Importing this package is cheap: it imports NumPy only. Numba, CuPy, torch and D
 are imported (and kernels compiled) on first use.
 """
 
+from ._adapters.dask import LargeBlockWarning
 from ._api import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
-from ._backends._dask import LargeBlockWarning
 from ._dispatch import backend_name
 from .layer import LayerNorm, RMSNorm
 

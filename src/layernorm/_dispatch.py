@@ -1,22 +1,63 @@
-"""Which library an array comes from, and so which backend serves it.
+"""The one router: which library an array comes from, and which backend computes for it.
 
-The answer is cached per ``type(x)`` (einops style). Optional libraries are never
-imported here: an array can only be a CuPy/torch/Dask array if its library is
-already loaded, so classifying by the type's module is enough.
+:func:`route` is the only place that decides where a call runs; :func:`backend_name`,
+the public functions, the engine and the torch and Dask adapters all ask it. The
+library of an array is cached per ``type(x)`` (einops style). Optional libraries are
+never imported to classify an array: an array can only be a CuPy/torch/Dask array if
+its library is already loaded, so the type's module is enough. Only a torch CUDA tensor
+asks whether CuPy can be imported (:func:`cupy_available`), once per process.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-#: library name -> backend that computes for it (torch and dask are routed by device/meta).
+from ._validate import check_backend_name
+
+#: The library names :func:`library_of` answers.
+LIBRARIES = ("numpy", "cupy", "torch", "dask", "array_api")
+
+#: Libraries whose arrays the native kernels take directly.
+NATIVE_BACKEND = {"numpy": "numba", "cupy": "cupy"}
+
 _LIBRARY_BY_TYPE: dict[type, str] = {np.ndarray: "numpy"}
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one call runs.
+
+    Attributes
+    ----------
+    library : str
+        The library of ``x``: "numpy", "cupy", "torch", "dask" or "array_api".
+    backend : str
+        What computes: "numba" (CPU kernels), "cupy" (CUDA kernels) or "array_api"
+        (the generic implementation in the array's own namespace). For Dask, the
+        backend that computes each block.
+    """
+
+    library: str
+    backend: str
 
 
 def _classify(x: Any) -> str:
     if isinstance(x, np.ndarray):
+        if isinstance(x, np.ma.MaskedArray):
+            raise TypeError(
+                "x is a numpy.ma.MaskedArray: a mask cannot be honoured by a normalization "
+                "over whole rows; pass x.filled(value) or x.data explicitly"
+            )
+        if isinstance(x, np.matrix):
+            raise TypeError(
+                "x is a numpy.matrix, whose operations do not follow ndarray semantics; "
+                "pass np.asarray(x)"
+            )
         return "numpy"
     root = type(x).__module__.split(".", 1)[0]
     if root in ("cupy", "torch", "dask"):
@@ -34,6 +75,10 @@ def _classify(x: Any) -> str:
 def library_of(x: Any, name: str = "x") -> str:
     """Library of an array: "numpy", "cupy", "torch", "dask" or "array_api".
 
+    ``ndarray`` subclasses that NumPy itself computes with ndarray semantics (memmaps,
+    for instance) count as NumPy arrays; masked arrays and ``np.matrix`` are refused
+    with a ``TypeError`` (a mask cannot be honoured; a matrix is always 2-D).
+
     Examples
     --------
     >>> import numpy as np
@@ -44,23 +89,102 @@ def library_of(x: Any, name: str = "x") -> str:
     if kind is None:
         try:
             kind = _classify(x)
-        except TypeError:
+        except TypeError as exc:
             if name != "x":
-                raise TypeError(
-                    f"{name} must be an array, got {type(x).__module__}."
-                    f"{type(x).__qualname__}"
-                ) from None
+                raise TypeError(str(exc).replace("x ", f"{name} ", 1)) from None
             raise
         _LIBRARY_BY_TYPE[type(x)] = kind
     return kind
+
+
+@functools.cache
+def cupy_available() -> bool:
+    """Whether CuPy imports (asked once per process, only for CUDA tensors)."""
+    try:
+        importlib.import_module("cupy")
+    except Exception:  # not installed, or an install broken in any way
+        return False
+    return True
+
+
+def _torch_backend(x: Any, backend: str | None) -> str:
+    device = x.device.type
+    if backend == "array_api":
+        return backend
+    if backend == "numba" and device != "cpu":
+        raise ValueError(f"backend='numba' needs a CPU tensor as x, got one on {x.device}")
+    if backend == "cupy":
+        if device != "cuda":
+            raise ValueError(f"backend='cupy' needs a CUDA tensor as x, got one on {x.device}")
+        if not cupy_available():
+            raise ImportError("backend='cupy' needs CuPy installed (pip install cupy-cuda13x)")
+        return backend
+    if device == "cpu":
+        return "numba"
+    if device == "cuda" and cupy_available():
+        return "cupy"
+    return "array_api"
+
+
+def backend_for(library: str, backend: str | None) -> str:
+    """The backend for arrays of ``library`` (not torch), or ``backend`` if it fits.
+
+    Examples
+    --------
+    >>> backend_for("numpy", None)
+    'numba'
+    >>> backend_for("numpy", "array_api")
+    'array_api'
+    """
+    native = NATIVE_BACKEND.get(library)
+    if backend is None:
+        return native or "array_api"
+    if backend == "array_api" or backend == native:
+        return backend
+    needs = {"numba": "a NumPy array", "cupy": "a CuPy array"}[backend]
+    raise ValueError(f"backend={backend!r} needs {needs} as x, got a {library} array")
+
+
+def route(x: Any, backend: str | None = None) -> Route:
+    """Where a call with input ``x`` runs, with ``backend=`` forced or not.
+
+    Parameters
+    ----------
+    x : array
+        The input of the call.
+    backend : {"numba", "cupy", "array_api"}, optional
+        A forced backend; ``ValueError`` if it cannot compute ``x``.
+
+    Returns
+    -------
+    Route
+        The library of ``x`` and the backend that computes (for Dask, each block).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> route(np.ones(3))
+    Route(library='numpy', backend='numba')
+    """
+    check_backend_name(backend)
+    library = library_of(x)
+    if library == "torch":
+        return Route(library, _torch_backend(x, backend))
+    if library == "dask":
+        meta = getattr(x, "_meta", None)
+        blocks = "numpy" if meta is None else library_of(meta)
+        if blocks == "torch":
+            return Route(library, _torch_backend(meta, backend))
+        return Route(library, backend_for(blocks, backend))
+    return Route(library, backend_for(library, backend))
 
 
 def backend_name(x: Any) -> str:
     """Name of the backend that normalizes ``x``: "numba", "cupy" or "array_api".
 
     NumPy arrays (and torch CPU tensors, and Dask arrays of NumPy blocks) run on the
-    Numba kernels, CuPy arrays (and torch CUDA tensors) on the CUDA kernels, anything
-    else on the generic array-API implementation.
+    Numba kernels, CuPy arrays (and torch CUDA tensors, where CuPy imports) on the CUDA
+    kernels, anything else on the generic array-API implementation.
 
     Parameters
     ----------
@@ -79,25 +203,7 @@ def backend_name(x: Any) -> str:
     >>> ln.backend_name(np.ones((2, 3), dtype=np.float32))
     'numba'
     """
-    lib = library_of(x)
-    if lib == "numpy":
-        return "numba"
-    if lib == "cupy":
-        return "cupy"
-    if lib == "torch":
-        device = x.device.type
-        if device == "cpu":
-            return "numba"
-        if device == "cuda":
-            # Without CuPy, CUDA tensors take the generic path on torch's namespace.
-            from importlib.util import find_spec
-
-            return "cupy" if find_spec("cupy") is not None else "array_api"
-        return "array_api"
-    if lib == "dask":
-        meta = getattr(x, "_meta", None)
-        return backend_name(meta) if meta is not None else "numba"
-    return "array_api"
+    return route(x).backend
 
 
 def describe(x: Any) -> str:
@@ -111,19 +217,20 @@ def _device(arr: Any) -> Any:
     return device(arr)
 
 
-def check_companions(x: Any, lib: str, **arrays: Any) -> None:
+def check_companions(x: Any, library: str, **arrays: Any) -> None:
     """Every other array argument must come from the library and device of ``x``.
 
     NumPy parameters are accepted with a Dask ``x`` (Dask arrays hold NumPy blocks).
     """
-    if lib == "numpy" and all(arr is None or type(arr) is np.ndarray for arr in arrays.values()):
+    if library == "numpy" and all(arr is None or type(arr) is np.ndarray
+                                  for arr in arrays.values()):
         return
     for name, arr in arrays.items():
         if arr is None:
             continue
         other = library_of(arr, name)
-        if other == lib:
-            if lib == "array_api":
+        if other == library:
+            if library == "array_api":
                 from array_api_compat import array_namespace
 
                 if array_namespace(arr) is not array_namespace(x):
@@ -131,7 +238,7 @@ def check_companions(x: Any, lib: str, **arrays: Any) -> None:
                         f"{name} comes from {describe(arr)} but x comes from {describe(x)}; "
                         "pass arrays of one library"
                     )
-            if lib in ("array_api", "cupy"):
+            if library in ("array_api", "cupy"):
                 dev_x, dev_arr = _device(x), _device(arr)
                 # A JAX tracer (under jax.jit / jax.grad) has no device: nothing to compare.
                 if dev_x is not None and dev_arr is not None and dev_arr != dev_x:
@@ -140,7 +247,7 @@ def check_companions(x: Any, lib: str, **arrays: Any) -> None:
                         "pass arrays on one device"
                     )
             continue
-        if lib == "dask" and other == "numpy":
+        if library == "dask" and other == "numpy":
             continue
         raise TypeError(
             f"{name} comes from {describe(arr)} but x comes from {describe(x)}; "

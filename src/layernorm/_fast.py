@@ -3,7 +3,7 @@
 One token of a transformer is a ``(1, 768)`` row: its kernel takes a third of a
 microsecond, so validation, dispatch and allocation would dominate the call. The first
 call with a given shape, dtype and parameter layout goes through full validation
-(:func:`._api._request`) and leaves a :class:`Plan`; a later call that matches it checks
+(:func:`._engine.request`) and leaves a :class:`Plan`; a later call that matches it checks
 only what can change between such calls (contiguity, ``eps``, ``out``) and calls the
 serial Numba kernel directly. Anything else (strided or large inputs, axes other than
 the trailing ones, forced backends, unusual parameters) returns ``None`` and takes the
@@ -17,14 +17,18 @@ from typing import Any
 
 import numpy as np
 
+from . import _engine
 from ._backends import _numba
 from ._backends._numba import _entry
+from ._dispatch import Route
 from ._dtypes import HALF_DTYPES, MACHINE_EPS, dtype_name
 from ._validate import memo_axes
 
-#: Inputs at least this large take the general path (they may run in parallel, and
-#: their per-call overhead is negligible). Kept equal to the Numba backend's threshold.
-FAST_MAX_ELEMENTS = 1 << 16
+#: Inputs at least this large take the general path: they may run in parallel (the
+#: Numba backend's own threshold), and their per-call overhead is negligible.
+FAST_MAX_ELEMENTS = _numba.PARALLEL_MIN_ELEMENTS
+
+_NUMPY_ROUTE = Route("numpy", "numba")
 
 
 class Plan:
@@ -103,12 +107,10 @@ _PLANS_MAX = 512
 
 def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
           rms: bool) -> Plan | None:
-    from . import _api
-
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
-    req = _api._request(x, "numpy", normalized_shape, axis, None, **params)
+    req = _engine.request(x, _NUMPY_ROUTE, normalized_shape, axis, **params)
     layout = req.layout
-    if (req.target != "numba" or layout.perm is not None or layout.inner != 1
+    if (layout.perm is not None or layout.inner != 1
             or layout.n == 0 or layout.rows == 0
             or layout.rows * layout.n >= FAST_MAX_ELEMENTS):
         return None

@@ -57,14 +57,40 @@ def check_float_dtype(arr: Any, name: str) -> str:
     return dname
 
 
-def _as_int_tuple(value: Any, name: str) -> tuple[int, ...]:
+def as_int_tuple(value: Any, name: str) -> tuple[int, ...]:
+    """``value`` (an int, or a sequence of ints such as a tuple, list or torch.Size) as a
+    tuple of Python ints; ``TypeError`` naming ``name`` otherwise.
+
+    Unordered or keyed collections (sets, dicts) are refused: their order is not the
+    order of the axes the caller meant.
+
+    Examples
+    --------
+    >>> as_int_tuple(3, "axis")
+    (3,)
+    >>> as_int_tuple([2, 3], "normalized_shape")
+    (2, 3)
+    >>> as_int_tuple({8: 1}, "normalized_shape")
+    Traceback (most recent call last):
+    ...
+    TypeError: normalized_shape must be an int or a tuple of ints, got {8: 1}
+    """
     if _is_int(value):
         return (int(value),)
-    if isinstance(value, Sequence) or hasattr(value, "__iter__"):
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         items = tuple(value)
         if all(_is_int(v) for v in items):
             return tuple(int(v) for v in items)
+    elif _is_int_array(value):
+        return tuple(int(v) for v in value.tolist())
     raise TypeError(f"{name} must be an int or a tuple of ints, got {value!r}")
+
+
+def _is_int_array(value: Any) -> bool:
+    # A 1-D integer array (NumPy, or a tensor's shape arithmetic) names axes in order.
+    dtype = getattr(value, "dtype", None)
+    return (getattr(value, "ndim", None) == 1 and hasattr(value, "tolist")
+            and getattr(dtype, "kind", "") in "iu" and dtype is not None)
 
 
 def resolve_axes(shape: tuple[int, ...], normalized_shape: Any, axis: Any) -> tuple[int, ...]:
@@ -93,7 +119,7 @@ def resolve_axes(shape: tuple[int, ...], normalized_shape: Any, axis: Any) -> tu
             f"(got normalized_shape={normalized_shape!r}, axis={axis!r})"
         )
     if normalized_shape is not None:
-        ns = _as_int_tuple(normalized_shape, "normalized_shape")
+        ns = as_int_tuple(normalized_shape, "normalized_shape")
         if len(ns) == 0:
             raise ValueError("normalized_shape must name at least one dimension, got ()")
         if any(d < 0 for d in ns):
@@ -104,7 +130,7 @@ def resolve_axes(shape: tuple[int, ...], normalized_shape: Any, axis: Any) -> tu
                 f"got input of shape {shape}"
             )
         return tuple(range(ndim - len(ns), ndim))
-    axes = (-1,) if axis is None else _as_int_tuple(axis, "axis")
+    axes = (-1,) if axis is None else as_int_tuple(axis, "axis")
     if len(axes) == 0:
         raise ValueError("axis must name at least one axis, got ()")
     resolved = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._api import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
-from ._validate import _as_int_tuple, check_eps
+from ._validate import as_int_tuple, check_eps
 
 
 def _resolve_dtype(xp: Any, dtype: Any) -> Any:
@@ -39,7 +39,7 @@ class _Norm:
                  has_bias: bool, dtype: Any, xp: Any, device: Any) -> None:
         if xp is None:
             import numpy as xp
-        shape = _as_int_tuple(normalized_shape, "normalized_shape")
+        shape = as_int_tuple(normalized_shape, "normalized_shape")
         if len(shape) == 0 or any(d < 0 for d in shape):
             raise ValueError(f"normalized_shape must be non-empty and non-negative, got {shape}")
         self.normalized_shape: tuple[int, ...] = shape
@@ -191,7 +191,7 @@ class LayerNorm(_Norm):
 
     def extra_repr(self) -> str:
         """Arguments shown by ``repr``."""
-        return super().extra_repr() + f", bias={self._has_bias or not self.elementwise_affine}"
+        return super().extra_repr() + f", bias={self.bias is not None}"
 
 
 class RMSNorm(_Norm):

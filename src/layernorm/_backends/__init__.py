@@ -1,14 +1,11 @@
-"""Backends. Each native backend module exposes the same four functions.
+"""Backends: the native kernels (``_numba``, ``_cupy``) and the generic ``_array_api`` path.
 
-All of them work on the kernels' canonical ``(outer, n, inner)`` views built by
-:mod:`layernorm._layout`, with statistics as flat ``(outer * inner,)`` arrays in the
-accumulation dtype and parameters as 1-D ``(n,)`` arrays already in the
-accumulation dtype (or None)::
-
-    layer_norm_forward(x3, weight, bias, eps, y3, mean, rstd, dtype) -> None
-    rms_norm_forward(x3, weight, eps, y3, rstd, dtype) -> None
-    layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype) -> (grad_weight, grad_bias)
-    rms_norm_backward(gy3, x3, rstd, weight, gx3, dtype) -> grad_weight
+A native backend is a module with the functions of :class:`NativeBackend`. The engine
+(:mod:`layernorm._engine`) hands them the kernels' canonical ``(outer, n, inner)``
+views built by :mod:`layernorm._layout`, statistics as flat ``(outer * inner,)``
+arrays in the accumulation dtype, and parameters as 1-D ``(n,)`` arrays in the
+accumulation dtype (the Numba backend also takes float16/bfloat16 parameters and
+widens them itself), or None.
 
 ``dtype`` is the canonical name of the element type of ``x3``/``y3``/``gy3``/``gx3``
 ("float16", "bfloat16", "float32", "float64"); 16-bit arrays may arrive as
@@ -17,3 +14,35 @@ parameter gradients are 1-D ``(n,)`` arrays in the accumulation dtype, reduced o
 fixed-size row blocks in a fixed order so that they are bitwise reproducible for any
 thread count.
 """
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+
+class NativeBackend(Protocol):
+    """The interface every native backend module implements."""
+
+    def layer_norm_forward(self, x3: Any, weight: Any, bias: Any, eps: float, y3: Any,
+                           mean: Any, rstd: Any, dtype: str) -> None:
+        """LayerNorm forward of ``x3`` into ``y3``; fills ``mean`` and ``rstd``."""
+
+    def rms_norm_forward(self, x3: Any, weight: Any, eps: float, y3: Any, rstd: Any,
+                         dtype: str) -> None:
+        """RMSNorm forward of ``x3`` into ``y3``; fills ``rstd``."""
+
+    def layer_norm_backward(self, gy3: Any, x3: Any, mean: Any, rstd: Any, weight: Any,
+                            gx3: Any, dtype: str) -> tuple[Any, Any]:
+        """LayerNorm backward into ``gx3``; returns ``(grad_weight, grad_bias)``."""
+
+    def rms_norm_backward(self, gy3: Any, x3: Any, rstd: Any, weight: Any, gx3: Any,
+                          dtype: str) -> Any:
+        """RMSNorm backward into ``gx3``; returns ``grad_weight``."""
+
+
+class DeviceBackend(NativeBackend, Protocol):
+    """A native backend whose arrays live on one of several devices (CUDA)."""
+
+    def device_scope(self, x: Any) -> AbstractContextManager[Any]:
+        """Context in which new arrays are allocated on the device of ``x``."""

@@ -13,6 +13,15 @@ from typing import Any
 from . import launch
 
 
+def device_scope(x: Any) -> Any:
+    """Context in which allocations for ``x`` land on its device (``x.device``).
+
+    CuPy allocates on its *current* device; an ``x`` on another device would otherwise
+    get outputs, statistics and parameter copies on the wrong one.
+    """
+    return x.device
+
+
 def layer_norm_forward(x3: Any, weight: Any, bias: Any, eps: float, y3: Any, mean: Any,
                        rstd: Any, dtype: str) -> None:
     """LayerNorm forward of the ``(outer, n, inner)`` view ``x3`` into ``y3``.

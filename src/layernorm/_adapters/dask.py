@@ -2,7 +2,7 @@
 
 The normalized axes are rechunked into a single block (rows are independent, so every
 block holds whole rows) and each block is handed to layernorm's own public functions,
-which run the Numba kernels on NumPy blocks (the CUDA kernels on CuPy blocks). Nothing
+which run the engine on each block: the Numba kernels on NumPy blocks (the CUDA kernels on CuPy blocks). Nothing
 is computed until the user asks, and nothing but the blocks' results moves between
 tasks, so the same graph runs on the threaded scheduler or on a ``dask.distributed``
 cluster, for arrays larger than any one machine's memory.
@@ -27,6 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from .. import _engine
+from .._dispatch import Route, check_companions, describe, library_of, route
+
 #: Blocks larger than this after rechunking the normalized axes raise a warning.
 BLOCK_WARN_BYTES = 256 * 2**20
 
@@ -41,21 +44,16 @@ class LargeBlockWarning(UserWarning):
 
 def _forward_block(xb: Any, wb: Any, bb: Any, *, rms: bool, axes: tuple[int, ...], eps: Any,
                    backend: Any, stats: bool) -> Any:
-    from .. import _api
-
-    if rms:
-        out = _api.rms_norm(xb, None, wb, eps, axis=axes, return_stats=stats, backend=backend)
-    else:
-        out = _api.layer_norm(xb, None, wb, bb, eps, axis=axes, return_stats=stats,
-                              backend=backend)
-    return out
+    y, mean, rstd = _engine.normalize(xb, route(xb, backend), None, wb, bb, eps, axes, None,
+                                      rms, stats)
+    if not stats:
+        return y
+    return (y, rstd) if rms else (y, mean, rstd)
 
 
 def _backward_block(gyb: Any, xb: Any, mb: Any, rb: Any, wb: Any, *, rms: bool,
                     axes: tuple[int, ...], acc: str, backend: Any) -> tuple[Any, ...]:
     from array_api_compat import array_namespace
-
-    from .. import _api
 
     xp = array_namespace(xb)
     pshape = tuple(xb.shape[a] for a in axes)
@@ -63,11 +61,8 @@ def _backward_block(gyb: Any, xb: Any, mb: Any, rb: Any, wb: Any, *, rms: bool,
     # that dtype (ones for no weight, which multiplies exactly) makes the API return them so.
     w = xp.ones(pshape, dtype=acc) if wb is None else wb.astype(acc)
     keep = tuple(s if i in axes else 1 for i, s in enumerate(xb.shape))
-    if rms:
-        gx, gw = _api.rms_norm_backward(gyb, xb, rb, w, axis=axes, backend=backend)
-        return gx, gw.reshape(keep)
-    gx, gw, gb = _api.layer_norm_backward(gyb, xb, mb, rb, w, axis=axes, backend=backend)
-    return gx, gw.reshape(keep), gb.reshape(keep)
+    grads = _engine.gradients(gyb, xb, route(xb, backend), mb, rb, w, None, axes, rms)
+    return grads[0], *(g.reshape(keep) for g in grads[1:])
 
 
 def _sum_in_block_order(parts: Any, *, axes: tuple[int, ...], out_dtype: Any) -> Any:
@@ -97,8 +92,6 @@ def _meta(x: Any, ndim: int, dtype: Any) -> Any:
 
 
 def _block_library(x: Any) -> str:
-    from .._dispatch import library_of
-
     meta = getattr(x, "_meta", None)
     return "numpy" if meta is None else library_of(meta)
 
@@ -111,11 +104,8 @@ def _check_known_shape(x: Any, name: str = "x") -> None:
         )
 
 
-def _check_common(x: Any, backend: Any, out: Any, **others: Any) -> str:
+def _check_common(x: Any, out: Any, **others: Any) -> str:
     """Library/meta checks shared by every entry point; returns the blocks' library."""
-    from .. import _api
-    from .._dispatch import check_companions, describe, library_of
-
     check_companions(x, "dask", **others)
     if out is not None:
         raise TypeError(
@@ -124,7 +114,6 @@ def _check_common(x: Any, backend: Any, out: Any, **others: Any) -> str:
         )
     _check_known_shape(x)
     blocks = _block_library(x)
-    _api._target(blocks, backend)  # fails early on a backend the blocks cannot use
     for name, arr in others.items():
         if arr is None:
             continue
@@ -208,16 +197,12 @@ def _pick(tmp: Any, i: int, chunks: Any, dtype: Any) -> Any:
 # --------------------------------------------------------------------------- forward
 
 
-def _forward(rms: bool, x: Any, ns: Any, weight: Any, bias: Any, eps: Any, axis: Any,
-             return_stats: bool, out: Any, backend: Any) -> Any:
-    from .. import _api
-    from .._dtypes import MACHINE_EPS
-    from .._validate import check_eps
-
+def _forward(rms: bool, x: Any, dask_route: Route, ns: Any, weight: Any, bias: Any, eps: Any,
+             axis: Any, return_stats: bool, out: Any, backend: Any) -> Any:
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
-    _check_common(x, backend, out, **params)
-    req = _api._request(x, "dask", ns, axis, None, **params)
-    eps = MACHINE_EPS[req.acc] if (rms and eps is None) else check_eps(eps)
+    _check_common(x, out, **params)
+    req = _engine.request(x, dask_route, ns, axis, **params)
+    eps = _engine.resolve_eps(eps, req, rms)
     axes = req.layout.axes
     xr = _rows_rechunked(x, axes)
     ind = tuple(range(x.ndim))
@@ -238,31 +223,32 @@ def _forward(rms: bool, x: Any, ns: Any, weight: Any, bias: Any, eps: Any, axis:
     return y, _pick(tmp, 1, stats_chunks, acc), _pick(tmp, 2, stats_chunks, acc)
 
 
-def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, *, axis: Any,
-               return_stats: bool, out: Any, backend: Any) -> Any:
-    """:func:`layernorm.layer_norm` for a Dask array: lazy Dask arrays back."""
-    return _forward(False, x, normalized_shape, weight, bias, eps, axis, return_stats, out,
-                    backend)
+def layer_norm(x: Any, dask_route: Route, normalized_shape: Any, weight: Any, bias: Any,
+               eps: Any, *, axis: Any, return_stats: bool, out: Any, backend: Any) -> Any:
+    """:func:`layernorm.layer_norm` for a Dask array: lazy Dask arrays back.
+
+    ``dask_route`` is the call's route; ``backend`` the forced name each block re-routes by.
+    """
+    return _forward(False, x, dask_route, normalized_shape, weight, bias, eps, axis,
+                    return_stats, out, backend)
 
 
-def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, *, axis: Any,
-             return_stats: bool, out: Any, backend: Any) -> Any:
+def rms_norm(x: Any, dask_route: Route, normalized_shape: Any, weight: Any, eps: Any, *,
+             axis: Any, return_stats: bool, out: Any, backend: Any) -> Any:
     """:func:`layernorm.rms_norm` for a Dask array: lazy Dask arrays back."""
-    return _forward(True, x, normalized_shape, weight, None, eps, axis, return_stats, out,
-                    backend)
+    return _forward(True, x, dask_route, normalized_shape, weight, None, eps, axis,
+                    return_stats, out, backend)
 
 
 # --------------------------------------------------------------------------- backward
 
 
-def _backward(rms: bool, grad_y: Any, x: Any, mean: Any, rstd: Any, weight: Any, ns: Any,
-              axis: Any, backend: Any) -> tuple[Any, ...]:
-    from .. import _api
-
+def _backward(rms: bool, grad_y: Any, x: Any, dask_route: Route, mean: Any, rstd: Any,
+              weight: Any, ns: Any, axis: Any, backend: Any) -> tuple[Any, ...]:
     stats = {"rstd": rstd} if rms else {"mean": mean, "rstd": rstd}
-    _check_common(x, backend, None, grad_y=grad_y, weight=weight, **stats)
-    req = _api._request(x, "dask", ns, axis, None, weight=weight)
-    _api._check_backward(grad_y, x, req, **stats)
+    _check_common(x, None, grad_y=grad_y, weight=weight, **stats)
+    req = _engine.request(x, dask_route, ns, axis, weight=weight)
+    _engine.check_backward(grad_y, req, **stats)
     axes = req.layout.axes
     xr = _rows_rechunked(x, axes)
     stats_chunks = _stats_chunks(xr.chunks, axes)
@@ -296,13 +282,16 @@ def _backward(rms: bool, grad_y: Any, x: Any, mean: Any, rstd: Any, weight: Any,
     return grad_x, reduce(1), reduce(2)
 
 
-def layer_norm_backward(grad_y: Any, x: Any, mean: Any, rstd: Any, weight: Any,
-                        normalized_shape: Any, *, axis: Any, backend: Any) -> tuple[Any, ...]:
+def layer_norm_backward(grad_y: Any, x: Any, dask_route: Route, mean: Any, rstd: Any,
+                        weight: Any, normalized_shape: Any, *, axis: Any,
+                        backend: Any) -> tuple[Any, ...]:
     """:func:`layernorm.layer_norm_backward` for Dask arrays: lazy gradients."""
-    return _backward(False, grad_y, x, mean, rstd, weight, normalized_shape, axis, backend)
+    return _backward(False, grad_y, x, dask_route, mean, rstd, weight, normalized_shape, axis,
+                     backend)
 
 
-def rms_norm_backward(grad_y: Any, x: Any, rstd: Any, weight: Any, normalized_shape: Any, *,
-                      axis: Any, backend: Any) -> tuple[Any, ...]:
+def rms_norm_backward(grad_y: Any, x: Any, dask_route: Route, rstd: Any, weight: Any,
+                      normalized_shape: Any, *, axis: Any, backend: Any) -> tuple[Any, ...]:
     """:func:`layernorm.rms_norm_backward` for Dask arrays: lazy gradients."""
-    return _backward(True, grad_y, x, None, rstd, weight, normalized_shape, axis, backend)
+    return _backward(True, grad_y, x, dask_route, None, rstd, weight, normalized_shape, axis,
+                     backend)

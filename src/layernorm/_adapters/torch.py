@@ -1,0 +1,351 @@
+"""torch adapter: tensors in, tensors out, through the engine on the tensor's device.
+
+Routes (decided by :func:`layernorm._dispatch.route` from ``x.device``, or forced with
+``backend=``):
+
+* **CPU** -> the Numba kernels. The tensors are viewed as NumPy arrays zero-copy through
+  DLPack (bfloat16, which NumPy's DLPack does not know, travels as int16 bits and is
+  viewed as ``ml_dtypes.bfloat16``); fresh results come back zero-copy with
+  :func:`torch.from_numpy`.
+* **CUDA** -> the CuPy kernels, zero-copy through DLPack on torch's current stream and
+  device (bfloat16 as uint16 bits, the dtype named by the request, as the backend
+  interface in :mod:`layernorm._backends` allows). Without CuPy, CUDA tensors take the
+  generic path below (still on the GPU, still differentiable, only slower).
+* **Any other device** (``mps``, ``meta``, ...) and ``backend="array_api"`` -> the generic
+  implementation written with torch's own array-API namespace; torch's autograd
+  differentiates it directly.
+
+Both native routes validate the tensors (:func:`layernorm._engine.request`) and run
+:func:`layernorm._engine.forward` / :func:`~layernorm._engine.backward` on the views: one
+driver for every library. A result that needs gradients (``x``, ``weight`` or ``bias``
+requires grad and grad mode is on) is produced by a :class:`torch.autograd.Function`
+whose backward runs our backward kernels; the statistics returned by
+``return_stats=True`` are marked non-differentiable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _engine
+from .._dispatch import Route, check_companions
+from .._validate import check_float_dtype, check_out
+
+_ACC_TORCH = {"float32": torch.float32, "float64": torch.float64}
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_inputs(x: Any, **others: Any) -> None:
+    """Dense tensors of one library on one device; a supported dtype for ``x``."""
+    check_companions(x, "torch", **others)
+    for name, arr in {"x": x, **others}.items():
+        if arr is None:
+            continue
+        if arr.layout != torch.strided or arr.is_nested:
+            kind = "nested" if arr.is_nested else str(arr.layout).replace("torch.", "")
+            raise TypeError(f"{name} must be a dense (strided) tensor, got a {kind} tensor")
+        if arr.device != x.device:
+            raise TypeError(
+                f"{name} is on device {arr.device} but x is on device {x.device}; "
+                "pass tensors on one device"
+            )
+    # Fail with our wording (not a DLPack error) on dtypes NumPy/CuPy cannot view.
+    check_float_dtype(x, "x")
+
+
+def _wants_grad(*tensors: Any) -> bool:
+    return torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in tensors
+    )
+
+
+def _no_out_with_grad(out: Any, *tensors: Any) -> None:
+    if out is not None and _wants_grad(*tensors):
+        raise RuntimeError(
+            "out= does not support automatic differentiation (an input requires grad); "
+            "call without out= or under torch.no_grad()"
+        )
+
+
+# --------------------------------------------------------------------------- views
+
+
+def _plain(t: Any) -> Any:
+    # DLPack exports the stored values: a tensor with the lazy negation or conjugation
+    # bit set (``c.conj().imag``) must have it applied first (a no-op when unset).
+    t = t.detach()
+    return t.resolve_neg().resolve_conj()
+
+
+def to_numpy(t: Any) -> Any:
+    """Zero-copy NumPy view of a CPU tensor (any strides; bfloat16 via ml_dtypes).
+
+    Examples
+    --------
+    >>> import torch
+    >>> t = torch.arange(6, dtype=torch.float64).reshape(2, 3)[:, ::2]
+    >>> a = to_numpy(t)
+    >>> a.strides, bool(a.ctypes.data == t.data_ptr())
+    ((24, 16), True)
+    """
+    if t is None:
+        return None
+    t = _plain(t)
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return np.from_dlpack(t.view(torch.int16)).view(ml_dtypes.bfloat16)
+    return np.from_dlpack(t)
+
+
+def from_numpy(a: Any) -> Any:
+    """Zero-copy tensor sharing the memory of a NumPy array (bfloat16 via int16 bits)."""
+    if a is None:
+        return None
+    if a.dtype.kind == "V":  # ml_dtypes.bfloat16 (the only non-native dtype we return)
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+class Bridge:
+    """Zero-copy views between tensors and the arrays of one native backend.
+
+    Parameters
+    ----------
+    xp : module
+        NumPy or CuPy.
+    to_xp, to_torch : callable
+        DLPack conversions between tensors and ``xp`` arrays.
+    bfloat16_as_bits : bool
+        Whether ``xp`` lacks bfloat16, so bfloat16 data travels as uint16 bits (the
+        request names the dtype) and parameters and statistics are cast to the
+        accumulation dtype on the torch side (CuPy); else bfloat16 is viewed as
+        ``ml_dtypes.bfloat16`` and parameters go as they are (NumPy).
+    """
+
+    def __init__(self, xp: Any, to_xp: Any, to_torch: Any, bfloat16_as_bits: bool) -> None:
+        self.xp, self.to_xp, self.to_torch = xp, to_xp, to_torch
+        self.bits = bfloat16_as_bits
+
+    def array(self, t: Any) -> Any:
+        """``t`` as an ``xp`` array sharing its memory."""
+        if t is None:
+            return None
+        if not self.bits:
+            return to_numpy(t)
+        t = _plain(t)
+        if t.dtype == torch.bfloat16:
+            return self.to_xp(t.view(torch.int16)).view(self.xp.uint16)
+        return self.to_xp(t)
+
+    def param(self, t: Any, acc: str) -> Any:
+        """A parameter or statistic for the engine (cast to ``acc`` where ``xp`` must)."""
+        if t is None:
+            return None
+        if self.bits and t.dtype not in (torch.float32, torch.float64):
+            t = t.detach().to(_ACC_TORCH[acc])
+        return self.array(t)
+
+    def tensor(self, a: Any, dtype: torch.dtype) -> Any:
+        """An engine result as a tensor of ``dtype`` sharing its memory."""
+        if a is None:
+            return None
+        if not self.bits:
+            return from_numpy(a)
+        t = self.to_torch(a)
+        return t.view(dtype) if t.dtype != dtype else t
+
+
+CPU_BRIDGE = Bridge(np, np.from_dlpack, torch.from_numpy, bfloat16_as_bits=False)
+
+
+@functools.cache
+def _cuda_bridge() -> Bridge:
+    import cupy
+
+    return Bridge(cupy, cupy.from_dlpack, torch.from_dlpack, bfloat16_as_bits=True)
+
+
+@contextlib.contextmanager
+def _cuda_scope(x: Any) -> Any:
+    """Run CuPy on the tensor's device and on torch's current stream there."""
+    import cupy
+
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(x.device)
+    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
+        yield
+
+
+def _bridge_and_scope(route: Route, x: Any) -> tuple[Bridge, Any]:
+    if route.backend == "cupy":
+        return _cuda_bridge(), _cuda_scope(x)
+    return CPU_BRIDGE, contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------- forward, backward
+
+
+def forward_with(bridge: Bridge, route: Route, rms: bool, x: Any, ns: Any, weight: Any,
+                 bias: Any, eps: Any, axis: Any, out: Any) -> tuple[Any, Any, Any]:
+    """Validated native forward of tensors through ``bridge``: ``(y, mean, rstd)`` tensors.
+
+    ``mean`` is None for RMSNorm.
+    """
+    params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
+    req = _engine.request(x, route, ns, axis, **params)
+    eps = _engine.resolve_eps(eps, req, rms)
+    if out is not None:
+        check_out(out, req.layout.shape, req.dtype)
+    xa = bridge.array(x)
+    outa = xa if out is x else bridge.array(out)
+    y, mean, rstd = _engine.forward(
+        bridge.xp, xa, req, bridge.param(weight, req.acc),
+        None if rms else bridge.param(bias, req.acc), eps, outa, rms)
+    y = out if out is not None else bridge.tensor(y, x.dtype)
+    acc = _ACC_TORCH[req.acc]
+    return y, bridge.tensor(mean, acc), bridge.tensor(rstd, acc)
+
+
+def backward_with(bridge: Bridge, route: Route, rms: bool, gy: Any, x: Any, mean: Any,
+                  rstd: Any, weight: Any, ns: Any, axis: Any) -> tuple[Any, ...]:
+    """Validated native backward of tensors through ``bridge``: gradient tensors."""
+    req = _engine.request(x, route, ns, axis, weight=weight)
+    stats = {"rstd": rstd} if rms else {"mean": mean, "rstd": rstd}
+    _engine.check_backward(gy, req, **stats)
+    grads = _engine.backward(
+        bridge.xp, bridge.array(gy), bridge.array(x), req,
+        None if rms else bridge.param(mean, req.acc), bridge.param(rstd, req.acc),
+        bridge.param(weight, req.acc), rms)
+    pdtype = (weight if weight is not None else x).dtype
+    acc = _ACC_TORCH[req.acc]
+    return (bridge.tensor(grads[0], x.dtype),
+            *(bridge.tensor(g, acc).to(pdtype) for g in grads[1:]))
+
+
+def _generic_forward(route: Route, rms: bool, x: Any, ns: Any, weight: Any, bias: Any,
+                     eps: Any, axis: Any, out: Any) -> tuple[Any, Any, Any]:
+    params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
+    req = _engine.request(x, route, ns, axis, **params)
+    eps = _engine.resolve_eps(eps, req, rms)
+    if out is not None:
+        check_out(out, req.layout.shape, req.dtype)
+    xp = _engine.namespace("torch", x)
+    y, mean, rstd = _engine.forward(xp, x, req, weight, bias, eps, None, rms)
+    if out is not None:
+        out.copy_(y)
+        y = out
+    return y, mean, rstd
+
+
+def _generic_backward(route: Route, rms: bool, gy: Any, x: Any, mean: Any, rstd: Any,
+                      weight: Any, ns: Any, axis: Any) -> tuple[Any, ...]:
+    req = _engine.request(x, route, ns, axis, weight=weight)
+    stats = {"rstd": rstd} if rms else {"mean": mean, "rstd": rstd}
+    _engine.check_backward(gy, req, **stats)
+    xp = _engine.namespace("torch", x)
+    grads = _engine.backward(xp, gy, x, req, mean, rstd, weight, rms)
+    pdtype = (weight if weight is not None else x).dtype
+    return (grads[0], *(g.to(pdtype) for g in grads[1:]))
+
+
+def _forward(route: Route, rms: bool, x: Any, ns: Any, weight: Any, bias: Any, eps: Any,
+             axis: Any, out: Any) -> tuple[Any, Any, Any]:
+    if route.backend == "array_api":
+        return _generic_forward(route, rms, x, ns, weight, bias, eps, axis, out)
+    bridge, scope = _bridge_and_scope(route, x)
+    with scope:
+        return forward_with(bridge, route, rms, x, ns, weight, bias, eps, axis, out)
+
+
+def _backward(route: Route, rms: bool, gy: Any, x: Any, mean: Any, rstd: Any, weight: Any,
+              ns: Any, axis: Any) -> tuple[Any, ...]:
+    if route.backend == "array_api":
+        return _generic_backward(route, rms, gy, x, mean, rstd, weight, ns, axis)
+    bridge, scope = _bridge_and_scope(route, x)
+    with scope:
+        return backward_with(bridge, route, rms, gy, x, mean, rstd, weight, ns, axis)
+
+
+class _NormFunction(torch.autograd.Function):
+    """Autograd node for the native routes: our forward, our backward kernels."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any, weight: Any, bias: Any, spec: tuple[Any, ...]) -> Any:
+        route, rms, ns, eps, axis = spec
+        y, mean, rstd = _forward(route, rms, x, ns, weight, bias, eps, axis, None)
+        ctx.spec = spec
+        ctx.save_for_backward(x, weight, mean, rstd)
+        if rms:
+            ctx.mark_non_differentiable(rstd)
+            return y, rstd
+        ctx.mark_non_differentiable(mean, rstd)
+        return y, mean, rstd
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_y: Any, *_stats_grads: Any) -> tuple[Any, ...]:
+        route, rms, ns, _eps, axis = ctx.spec
+        x, weight, mean, rstd = ctx.saved_tensors
+        grads = _backward(route, rms, grad_y, x, mean, rstd, weight, ns, axis)
+        need = ctx.needs_input_grad
+        gx = grads[0] if need[0] else None
+        gw = grads[1] if need[1] else None
+        gb = grads[2] if (not rms and need[2]) else None
+        return gx, gw, gb, None
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def layer_norm(x: Any, route: Route, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
+               *, axis: Any, return_stats: bool, out: Any) -> Any:
+    """:func:`layernorm.layer_norm` for a torch tensor ``x``; returns torch tensors."""
+    _check_inputs(x, weight=weight, bias=bias, out=out)
+    _no_out_with_grad(out, x, weight, bias)
+    if route.backend != "array_api" and _wants_grad(x, weight, bias):
+        spec = (route, False, normalized_shape, eps, axis)
+        y, mean, rstd = _NormFunction.apply(x, weight, bias, spec)
+    else:
+        y, mean, rstd = _forward(route, False, x, normalized_shape, weight, bias, eps, axis,
+                                 out)
+    return (y, mean, rstd) if return_stats else y
+
+
+def rms_norm(x: Any, route: Route, normalized_shape: Any, weight: Any, eps: Any, *, axis: Any,
+             return_stats: bool, out: Any) -> Any:
+    """:func:`layernorm.rms_norm` for a torch tensor ``x``; returns torch tensors."""
+    _check_inputs(x, weight=weight, out=out)
+    _no_out_with_grad(out, x, weight)
+    if route.backend != "array_api" and _wants_grad(x, weight):
+        y, rstd = _NormFunction.apply(x, weight, None, (route, True, normalized_shape, eps, axis))
+    else:
+        y, _, rstd = _forward(route, True, x, normalized_shape, weight, None, eps, axis, out)
+    return (y, rstd) if return_stats else y
+
+
+def layer_norm_backward(grad_y: Any, x: Any, route: Route, mean: Any, rstd: Any, weight: Any,
+                        normalized_shape: Any, *, axis: Any) -> Any:
+    """:func:`layernorm.layer_norm_backward` for torch tensors (not itself differentiable)."""
+    _check_inputs(x, grad_y=grad_y, mean=mean, rstd=rstd, weight=weight)
+    with torch.no_grad():
+        return _backward(route, False, grad_y, x, mean, rstd, weight, normalized_shape, axis)
+
+
+def rms_norm_backward(grad_y: Any, x: Any, route: Route, rstd: Any, weight: Any,
+                      normalized_shape: Any, *, axis: Any) -> Any:
+    """:func:`layernorm.rms_norm_backward` for torch tensors (not itself differentiable)."""
+    _check_inputs(x, grad_y=grad_y, rstd=rstd, weight=weight)
+    with torch.no_grad():
+        return _backward(route, True, grad_y, x, None, rstd, weight, normalized_shape, axis)
+
+
+__all__ = ["CPU_BRIDGE", "Bridge", "backward_with", "forward_with", "from_numpy",
+           "layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward", "to_numpy"]
