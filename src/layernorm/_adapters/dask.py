@@ -1,11 +1,11 @@
-"""Dask glue: lazy LayerNorm/RMSNorm over row chunks, one kernel call per block.
+"""Dask adapter: lazy LayerNorm/RMSNorm over row chunks, one kernel call per block.
 
 The normalized axes are rechunked into a single block (rows are independent, so every
-block holds whole rows) and each block is handed to layernorm's own public functions,
-which run the engine on each block: the Numba kernels on NumPy blocks (the CUDA kernels on CuPy blocks). Nothing
-is computed until the user asks, and nothing but the blocks' results moves between
-tasks, so the same graph runs on the threaded scheduler or on a ``dask.distributed``
-cluster, for arrays larger than any one machine's memory.
+block holds whole rows) and each block is handed to the engine, which runs the Numba
+kernels on NumPy blocks (the CUDA kernels on CuPy blocks). Nothing is computed until
+the user asks, and nothing but the blocks' results moves between tasks, so the same
+graph runs on the threaded scheduler or on a ``dask.distributed`` cluster, for arrays
+larger than any one machine's memory.
 
 When rechunking is needed, the other axes are re-split ("auto") so that blocks stay
 about as large as the input's largest block; if a block must still exceed
