@@ -31,6 +31,7 @@ from ._dtypes import HALF_DTYPES, MACHINE_EPS, accumulation_name, dtype_name
 from ._validate import (
     check_eps,
     check_float_dtype,
+    check_no_internal_overlap,
     check_out,
     check_param,
     check_same_shape,
@@ -160,10 +161,20 @@ def check_backward(grad_y: Any, req: Request, **stats: Any) -> None:
 
 
 def resolve_eps(eps: Any, req: Request, rms: bool) -> float:
-    """``eps`` checked; for RMSNorm ``None`` means the accumulation dtype's epsilon."""
+    """``eps`` checked; for RMSNorm ``None`` means the accumulation dtype's epsilon.
+
+    A positive ``eps`` that rounds to 0 in the accumulation dtype (``1e-46`` for
+    float32) is a ``ValueError``: it would silently turn constant rows into NaN.
+    """
     if rms and eps is None:
         return MACHINE_EPS[req.acc]
-    return check_eps(eps)
+    value = check_eps(eps)
+    if value > 0.0 and np.dtype(req.acc).type(value) == 0.0:
+        raise ValueError(
+            f"eps={eps!r} rounds to 0 in the accumulation dtype {req.acc} of {req.dtype} "
+            f"input; pass 0.0 or at least {np.finfo(req.acc).smallest_subnormal}"
+        )
+    return value
 
 
 def _flat_param(xp: Any, param: Any, req: Request) -> Any:
@@ -201,14 +212,18 @@ class Output:
         The request's layout.
     out : array or None
         A caller's output array, already checked for shape and dtype.
+    params : tuple of array or None
+        The other inputs the kernel reads (weight, bias).
     """
 
-    def __init__(self, xp: Any, x: Any, layout: _layout.Layout, out: Any) -> None:
+    def __init__(self, xp: Any, x: Any, layout: _layout.Layout, out: Any,
+                 params: tuple[Any, ...] = ()) -> None:
         self.xp, self.layout, self.out = xp, layout, out
         self.view = None
-        # An out that overlaps x without being x would overwrite rows not yet read:
-        # compute into a temporary, then copy.
-        if out is not None and (out is x or not xp.may_share_memory(out, x)):
+        # An out that overlaps an input (x without being x, or weight or bias) would
+        # overwrite values not yet read: compute into a temporary, then copy.
+        if out is not None and (out is x or not xp.may_share_memory(out, x)) and not any(
+                p is not None and xp.may_share_memory(out, p) for p in params):
             if layout.perm is None and out.flags.c_contiguous:
                 self.view = out.reshape(layout.outer, layout.n, layout.inner)
             else:
@@ -285,7 +300,7 @@ def forward(xp: Any, x: Any, req: Request, weight: Any, bias: Any, eps: float, o
 
     backend = native(req.backend)
     with _device_scope(backend, x):
-        target = Output(xp, x, layout, out)
+        target = Output(xp, x, layout, out, (weight, bias))
         rows = layout.rows
         mean = None if rms else xp.empty(rows, dtype=req.acc)
         rstd = xp.empty(rows, dtype=req.acc)
@@ -325,6 +340,7 @@ def normalize(x: Any, route: Route, normalized_shape: Any, weight: Any, bias: An
                 "no array in place); call without out= or with the native backend"
             )
         check_out(out, req.layout.shape, req.dtype)
+        check_no_internal_overlap(out, "out")
     xp = namespace(route.library, x)
     return forward(xp, x, req, weight, None if rms else bias, eps, out, rms, want_stats)
 

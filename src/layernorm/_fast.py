@@ -148,12 +148,16 @@ def _plain_axes(normalized_shape: Any) -> bool:
 
 
 def _new_eps(plan: Plan, eps: Any) -> Any:
-    """``eps`` in the accumulation dtype if it is a finite float >= 0, else None."""
+    """``eps`` in the accumulation dtype if it is a finite float >= 0 that does not round
+    to 0 there (unless it is 0), else None (the general path says what is wrong)."""
     if type(eps) is not float or not 0.0 <= eps < math.inf:
+        return None
+    scalar = plan.acc.type(eps)
+    if scalar == 0.0 and eps != 0.0:
         return None
     if len(plan.eps_scalars) > 64:
         plan.eps_scalars.clear()
-    scalar = plan.eps_scalars[eps] = plan.acc.type(eps)
+    plan.eps_scalars[eps] = scalar
     return scalar
 
 
@@ -167,28 +171,35 @@ def _flat(param: Any, plan: Plan, bits: Any) -> Any:
     return param.astype(plan.acc) if plan.cast_params else param
 
 
-def _usable_out(out: Any, x: Any) -> bool:
+def _apart(out: Any, arr: Any) -> bool:
+    """``out`` cannot overlap the input ``arr`` (None, another allocation, or disjoint)."""
+    # Two arrays that each own their memory are two allocations: no overlap to look for
+    # (np.may_share_memory costs a fifth of a one-row call).
+    return (arr is None or (arr is not out and out.flags.owndata and arr.flags.owndata)
+            or not np.may_share_memory(out, arr))
+
+
+def _usable_out(out: Any, x: Any, weight: Any, bias: Any) -> bool:
+    """``out`` fits (type, shape, dtype, contiguous, writeable) and overlaps no input but
+    possibly ``x`` itself (in place)."""
     if type(out) is not np.ndarray or out.shape != x.shape or out.dtype != x.dtype:
         return False
     flags = out.flags
     if not (flags.c_contiguous and flags.writeable):
         return False
-    # Two arrays that each own their memory are two allocations: no overlap to look for
-    # (np.may_share_memory costs a fifth of a one-row call).
-    return (out is x or (flags.owndata and x.flags.owndata)
-            or not np.may_share_memory(out, x))
+    return (out is x or _apart(out, x)) and _apart(out, weight) and _apart(out, bias)
 
 
-def _direct_out(out: Any, x: Any) -> bool:
+def _direct_out(out: Any, x: Any, weight: Any, bias: Any) -> bool:
     """``out`` is ``x`` itself (in place), or a usable array that does not overlap it."""
     if out is x:
-        return x.flags.writeable
-    return _usable_out(out, x)
+        return x.flags.writeable and _apart(out, weight) and _apart(out, bias)
+    return _usable_out(out, x, weight, bias)
 
 
 def _prepare(plan: Plan, x: Any, weight: Any, bias: Any, out: Any) -> tuple[Any, ...]:
     """Output array and the kernel's views of x, y, weight and bias, or () if unusable."""
-    if out is not None and not _usable_out(out, x):
+    if out is not None and not _usable_out(out, x, weight, bias):
         return ()
     y = np.empty(x.shape, x.dtype) if out is None else out
     x2, y2 = (x, y) if plan.same_shape else (x.reshape(plan.shape2), y.reshape(plan.shape2))
@@ -234,7 +245,7 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
     e = plan.eps_scalars.get(eps) if type(eps) is float else None
     if e is None and (e := _new_eps(plan, eps)) is None:
         return None
-    if plan.direct and (out is None or _direct_out(out, x)):
+    if plan.direct and (out is None or _direct_out(out, x, weight, bias)):
         y = np.empty(x.shape, x.dtype) if out is None else out
         x2, y2, w, b = x, y, weight, bias
     else:
@@ -282,7 +293,7 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
     e = plan.eps_scalars.get(eps) if type(eps) is float else None
     if e is None and (e := _new_eps(plan, eps)) is None:
         return None
-    if plan.direct and (out is None or _direct_out(out, x)):
+    if plan.direct and (out is None or _direct_out(out, x, weight, None)):
         y = np.empty(x.shape, x.dtype) if out is None else out
         x2, y2, w = x, y, weight
     else:

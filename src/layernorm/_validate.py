@@ -50,10 +50,31 @@ def check_eps(eps: Any, name: str = "eps") -> float:
 
 
 def check_float_dtype(arr: Any, name: str) -> str:
-    """Canonical dtype name of ``arr``; ``TypeError`` unless it is a supported float."""
-    dname = dtype_name(arr.dtype)
+    """Canonical dtype name of ``arr``; ``TypeError`` unless it is a supported float.
+
+    Floats of non-native byte order (NumPy's ``'>f4'`` on a little-endian machine) are
+    refused: the kernels read native numbers, and a byte-swapped copy is the caller's
+    choice to make.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> check_float_dtype(np.ones(2, np.float32), "x")
+    'float32'
+    >>> check_float_dtype(np.ones(2, np.dtype(np.float32).newbyteorder()), "x")
+    Traceback (most recent call last):
+    ...
+    TypeError: x must have native byte order, got dtype float32 of byte order '>'...
+    """
+    dtype = arr.dtype
+    dname = dtype_name(dtype)
     if dname not in SUPPORTED:
         raise TypeError(f"{name} must have dtype {_SUPPORTED_TEXT}, got dtype {dname}")
+    if not getattr(dtype, "isnative", True):
+        raise TypeError(
+            f"{name} must have native byte order, got dtype {dname} of byte order "
+            f"{dtype.byteorder!r}; pass {name}.astype({name}.dtype.newbyteorder('='))"
+        )
     return dname
 
 
@@ -170,8 +191,39 @@ def check_out(out: Any, x_shape: tuple[int, ...], x_dtype: str) -> None:
     got = dtype_name(out.dtype)
     if got != x_dtype:
         raise ValueError(f"out must have the dtype of x ({x_dtype}), got dtype {got}")
+    check_float_dtype(out, "out")  # byte order
     if not getattr(getattr(out, "flags", None), "writeable", True):
         raise ValueError("out must be a writeable array, got a read-only one")
+
+
+def check_no_internal_overlap(arr: Any, name: str) -> None:
+    """``ValueError`` if elements of a strided array may share memory with each other.
+
+    An output whose elements alias one another (a broadcast view, ``as_strided`` rows
+    over one buffer) would be written several times through different elements: the
+    result depends on the order of the writes. The test is the classic sufficient one
+    (each axis, in order of stride, steps past everything the smaller axes span), which
+    every view made by slicing, transposing or reshaping passes.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> check_no_internal_overlap(np.ones((2, 3))[:, ::2], "out")
+    >>> check_no_internal_overlap(np.broadcast_to(np.ones(3), (2, 3)), "out")
+    Traceback (most recent call last):
+    ...
+    ValueError: out has elements that share memory (shape (2, 3), strides (0, 8))...
+    """
+    shape, strides = tuple(arr.shape), tuple(arr.strides)
+    span = 0  # bytes covered by the axes already visited, minus one element
+    for size, stride in sorted(((n, abs(s)) for n, s in zip(shape, strides, strict=True)
+                                if n > 1), key=lambda item: item[1]):
+        if stride <= span or stride < arr.itemsize:
+            raise ValueError(
+                f"{name} has elements that share memory (shape {shape}, strides {strides}); "
+                "pass an array whose elements are distinct, e.g. a fresh np.empty_like"
+            )
+        span += (size - 1) * stride
 
 
 def check_backend_name(backend: Any) -> None:

@@ -34,7 +34,7 @@ import torch
 
 from .. import _engine
 from .._dispatch import Route, check_companions
-from .._validate import check_float_dtype, check_out
+from .._validate import check_float_dtype, check_no_internal_overlap, check_out
 
 _ACC_TORCH = {"float32": torch.float32, "float64": torch.float64}
 
@@ -206,6 +206,8 @@ def forward_with(bridge: Bridge, route: Route, rms: bool, x: Any, ns: Any, weigh
         check_out(out, req.layout.shape, req.dtype)
     xa = bridge.array(x)
     outa = xa if out is x else bridge.array(out)
+    if outa is not None:
+        check_no_internal_overlap(outa, "out")
     y, mean, rstd = _engine.forward(
         bridge.xp, xa, req, bridge.param(weight, req.acc),
         None if rms else bridge.param(bias, req.acc), eps, outa, rms)

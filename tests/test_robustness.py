@@ -1,0 +1,270 @@
+"""Legal but unusual inputs: a correct result or a clear error, never a silent wrong answer.
+
+Each test names the case of the robustness issue it covers (byte order, ndarray
+subclasses, eps that rounds to 0, overflowing rows, lazy negation bits, the generic
+path's accuracy, outputs overlapping inputs, messages).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numpy.lib.stride_tricks import as_strided
+
+import layernorm as ln
+
+from . import reference
+from .conftest import ATOL, DTYPES, random_rows
+
+FUNCTIONS = {
+    "layer_norm": lambda x, **kw: ln.layer_norm(x, **kw),
+    "rms_norm": lambda x, **kw: ln.rms_norm(x, **kw),
+}
+
+
+def _ref(name, x, axes=(-1,), weight=None, bias=None, eps=None):
+    x64 = np.asarray(x).astype(np.float64)
+    if eps is None:  # each function's default
+        eps = 1e-5 if name == "layer_norm" else float(
+            np.finfo(np.float64 if np.asarray(x).dtype == np.float64 else np.float32).eps)
+    axes = tuple(a % x64.ndim for a in axes)
+    w64 = None if weight is None else np.asarray(weight).astype(np.float64)
+    if name == "layer_norm":
+        b64 = None if bias is None else np.asarray(bias).astype(np.float64)
+        return reference.layer_norm(x64, axes, w64, b64, eps)[0]
+    return reference.rms_norm(x64, axes, w64, eps)[0]
+
+
+# ------------------------------------------------------------------ 1, 2: byte order
+
+
+@settings(max_examples=20, deadline=None)
+@given(dtype=st.sampled_from(["float16", "float32", "float64"]),
+       which=st.sampled_from(["x", "weight", "bias"]),
+       order=st.sampled_from([">", "<"]))
+def test_non_native_byte_order_is_a_type_error_naming_the_argument(dtype, which, order):
+    # bfloat16 has no byte-swapped NumPy dtype; the three others do.
+    rng = np.random.default_rng(0)
+    arrays = {"x": random_rows(rng, (3, 5), dtype), "weight": random_rows(rng, 5, dtype),
+              "bias": random_rows(rng, 5, dtype)}
+    swapped = arrays[which].astype(arrays[which].dtype.newbyteorder(order))
+    arrays[which] = swapped
+    if swapped.dtype.isnative:  # "<" on a little-endian machine is the native order
+        y = ln.layer_norm(arrays["x"], 5, arrays["weight"], arrays["bias"])
+        expected = _ref("layer_norm", arrays["x"], weight=arrays["weight"],
+                        bias=arrays["bias"])
+        np.testing.assert_allclose(y.astype(np.float64), expected, atol=ATOL[dtype] * 4)
+        return
+    for _ in range(2):  # the same on every call (no memo serves a swapped array)
+        with pytest.raises(TypeError, match=rf"{which} must have native byte order"):
+            ln.layer_norm(arrays["x"], 5, arrays["weight"], arrays["bias"])
+    if which != "bias":
+        with pytest.raises(TypeError, match=rf"{which} must have native byte order"):
+            ln.rms_norm(arrays["x"], 5, arrays["weight"])
+
+
+def test_a_swapped_out_is_refused():
+    x = random_rows(np.random.default_rng(1), (2, 4), "float32")
+    out = np.empty((2, 4), np.dtype(">f4"))
+    with pytest.raises((TypeError, ValueError), match="out"):
+        ln.layer_norm(x, out=out)
+
+
+# ------------------------------------------------------------------ 3, 4: subclasses
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_masked_arrays_are_refused_on_every_call(name):
+    data = random_rows(np.random.default_rng(2), (3, 4), "float32")
+    masked = np.ma.masked_array(data, mask=data > 0)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="MaskedArray"):
+            FUNCTIONS[name](masked)
+    ln.layer_norm(data)  # a call of the same dtype between must not change the answer
+    with pytest.raises(TypeError, match="MaskedArray"):
+        FUNCTIONS[name](masked)
+    with pytest.raises(TypeError, match=r"weight is a numpy\.ma\.MaskedArray"):
+        ln.layer_norm(data, weight=np.ma.masked_array(data[0]))
+
+
+def test_matrix_is_refused_with_a_clear_message():
+    with pytest.warns(PendingDeprecationWarning):  # NumPy discourages the class itself
+        matrix = np.matrix(random_rows(np.random.default_rng(3), (2, 3), "float64"))
+    with pytest.raises(TypeError, match=r"numpy\.matrix"):
+        ln.layer_norm(matrix)
+
+
+def test_other_ndarray_subclasses_compute_as_ndarrays(tmp_path):
+    data = random_rows(np.random.default_rng(4), (5, 6), "float32")
+    mm = np.lib.format.open_memmap(tmp_path / "x.npy", mode="w+", dtype=np.float32,
+                                   shape=data.shape)
+    mm[...] = data
+    assert np.array_equal(ln.layer_norm(mm), ln.layer_norm(data))
+
+
+# ------------------------------------------------------------------ 5: eps rounding to 0
+
+
+@pytest.mark.parametrize("dtype, eps", [("float32", 1e-46), ("float16", 1e-46),
+                                        ("bfloat16", 1e-46)])
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_positive_eps_that_rounds_to_zero_is_a_value_error(name, dtype, eps):
+    x = np.full((2, 4), 3.0, DTYPES[dtype])  # constant rows: NaN if eps became 0
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"eps=.*rounds to 0"):
+            FUNCTIONS[name](x, eps=eps)
+
+
+def test_tiny_eps_that_survives_rounding_keeps_constant_rows_finite():
+    x = np.full((2, 4), 3.0, np.float32)
+    assert np.array_equal(ln.layer_norm(x, eps=1e-44), np.zeros_like(x))
+
+
+# ------------------------------------------------------------------ 6: overflowing rows
+
+
+@pytest.mark.parametrize("backend", [None, "array_api"])
+@pytest.mark.parametrize("dtype, scale", [("float32", 1e19), ("float32", 1e30),
+                                          ("float64", 1e154), ("float64", 1e300)])
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_rows_whose_squares_overflow_are_normalized(name, dtype, scale, backend):
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((6, 33)) * scale).astype(DTYPES[dtype])
+    x[1] = random_rows(rng, 33, dtype)  # an ordinary row beside them
+    assert np.isfinite(x).all()
+    y = FUNCTIONS[name](x, backend=backend)
+    assert np.isfinite(y).all()
+    np.testing.assert_allclose(y, _ref(name, x), atol=ATOL[dtype] * 4)
+    # The ordinary row is computed exactly as it is alone.
+    assert np.array_equal(y[1], FUNCTIONS[name](x[1:2], backend=backend)[0])
+
+
+# ------------------------------------------------------------------ 7: torch lazy bits
+
+
+def test_torch_negative_and_conjugate_bits_are_applied():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(6)
+    c = torch.complex(torch.from_numpy(rng.standard_normal((3, 8)).astype(np.float32)),
+                      torch.from_numpy(rng.standard_normal((3, 8)).astype(np.float32)))
+    lazy = c.conj().imag  # a view with the negative bit set
+    assert lazy.is_neg()
+    plain = lazy.resolve_neg()
+    assert torch.equal(ln.layer_norm(lazy, 8), ln.layer_norm(plain, 8))
+    w = lazy[0]
+    assert torch.equal(ln.layer_norm(plain, 8, w), ln.layer_norm(plain, 8, w.resolve_neg()))
+    assert torch.equal(ln.rms_norm(lazy, 8), ln.rms_norm(plain, 8))
+
+
+def test_torch_sparse_and_nested_tensors_are_type_errors():
+    torch = pytest.importorskip("torch")
+    dense = torch.randn(3, 4)
+    with pytest.raises(TypeError, match="x must be a dense"):
+        ln.layer_norm(dense.to_sparse())
+    with pytest.raises(TypeError, match="weight must be a dense"):
+        ln.layer_norm(dense, 4, torch.randn(4).to_sparse())
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that nested tensors are a prototype
+        nested = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)])
+    with pytest.raises(TypeError, match="nested"):
+        ln.layer_norm(nested, 4)
+
+
+# ------------------------------------------------------------------ 8: generic path accuracy
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_generic_path_keeps_offset_rows_accurate(name):
+    rng = np.random.default_rng(7)
+    x = (1e4 + rng.standard_normal((64, 256))).astype(np.float32)
+    x[3, 0] = 1e4 + 40.0  # an outlying first element
+    x[4, -1] = 1e4 - 40.0  # and a last one
+    expected = _ref(name, x)
+    for backend in (None, "array_api"):
+        err = np.abs(FUNCTIONS[name](x, backend=backend).astype(np.float64) - expected).max()
+        assert err <= 2e-6, (backend, err)
+    xs = pytest.importorskip("array_api_strict")
+    err = np.abs(np.asarray(FUNCTIONS[name](xs.asarray(x))).astype(np.float64) - expected)
+    assert err.max() <= 2e-6
+
+
+def test_generic_path_statistics_stay_accurate_on_offset_rows():
+    rng = np.random.default_rng(8)
+    x = (1e4 + rng.standard_normal((8, 512))).astype(np.float32)
+    _, mean, rstd = ln.layer_norm(x, return_stats=True, backend="array_api")
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(mean[:, 0], x64.mean(1), rtol=1e-7)
+    np.testing.assert_allclose(rstd[:, 0], 1 / np.sqrt(x64.var(1) + 1e-5), rtol=2e-6)
+
+
+# ------------------------------------------------------------------ 9: overlapping outputs
+
+
+@settings(max_examples=25, deadline=None)
+@given(which=st.sampled_from(["weight", "bias"]), rows=st.sampled_from([1, 3, 300]),
+       n=st.sampled_from([8, 37, 256]), offset=st.integers(0, 7))
+def test_out_overlapping_a_parameter_gives_the_unaliased_result(which, rows, n, offset):
+    rng = np.random.default_rng(rows * n + offset)
+    x = random_rows(rng, (rows, n), "float32")
+    buffer = random_rows(rng, rows * n + 2 * n + offset, "float32")
+    params = {"weight": buffer[offset:offset + n], "bias": buffer[offset + n:offset + 2 * n]}
+    expected = ln.layer_norm(x, n, params["weight"].copy(), params["bias"].copy())
+    start = offset if which == "weight" else offset + n
+    out = buffer[start:start + rows * n].reshape(rows, n)
+    got = ln.layer_norm(x, n, params["weight"], params["bias"], out=out)
+    assert got is out
+    assert np.array_equal(got, expected)
+
+
+def test_in_place_on_rows_that_share_memory_is_a_value_error():
+    base = random_rows(np.random.default_rng(9), 16, "float32")
+    rows = as_strided(base, shape=(4, 8), strides=(8, 4))  # rows overlap by half
+    before = base.copy()
+    for name in sorted(FUNCTIONS):
+        with pytest.raises(ValueError, match="out has elements that share memory"):
+            FUNCTIONS[name](rows, out=rows)
+    assert np.array_equal(base, before)
+    one_row = as_strided(np.empty(8, np.float32), shape=(4, 8), strides=(0, 4))
+    with pytest.raises(ValueError, match="share memory"):
+        ln.layer_norm(random_rows(np.random.default_rng(9), (4, 8), "float32"), out=one_row)
+
+
+def test_reading_rows_that_share_memory_is_fine():
+    base = random_rows(np.random.default_rng(10), 16, "float64")
+    rows = as_strided(base, shape=(4, 8), strides=(16, 8), writeable=False)
+    np.testing.assert_allclose(ln.layer_norm(rows), _ref("layer_norm", rows), atol=1e-12)
+
+
+# ------------------------------------------------------------------ 12: messages
+
+
+def test_out_on_the_generic_path_names_the_backend():
+    x = random_rows(np.random.default_rng(11), (2, 4), "float32")
+    with pytest.raises(TypeError, match="out= is not supported on the array_api backend"):
+        ln.layer_norm(x, out=np.empty_like(x), backend="array_api")
+
+
+@pytest.mark.parametrize("bad", [{8: 1}, {8}, "8", 8.0])
+def test_normalized_shape_must_be_an_int_or_a_sequence_of_ints(bad):
+    x = random_rows(np.random.default_rng(12), (2, 8), "float32")
+    with pytest.raises(TypeError, match="normalized_shape must be an int or a tuple"):
+        ln.layer_norm(x, bad)
+
+
+def test_normalized_shape_accepts_lists_and_integer_arrays():
+    x = random_rows(np.random.default_rng(13), (2, 3, 4), "float32")
+    expected = ln.layer_norm(x, (3, 4))
+    assert np.array_equal(ln.layer_norm(x, [3, 4]), expected)
+    assert np.array_equal(ln.layer_norm(x, np.array([3, 4])), expected)
+
+
+def test_bfloat16_weight_is_read_as_bfloat16():
+    # The 16-bit bits paths must never read a parameter's bytes as another dtype.
+    x = random_rows(np.random.default_rng(14), (3, 8), "float32")
+    w = np.full(8, 2.0, ml_dtypes.bfloat16)
+    assert np.array_equal(ln.layer_norm(x, 8, w), ln.layer_norm(x, 8) * np.float32(2.0))
