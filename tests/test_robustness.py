@@ -268,3 +268,57 @@ def test_bfloat16_weight_is_read_as_bfloat16():
     x = random_rows(np.random.default_rng(14), (3, 8), "float32")
     w = np.full(8, 2.0, ml_dtypes.bfloat16)
     assert np.array_equal(ln.layer_norm(x, 8, w), ln.layer_norm(x, 8) * np.float32(2.0))
+
+
+# ------------------------------------------------------------------ GPU: allocation device
+
+
+def test_outputs_are_allocated_inside_the_backends_device_scope(monkeypatch):
+    """A CuPy x off the current device must get outputs and statistics on its own device.
+
+    Device-agnostic: a fake backend whose ``device_scope`` records entering and leaving,
+    and a NumPy namespace wrapper that records whether each allocation happened inside.
+    """
+    import contextlib
+    import types
+
+    from layernorm import _engine
+    from layernorm._backends import _numba
+    from layernorm._dispatch import Route
+
+    state = {"inside": False, "allocations": []}
+
+    @contextlib.contextmanager
+    def device_scope(x):
+        state["inside"] = True
+        try:
+            yield
+        finally:
+            state["inside"] = False
+
+    def recorded(name):
+        def allocate(*args, **kwargs):
+            state["allocations"].append((name, state["inside"]))
+            return getattr(np, name)(*args, **kwargs)
+        return allocate
+
+    fake_backend = types.SimpleNamespace(
+        device_scope=device_scope,
+        **{name: getattr(_numba, name) for name in (
+            "layer_norm_forward", "rms_norm_forward", "layer_norm_backward",
+            "rms_norm_backward")})
+    fake_xp = types.SimpleNamespace(
+        empty=recorded("empty"), zeros=recorded("zeros"),
+        ascontiguousarray=recorded("ascontiguousarray"), may_share_memory=np.may_share_memory)
+    monkeypatch.setattr(_engine, "native", lambda name: fake_backend)
+    route = Route("numpy", "numba")
+    rng = np.random.default_rng(15)
+    x = random_rows(rng, (6, 5, 4), "float32")
+    w = random_rows(rng, 5, "float64")  # cast to float32 inside the scope
+    req = _engine.request(x, route, None, 1, weight=w, bias=None)
+    y, mean, rstd = _engine.forward(fake_xp, x, req, w, None, 1e-5, None, rms=False)
+    np.testing.assert_array_equal(y, ln.layer_norm(x, weight=w, axis=1))
+    grads = _engine.backward(fake_xp, y, x, req, mean, rstd, w, rms=False)
+    assert all(np.isfinite(g).all() for g in grads)
+    assert state["allocations"], "the engine allocated nothing through xp"
+    assert all(inside for _, inside in state["allocations"]), state["allocations"]
