@@ -16,7 +16,9 @@ import sys
 import numpy as np
 import pytest
 
-from layernorm import _bench, _bench_impls, _cli
+from layernorm.bench import cli as _cli
+from layernorm.bench import impls as _bench_impls
+from layernorm.bench import run as _bench
 
 
 def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -281,7 +283,7 @@ def test_settings_defaults_and_lists():
 @pytest.mark.slow
 def test_dask_bench_structure():
     pytest.importorskip("distributed")
-    from layernorm import _bench_dask
+    from layernorm.bench import dask as _bench_dask
 
     report = _bench_dask.run_dask(repeats=2, shape=(2048, 64, 512), workers=(1,))
     assert report["shape"] == [2048, 64]

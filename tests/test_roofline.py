@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import layernorm as ln
-from layernorm import _bench_roofline as roofline
-from layernorm import _cli
+from layernorm.bench import cli as _cli
+from layernorm.bench import roofline
 
 
 def _inputs(rows, n, seed=3):

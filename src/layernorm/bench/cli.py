@@ -137,8 +137,8 @@ def threading_info(probe: bool = True) -> dict[str, Any]:
         try:
             import numpy as np
 
-            from . import layer_norm
-            from ._backends._numba import PARALLEL_MIN_ELEMENTS
+            from .. import layer_norm
+            from .._backends._numba import PARALLEL_MIN_ELEMENTS
 
             rows = max(2, PARALLEL_MIN_ELEMENTS // 64)
             x = np.random.default_rng(0).standard_normal((rows, 64), dtype=np.float32)
@@ -262,9 +262,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from . import _bench
+    from . import run
 
-    return _bench.main(args)
+    return run.main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -326,12 +326,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except _UsageError as exc:
+    except UsageError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     return 0  # pragma: no cover
 
 
-class _UsageError(ValueError):
+class UsageError(ValueError):
     """A bad command-line value, reported like an argparse error."""
 
 

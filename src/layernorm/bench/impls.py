@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ._cli import installed
+from .cli import installed
 
 OPS = ("layer_norm", "rms_norm")
 DIRECTIONS = ("forward", "backward")

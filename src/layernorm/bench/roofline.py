@@ -36,11 +36,11 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from ._backends._numba import LN_FORWARD_WRITES, _entry, _streaming
-from ._backends._numba import kernels as k
-from ._backends._numba._scalars import widen
-from ._backends._numba._simd import alive, get, lane, raw, splat, store_fence, vload, vstore
-from ._bench_impls import Impl
+from .._backends._numba import LN_FORWARD_WRITES, _entry, _streaming
+from .._backends._numba import kernels as k
+from .._backends._numba._scalars import widen
+from .._backends._numba._simd import alive, get, lane, raw, splat, store_fence, vload, vstore
+from .impls import Impl
 
 LANES = k.LANES
 #: Vector accumulators of the read pass (enough to hide the add latency).
@@ -167,7 +167,7 @@ def check_parts(parts: _Parts) -> None:
 def _median_times(fns: dict[str, Callable[[], Any]], repeats: int, target_s: float
                   ) -> dict[str, float]:
     """Median seconds per call of each callable, timed round-robin as ``bench`` does."""
-    from ._bench import time_interleaved
+    from .run import time_interleaved
 
     impls = [Impl(name, "roofline", "prealloc", fn) for name, fn in fns.items()]
     timings = time_interleaved(impls, repeats, target_s)
@@ -221,7 +221,7 @@ def measure_backward(shape: tuple[int, int], repeats: int = 11, target_s: float 
     write, key ``"copy"`` as for the forward); the compute floor is the kernel on row
     views that alias one row of each array. Its two passes are not timed apart.
     """
-    from ._backends._numba import GRAD_ROW_BLOCK, LN_BACKWARD_WRITES
+    from .._backends._numba import GRAD_ROW_BLOCK, LN_BACKWARD_WRITES
 
     rows, n = shape
     rng, x, w = _inputs(shape, seed)

@@ -20,7 +20,7 @@ How it measures
 * "speed-up" is a peer's time divided by ours with the same output regime
   (``fresh`` with ``fresh``, ``heap reuse`` with ``heap reuse``); > 1 means we are faster.
 * After every ``fresh`` measurement, when torch is installed on glibc, a second pass
-  switches malloc to reuse freed memory (see :mod:`._bench_impls`) and times torch and
+  switches malloc to reuse freed memory (see :mod:`.impls`) and times torch and
   us again in that regime.
 """
 
@@ -38,9 +38,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import _bench_impls as impls_mod
-from ._bench_impls import COPY, OURS, PEER, Case, Impl
-from ._cli import _UsageError, installed
+from . import impls as impls_mod
+from .cli import UsageError, installed
+from .impls import COPY, OURS, PEER, Case, Impl
 
 #: Rows of 64 to 16384, output sizes from cache-resident to the page-fault regime.
 FULL_SHAPES = (
@@ -87,9 +87,9 @@ def parse_shape(text: str) -> tuple[int, int]:
     try:
         n, d = (int(p) for p in parts)
     except ValueError:
-        raise _UsageError(f"--shape takes N,D with two positive integers; got {text!r}") from None
+        raise UsageError(f"--shape takes N,D with two positive integers; got {text!r}") from None
     if n < 1 or d < 1:
-        raise _UsageError(f"--shape takes N,D with two positive integers; got {text!r}")
+        raise UsageError(f"--shape takes N,D with two positive integers; got {text!r}")
     return n, d
 
 
@@ -102,23 +102,23 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     dtypes = tuple(_split(args.dtype)) or ("float32",)
     for dt in dtypes:
         if dt not in impls_mod.DTYPES:
-            raise _UsageError(f"--dtype must be among {', '.join(impls_mod.DTYPES)}; got {dt!r}")
+            raise UsageError(f"--dtype must be among {', '.join(impls_mod.DTYPES)}; got {dt!r}")
     ops = tuple(_split(args.op)) or impls_mod.OPS
     for op in ops:
         if op not in impls_mod.OPS:
-            raise _UsageError(f"--op must be among {', '.join(impls_mod.OPS)}; got {op!r}")
+            raise UsageError(f"--op must be among {', '.join(impls_mod.OPS)}; got {op!r}")
     available = numba.config.NUMBA_NUM_THREADS
     try:
         threads = tuple(int(t) for t in _split(args.threads)) or (numba.get_num_threads(),)
     except ValueError:
-        raise _UsageError(f"--threads takes integers like 1,2; got {args.threads!r}") from None
+        raise UsageError(f"--threads takes integers like 1,2; got {args.threads!r}") from None
     for t in threads:
         if not 1 <= t <= available:
-            raise _UsageError(
+            raise UsageError(
                 f"--threads must be between 1 and {available} (NUMBA_NUM_THREADS); got {t}")
     repeats = args.repeats or (5 if args.quick else 11)
     if repeats < 1:
-        raise _UsageError(f"--repeats must be >= 1; got {repeats}")
+        raise UsageError(f"--repeats must be >= 1; got {repeats}")
     directions = ("forward", "backward") if args.backward else ("forward",)
     return Settings(ops, directions, dtypes, shapes, threads, repeats,
                     target_s=0.002 if args.quick else 0.01)
@@ -440,7 +440,7 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 def header() -> str:
     """One line on the machine and the libraries being compared."""
-    from ._cli import cpu_info, versions
+    from .cli import cpu_info, versions
 
     cpu = cpu_info()
     ver = versions()
@@ -460,21 +460,21 @@ def header() -> str:
 
 def _main_roofline(args: argparse.Namespace, settings: Settings, report: dict[str, Any],
                    started: float) -> int:
-    from . import _bench_roofline
+    from . import roofline
 
     for flag in ("dask", "plot", "dtype", "op", "threads"):
         if getattr(args, flag, None):
-            raise _UsageError(f"--roofline measures the float32 LayerNorm (forward, or "
+            raise UsageError(f"--roofline measures the float32 LayerNorm (forward, or "
                               f"backward with --backward) on one thread; it takes no "
                               f"--{flag}")
     shapes = [s for s in settings.shapes if s[0] > 1] or list(settings.shapes)
     bar = Progress(len(shapes), enabled=not args.no_progress)
     try:
-        results = _bench_roofline.run(shapes, settings.repeats, settings.target_s, bar.update,
+        results = roofline.run(shapes, settings.repeats, settings.target_s, bar.update,
                                       backward=args.backward)
     finally:
         bar.close()
-    print(_bench_roofline.format_report(results))
+    print(roofline.format_report(results))
     report["roofline"] = results
     report["elapsed_s"] = time.perf_counter() - started
     if args.json:
@@ -495,11 +495,11 @@ def main(args: argparse.Namespace) -> int:
         report = run(settings, progress=not args.no_progress)
         print(format_table(report))
     else:
-        from ._bench_dask import format_dask, run_dask
+        from .dask import format_dask, run_dask
 
         report["dask"] = run_dask(quick=args.quick, repeats=min(settings.repeats, 5))
         print(format_dask(report["dask"]))
-    from ._cli import collect_info
+    from .cli import collect_info
 
     report["machine"] = collect_info(probe=False)
     report["elapsed_s"] = time.perf_counter() - started
