@@ -11,4 +11,4 @@ collect_ignore: list[str] = []
 if find_spec("torch") is None:
     collect_ignore += ["src/layernorm/torch.py", "src/layernorm/_adapters/torch.py"]
 if find_spec("dask") is None:
-    collect_ignore += ["src/layernorm/_adapters/dask.py", "src/layernorm/_bench_dask.py"]
+    collect_ignore += ["src/layernorm/_adapters/dask.py", "src/layernorm/bench/dask.py"]

@@ -9,8 +9,6 @@ records as "skipped", never as a failure.
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -204,24 +202,14 @@ def backward_callable(op: str, dtype: str, shape: str, backend: str) -> Callable
 
 def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int = 7,
                         target_s: float = 0.005) -> dict[str, float]:
-    """Median seconds per call of each callable, timed round-robin in this process."""
-    numbers = {}
-    for name, fn in fns.items():
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        t = time.perf_counter() - t0
-        numbers[name] = max(1, int(target_s / max(t, 1e-9)))
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    order = list(fns)
-    for r in range(repeats):
-        for name in order if r % 2 == 0 else reversed(order):
-            fn, number = fns[name], numbers[name]
-            t0 = time.perf_counter()
-            for _ in range(number):
-                fn()
-            samples[name].append((time.perf_counter() - t0) / number)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    """Median seconds per call of each callable, timed round-robin in this process by
+    layernorm's own timer (:func:`layernorm.bench.timing.median_times`)."""
+    # Imported here, not at the top: asv imports this module for every benchmark, and
+    # run over old commits, which have no layernorm.bench, only the bandwidth benchmarks
+    # that time through it should fail.
+    from layernorm.bench.timing import median_times
+
+    return median_times(fns, repeats, target_s)
 
 
 def copy_callable(shape: str, dtype: str) -> Callable[[], Any]:

@@ -24,7 +24,6 @@ import argparse
 import concurrent.futures
 import importlib
 import json
-import math
 import os
 import platform
 import subprocess
@@ -212,37 +211,26 @@ def moved_bytes(op: str, rows: int, n: int, itemsize: int) -> int:
 
 
 class Timer:
-    """Median per-call time (us) of back-to-back calls between CUDA events."""
+    """Median per-call time (us) of back-to-back calls between CUDA events.
+
+    layernorm's one timer (``layernorm.bench.timing``) on a CUDA-event clock, rotating
+    over ``fns`` (one callable per input set) so that every batch touches all of them.
+    """
 
     def __init__(self, cupy, batches: int = 7, target_ms: float = 2.0) -> None:
-        self.cp = cupy
+        from layernorm.bench import timing  # after ensure_paths(): src/ is importable
+
+        self.timing = timing
+        self.clock = timing.CudaEventClock(cupy)
         self.batches = batches
         self.target_ms = target_ms
 
     def __call__(self, fns) -> float:
-        cp = self.cp
         fns = list(fns)
-        for fn in fns:  # warm up (compilation, allocator)
-            fn()
-        cp.cuda.Device().synchronize()
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        for fn in fns:
-            fn()
-        end.record()
-        end.synchronize()
-        once = max(cp.cuda.get_elapsed_time(start, end) / len(fns), 1e-4)
-        calls = max(len(fns), min(2000, math.ceil(self.target_ms / once)))
-        times = []
-        for _ in range(self.batches):
-            start.record()
-            for i in range(calls):
-                fns[i % len(fns)]()
-            end.record()
-            end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / calls)
-        times.sort()
-        return times[len(times) // 2]
+        t = self.timing.median_times(
+            {"fns": self.timing.rotating(fns)}, self.batches, self.target_ms / 1e3,
+            clock=self.clock, warmup=len(fns), min_number=len(fns), max_number=2000)
+        return t["fns"] * 1e6
 
 
 def _buffers(nbytes: int) -> int:

@@ -43,7 +43,11 @@ def asv_workspace(tmp: Path) -> tuple[Path, dict[str, str]]:
     )
     path = tmp / "asv.conf.json"
     path.write_text(json.dumps(conf, indent=1))
-    env = dict(os.environ, HOME=str(tmp), PYTHONUNBUFFERED="1")
+    # asv drops PYTHONPATH from its benchmark processes but passes ASV_PYTHONPATH on, so
+    # they import this checkout's layernorm (common.py times with layernorm.bench.timing),
+    # not whichever checkout happens to be installed in the interpreter.
+    env = dict(os.environ, HOME=str(tmp), PYTHONUNBUFFERED="1",
+               ASV_PYTHONPATH=str(ROOT / "src"))
     return path, env
 
 

@@ -12,11 +12,12 @@ import json
 import math
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 
-from layernorm import _bench, _bench_impls, _cli
+from layernorm.bench import cli, impls, machine, report, run, settings, timing
 
 
 def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -58,18 +59,18 @@ def test_info_json_reports_the_threading_layer():
 
 def test_info_never_imports_optional_libraries_it_only_versions(monkeypatch):
     # versions() reads metadata only: a library that is not imported yet stays so.
-    absent = [m for _, m, req in _cli.PACKAGES if not req and m not in sys.modules]
-    _cli.versions()
-    _cli.backends_info()
+    absent = [m for _, m, req in machine.PACKAGES if not req and m not in sys.modules]
+    machine.versions()
+    machine.backends_info()
     for module in absent:
         assert module not in sys.modules
 
 
 def test_installed_and_distribution_version():
-    assert _cli.installed("numpy")
-    assert not _cli.installed("layernorm_no_such_module")
-    assert _cli.distribution_version("numpy", "numpy") == np.__version__
-    assert _cli.distribution_version("no-such-dist-xyz", "no_such_dist_xyz") is None
+    assert machine.installed("numpy")
+    assert not machine.installed("layernorm_no_such_module")
+    assert machine.distribution_version("numpy", "numpy") == np.__version__
+    assert machine.distribution_version("no-such-dist-xyz", "no_such_dist_xyz") is None
 
 
 # --------------------------------------------------------------------------- bench
@@ -81,7 +82,7 @@ def bench_report(tmp_path_factory):
     path = folder / "bench.json"
     args = ["bench", "--quick", "--backward", "--shape", "64,128", "--threads", "1",
             "--repeats", "2", "--no-progress", "--json", str(path)]
-    if _cli.installed("matplotlib"):
+    if machine.installed("matplotlib"):
         args += ["--plot", str(folder / "bench.png")]
     proc = _run(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -115,9 +116,9 @@ def test_bench_json_structure(bench_report):
             assert rec["bytes"] == arrays * per_array
         else:
             assert rec["bytes"] == (2 if rec["direction"] == "forward" else 3) * per_array
-    impls = {r["impl"] for r in results}
+    names = {r["impl"] for r in results}
     assert {"copy np.copyto", "layernorm numba", "layernorm numba out=",
-            "layernorm array_api", "numpy composite"} <= impls
+            "layernorm array_api", "numpy composite"} <= names
     # Exactly one best copy per cell and phase, and it is the denominator.
     groups: dict[tuple, list] = {}
     for rec in results:
@@ -143,7 +144,7 @@ def test_bench_torch_is_measured_in_both_regimes(bench_report):
     _, report, _ = bench_report
     regimes = {r["regime"] for r in report["results"] if r["impl"].startswith("torch")}
     assert "fresh" in regimes
-    if _bench_impls.heap_reuse_available():
+    if impls.heap_reuse_available():
         assert "heap reuse" in regimes
 
 
@@ -166,52 +167,101 @@ def test_bench_prints_a_table(bench_report):
 ])
 def test_bench_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
-        _cli.main(["bench", "--no-progress", *argv])
+        cli.main(["bench", "--no-progress", *argv])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_parse_shape():
-    assert _bench.parse_shape("3,7") == (3, 7)
-    assert _bench.parse_shape("3x7") == (3, 7)
+    assert settings.parse_shape("3,7") == (3, 7)
+    assert settings.parse_shape("3x7") == (3, 7)
     with pytest.raises(ValueError, match="N,D"):
-        _bench.parse_shape("3,7,9")
+        settings.parse_shape("3,7,9")
 
 
 def test_time_interleaved_round_robin():
     calls: list[str] = []
-    impls = [_bench_impls.Impl(name, "peer", "fresh", lambda name=name: calls.append(name))
-             for name in ("a", "b", "c")]
-    timings = _bench.time_interleaved(impls, repeats=4, target_s=0.0)
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    timings = timing.time_interleaved(fns, repeats=4, target_s=0.0)
     # With target 0 every sample is one call; warm-up and calibration are 2 calls each.
     timed = calls[6:]
     assert timed == ["a", "b", "c", "c", "b", "a", "a", "b", "c", "c", "b", "a"]
     for name in "abc":
-        assert len(timings[name]["samples_s"]) == 4
-        assert timings[name]["median_s"] > 0
+        t = timings[name]
+        assert len(t["samples_s"]) == 4 and t["number"] == 1
+        assert 0 < t["min_s"] <= t["median_s"] <= t["p90_s"] <= max(t["samples_s"])
 
 
 def test_time_interleaved_reports_a_failing_implementation():
     def broken():
         raise RuntimeError("no such kernel")
 
-    impls = [_bench_impls.Impl("ok", "peer", "fresh", lambda: None),
-             _bench_impls.Impl("broken", "peer", "fresh", broken)]
-    timings = _bench.time_interleaved(impls, repeats=2, target_s=0.0)
+    timings = timing.time_interleaved({"ok": lambda: None, "broken": broken}, repeats=2,
+                                      target_s=0.0)
     assert "no such kernel" in timings["broken"]["error"]
     assert len(timings["ok"]["samples_s"]) == 2
+    with pytest.raises(RuntimeError, match="broken failed: RuntimeError: no such kernel"):
+        timing.median_times({"ok": lambda: None, "broken": broken}, 2, 0.0)
+
+
+def test_time_interleaved_calibrates_calls_per_sample_with_any_clock():
+    class FakeClock:
+        """Every call of the timed function advances it by 1 ms."""
+
+        def __init__(self):
+            self.now = self.t0 = 0.0
+
+        def start(self):
+            self.t0 = self.now
+
+        def stop(self):
+            return self.now - self.t0
+
+    clock = FakeClock()
+
+    def tick():
+        clock.now += 1e-3
+
+    t = timing.time_interleaved({"tick": tick}, repeats=3, target_s=0.01, clock=clock,
+                                warmup=0)
+    assert t["tick"]["number"] == 10
+    assert t["tick"]["samples_s"] == pytest.approx([1e-3] * 3)
+    capped = timing.time_interleaved({"tick": tick}, 1, 0.01, clock=clock, max_number=4)
+    assert capped["tick"]["number"] == 4
+    floored = timing.time_interleaved({"tick": tick}, 1, 0.0, clock=clock, min_number=3)
+    assert floored["tick"]["number"] == 3
+
+
+def test_cuda_event_clock_reads_the_events_elapsed_milliseconds():
+    class Event:
+        def __init__(self):
+            self.t = None
+
+        def record(self):
+            self.t = len(recorded)
+            recorded.append(self)
+
+        def synchronize(self):
+            pass
+
+    recorded: list = []
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Event=Event, get_elapsed_time=lambda a, b: 250.0 * (b.t - a.t)))
+    clock = timing.CudaEventClock(fake_cupy)
+    clock.start()
+    assert clock.stop() == pytest.approx(0.25)  # 250 ms between the two records
 
 
 def test_summarize_bandwidth_and_speedup():
-    case = _bench_impls.make_case("layer_norm", "forward", "float32", (8, 16))
-    impls = [_bench_impls.Impl("copy fast", "copy", "prealloc", lambda: None),
-             _bench_impls.Impl("copy slow", "copy", "prealloc", lambda: None),
-             _bench_impls.Impl("layernorm numba", "layernorm", "fresh", lambda: None),
-             _bench_impls.Impl("peer", "peer", "fresh", lambda: None)]
+    case = impls.make_case("layer_norm", "forward", "float32", (8, 16))
+    candidates = [impls.Impl("copy fast", "copy", "prealloc", lambda: None),
+                  impls.Impl("copy slow", "copy", "prealloc", lambda: None),
+                  impls.Impl("layernorm numba", "layernorm", "fresh", lambda: None),
+                  impls.Impl("peer", "peer", "fresh", lambda: None)]
     times = {"copy fast": 1e-6, "copy slow": 4e-6, "layernorm numba": 2e-6, "peer": 6e-6}
     timings = {k: {"median_s": v, "min_s": v, "samples_s": [v], "number": 1}
                for k, v in times.items()}
-    recs = {r["impl"]: r for r in _bench.summarize(case, impls, timings, 1, "fresh")}
+    recs = {r["impl"]: r for r in run.summarize(case, candidates, timings, 1, "fresh")}
     nbytes = 8 * 16 * 4
     assert recs["copy fast"]["best_copy"] and not recs["copy slow"]["best_copy"]
     assert recs["copy slow"]["pct_copy"] == pytest.approx(25.0)
@@ -230,18 +280,18 @@ def test_numpy_composites_match_layernorm():
     w = rng.standard_normal(40).astype(np.float32)
     b = rng.standard_normal(40).astype(np.float32)
     y, mean, rstd = ln.layer_norm(x, weight=w, bias=b, return_stats=True)
-    np.testing.assert_allclose(_bench_impls.numpy_layer_norm(x, w, b, 1e-5), y,
+    np.testing.assert_allclose(impls.numpy_layer_norm(x, w, b, 1e-5), y,
                                rtol=1e-5, atol=1e-5)
     gy = rng.standard_normal(x.shape).astype(np.float32)
     ours = ln.layer_norm_backward(gy, x, mean, rstd, w)
-    theirs = _bench_impls.numpy_layer_norm_backward(gy, x, mean, rstd, w)
+    theirs = impls.numpy_layer_norm_backward(gy, x, mean, rstd, w)
     for a, b_ in zip(ours, theirs, strict=True):
         np.testing.assert_allclose(b_, a, rtol=1e-4, atol=1e-4)
     yr, r = ln.rms_norm(x, weight=w, eps=1e-5, return_stats=True)
-    np.testing.assert_allclose(_bench_impls.numpy_rms_norm(x, w, 1e-5), yr, rtol=1e-5,
+    np.testing.assert_allclose(impls.numpy_rms_norm(x, w, 1e-5), yr, rtol=1e-5,
                                atol=1e-5)
     ours = ln.rms_norm_backward(gy, x, r, w)
-    theirs = _bench_impls.numpy_rms_norm_backward(gy, x, r, w)
+    theirs = impls.numpy_rms_norm_backward(gy, x, r, w)
     for a, b_ in zip(ours, theirs, strict=True):
         np.testing.assert_allclose(b_, a, rtol=1e-4, atol=1e-4)
 
@@ -262,28 +312,28 @@ def test_plot_writes_a_png(tmp_path):
                          "threads": 1, "phase": "fresh", "impl": impl, "kind": kind,
                          "regime": "fresh", "shape": [100, d], "gbps": gbps})
     path = tmp_path / "plot.png"
-    _bench.plot({"results": recs}, str(path))
+    report.plot({"results": recs}, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_settings_defaults_and_lists():
-    parser = _cli.build_parser()
+    parser = cli.build_parser()
     args = parser.parse_args(["bench", "--quick", "--dtype", "float32,float64", "bfloat16",
                               "--threads", "1"])
-    settings = _bench.settings_from_args(args)
-    assert settings.dtypes == ("float32", "float64", "bfloat16")
-    assert settings.threads == (1,)
-    assert settings.shapes == _bench.QUICK_SHAPES
-    assert settings.directions == ("forward",)
+    config = settings.settings_from_args(args)
+    assert config.dtypes == ("float32", "float64", "bfloat16")
+    assert config.threads == (1,)
+    assert config.shapes == settings.QUICK_SHAPES
+    assert config.directions == ("forward",)
     assert isinstance(args, argparse.Namespace)
 
 
 @pytest.mark.slow
 def test_dask_bench_structure():
     pytest.importorskip("distributed")
-    from layernorm import _bench_dask
+    from layernorm.bench import dask as bench_dask
 
-    report = _bench_dask.run_dask(repeats=2, shape=(2048, 64, 512), workers=(1,))
+    report = bench_dask.run_dask(repeats=2, shape=(2048, 64, 512), workers=(1,))
     assert report["shape"] == [2048, 64]
     assert report["bytes"] == 2 * 2048 * 64 * 4
     kinds = [(r["impl"], r.get("workers"), r.get("threads")) for r in report["results"]]
@@ -293,7 +343,7 @@ def test_dask_bench_structure():
         assert len(r["samples_s"]) == 2
         assert r["median_s"] > 0
         assert r["gbps"] == pytest.approx(report["bytes"] / r["median_s"] / 1e9)
-    text = _bench_dask.format_dask(report)
+    text = bench_dask.format_dask(report)
     assert "dask.distributed 1 worker(s)" in text and "numpy (numba) 1 thread(s)" in text
 
 
@@ -310,13 +360,13 @@ def _first_output(result):
 def test_every_timed_implementation_computes_the_same_thing(op, direction):
     # A benchmark that compares against a peer computing something else is worthless:
     # every peer's output (grad_x for the backward) must match layernorm's.
-    case = _bench_impls.make_case(op, direction, "float32", (16, 64), seed=3)
+    case = impls.make_case(op, direction, "float32", (16, 64), seed=3)
     case.extras["threads"] = 1
-    impls = _bench_impls.ours_impls(case) + _bench_impls.peer_impls(case)
-    assert {"layernorm numba", "numpy composite"} <= {i.name for i in impls}
-    reference = _first_output(impls[0].fn())
+    candidates = impls.ours_impls(case) + impls.peer_impls(case)
+    assert {"layernorm numba", "numpy composite"} <= {i.name for i in candidates}
+    reference = _first_output(candidates[0].fn())
     assert np.abs(reference).max() > 0.1
-    for impl in impls[1:]:
+    for impl in candidates[1:]:
         np.testing.assert_allclose(_first_output(impl.fn()), reference, rtol=1e-4, atol=1e-4,
                                    err_msg=impl.name)
 
@@ -334,9 +384,9 @@ def test_onnxruntime_workers_block_instead_of_spinning(monkeypatch):
         return real_session(model, options, **kwargs)
 
     monkeypatch.setattr(ort, "InferenceSession", recording_session)
-    case = _bench_impls.make_case("layer_norm", "forward", "float32", (8, 16))
+    case = impls.make_case("layer_norm", "forward", "float32", (8, 16))
     case.extras["threads"] = 2
-    (impl,) = _bench_impls.onnxruntime_impls(case)
+    (impl,) = impls.onnxruntime_impls(case)
     import layernorm as ln
 
     (y,) = impl.fn()

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 import layernorm as ln
-from layernorm import _bench_roofline as roofline
-from layernorm import _cli
+from layernorm.bench import cli, roofline
 
 
 def _inputs(rows, n, seed=3):
@@ -132,6 +131,6 @@ def test_cli_roofline(tmp_path):
                                   ["--op", "rms_norm"]])
 def test_cli_roofline_rejects_what_it_does_not_measure(flag, capsys):
     with pytest.raises(SystemExit) as info:
-        _cli.main(["bench", "--roofline", "--no-progress", *flag])
+        cli.main(["bench", "--roofline", "--no-progress", *flag])
     assert info.value.code == 2
     assert "--roofline" in capsys.readouterr().err

@@ -1,6 +1,6 @@
-"""``python -m layernorm``: see :mod:`layernorm._cli`."""
+"""``python -m layernorm``: see :mod:`layernorm.bench.cli`."""
 
-from ._cli import main
+from .bench.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -13,12 +13,13 @@ Worker processes run Numba with one thread each (``NUMBA_NUM_THREADS=1``) so tha
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from .timing import time_interleaved
 
 #: (rows, columns, rows per chunk) of the float32 input.
 QUICK_SHAPE = (32768, 1024, 4096)
@@ -30,13 +31,14 @@ def _same_block(block: Any) -> Any:
     return block
 
 
-def _median_time(fn: Any, repeats: int) -> tuple[float, list[float]]:
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples), samples
+def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
+    """One call per sample: a call takes long enough (a cluster round trip, or a whole
+    large array) to need no batching. The first, untimed call is the calibration's,
+    which also warms up (workers import layernorm and load or compile the kernels)."""
+    (timing,) = time_interleaved({"call": fn}, repeats, target_s=0.0, warmup=0).values()
+    if "error" in timing:
+        raise RuntimeError(f"the timed call failed: {timing['error']}")
+    return timing["median_s"], timing["samples_s"]
 
 
 def run_dask(quick: bool = False, repeats: int = 3, shape: tuple[int, int, int] | None = None,
@@ -79,7 +81,6 @@ def run_dask(quick: bool = False, repeats: int = 3, shape: tuple[int, int, int] 
                 wait(y)
                 client.cancel(y)
 
-            once()  # workers import layernorm and load (or compile) the kernels
             median, samples = _median_time(once, repeats)
             results.append({"impl": "dask.distributed", "workers": count,
                             "threads_per_worker": 1, "median_s": median,
@@ -90,7 +91,6 @@ def run_dask(quick: bool = False, repeats: int = 3, shape: tuple[int, int, int] 
     try:
         for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
             numba.set_num_threads(threads)
-            ln.layer_norm(x_np)
             median, samples = _median_time(lambda: ln.layer_norm(x_np), repeats)
             results.append({"impl": "numpy (numba)", "threads": threads, "median_s": median,
                             "samples_s": samples, "gbps": moved / median / 1e9})

@@ -30,15 +30,15 @@ from typing import Any
 
 import numpy as np
 
-from ._cli import installed
+from .machine import installed
+from .settings import DTYPES
 
-OPS = ("layer_norm", "rms_norm")
-DIRECTIONS = ("forward", "backward")
-DTYPES = ("float32", "float64", "float16", "bfloat16")
 EPS = 1e-5
 
 #: Kinds of implementation: the copy baselines, our own paths, and other libraries.
 COPY, OURS, PEER = "copy", "layernorm", "peer"
+#: Regimes: how an implementation gets its output memory (see above).
+PREALLOC, FRESH, HEAP_REUSE = "prealloc", "fresh", "heap reuse"
 
 
 @dataclass
@@ -149,23 +149,23 @@ def copy_impls(case: Case) -> list[Impl]:
     src = case.x
     dst = np.empty_like(src)
     impls = [
-        Impl("copy np.copyto", COPY, "prealloc", lambda: np.copyto(dst, src),
+        Impl("copy np.copyto", COPY, PREALLOC, lambda: np.copyto(dst, src),
              "single-threaded"),
-        Impl("copy np.copy", COPY, "fresh", lambda: np.copy(src),
+        Impl("copy np.copy", COPY, FRESH, lambda: np.copy(src),
              "single-threaded, allocates its output like a fresh-output call"),
     ]
     torch_ok = installed("torch")
     if torch_ok:
         ts, td = _to_torch(src), _to_torch(dst)
-        impls.append(Impl("copy torch copy_", COPY, "prealloc", lambda: td.copy_(ts),
+        impls.append(Impl("copy torch copy_", COPY, PREALLOC, lambda: td.copy_(ts),
                           "uses torch's threads"))
     if case.direction == "backward":
         gy = case.grad_y
-        impls.append(Impl("stream np.add", COPY, "prealloc",
+        impls.append(Impl("stream np.add", COPY, PREALLOC,
                           lambda: np.add(gy, src, out=dst), "grad_y + x into out=", 3))
         if torch_ok:
             tg = _to_torch(gy)
-            impls.append(Impl("stream torch add", COPY, "prealloc",
+            impls.append(Impl("stream torch add", COPY, PREALLOC,
                               lambda: torch_add(tg, ts, td), "uses torch's threads", 3))
     return impls
 
@@ -180,7 +180,7 @@ def torch_add(a: Any, b: Any, out: Any) -> Any:
 # --------------------------------------------------------------------------- ours
 
 
-def ours_impls(case: Case, regime: str = "fresh") -> list[Impl]:
+def ours_impls(case: Case, regime: str = FRESH) -> list[Impl]:
     """Our Numba path (into ``out=`` and with a fresh output) and our generic path."""
     import layernorm as ln
 
@@ -189,21 +189,21 @@ def ours_impls(case: Case, regime: str = "fresh") -> list[Impl]:
     if case.direction == "forward":
         out = np.empty_like(x)
         if case.op == "layer_norm":
-            impls.append(Impl("layernorm numba out=", OURS, "prealloc",
+            impls.append(Impl("layernorm numba out=", OURS, PREALLOC,
                               lambda: ln.layer_norm(x, weight=w, bias=b, eps=eps, out=out)))
             impls.append(Impl("layernorm numba", OURS, regime,
                               lambda: ln.layer_norm(x, weight=w, bias=b, eps=eps)))
-            if regime == "fresh":
+            if regime == FRESH:
                 impls.append(Impl(
                     "layernorm array_api", OURS, regime,
                     lambda: ln.layer_norm(x, weight=w, bias=b, eps=eps, backend="array_api"),
                     "generic path on NumPy"))
         else:
-            impls.append(Impl("layernorm numba out=", OURS, "prealloc",
+            impls.append(Impl("layernorm numba out=", OURS, PREALLOC,
                               lambda: ln.rms_norm(x, weight=w, eps=eps, out=out)))
             impls.append(Impl("layernorm numba", OURS, regime,
                               lambda: ln.rms_norm(x, weight=w, eps=eps)))
-            if regime == "fresh":
+            if regime == FRESH:
                 impls.append(Impl("layernorm array_api", OURS, regime,
                                   lambda: ln.rms_norm(x, weight=w, eps=eps, backend="array_api"),
                                   "generic path on NumPy"))
@@ -214,7 +214,7 @@ def ours_impls(case: Case, regime: str = "fresh") -> list[Impl]:
         impls.append(Impl("layernorm numba", OURS, regime,
                           lambda: ln.layer_norm_backward(gy, x, mean, rstd, w),
                           "grad_x, grad_weight, grad_bias"))
-        if regime == "fresh":
+        if regime == FRESH:
             impls.append(Impl(
                 "layernorm array_api", OURS, regime,
                 lambda: ln.layer_norm_backward(gy, x, mean, rstd, w, backend="array_api"),
@@ -223,7 +223,7 @@ def ours_impls(case: Case, regime: str = "fresh") -> list[Impl]:
         impls.append(Impl("layernorm numba", OURS, regime,
                           lambda: ln.rms_norm_backward(gy, x, rstd, w),
                           "grad_x, grad_weight"))
-        if regime == "fresh":
+        if regime == FRESH:
             impls.append(Impl(
                 "layernorm array_api", OURS, regime,
                 lambda: ln.rms_norm_backward(gy, x, rstd, w, backend="array_api"),
@@ -290,7 +290,7 @@ def numpy_impls(case: Case) -> list[Impl]:
             fn = lambda: numpy_layer_norm_backward(gy, x, mean, rstd, w)  # noqa: E731
         else:
             fn = lambda: numpy_rms_norm_backward(gy, x, rstd, w)  # noqa: E731
-    return [Impl("numpy composite", PEER, "fresh", fn, "single-threaded")]
+    return [Impl("numpy composite", PEER, FRESH, fn, "single-threaded")]
 
 
 # --------------------------------------------------------------------------- torch
@@ -304,7 +304,7 @@ def _to_torch(arr: Any) -> Any:
     return torch.from_numpy(arr)
 
 
-def torch_impls(case: Case, regime: str = "fresh") -> list[Impl]:
+def torch_impls(case: Case, regime: str = FRESH) -> list[Impl]:
     """PyTorch's CPU ``F.layer_norm``/``F.rms_norm`` and their autograd backward."""
     if not installed("torch"):
         return []
@@ -315,7 +315,7 @@ def torch_impls(case: Case, regime: str = "fresh") -> list[Impl]:
     b = None if case.bias is None else _to_torch(case.bias)
     shape = (case.shape[1],)
     eps = EPS
-    label = "as it comes" if regime == "fresh" else regime
+    label = "as it comes" if regime == FRESH else regime
     if case.direction == "forward":
         if case.op == "layer_norm":
             def fn() -> Any:
@@ -389,7 +389,7 @@ def jax_impls(case: Case) -> list[Impl]:
                 return (xa * jax.lax.rsqrt(ms + eps) * w).astype(x.dtype)
 
             fn = lambda: f(x, w).block_until_ready()  # noqa: E731
-        return [Impl("jax jit", PEER, "fresh", fn, "XLA threads")]
+        return [Impl("jax jit", PEER, FRESH, fn, "XLA threads")]
 
     gy = jax.device_put(case.grad_y, cpu)
     rstd = jax.device_put(case.rstd, cpu)
@@ -416,7 +416,7 @@ def jax_impls(case: Case) -> list[Impl]:
             return gx.astype(x.dtype), (gya * xhat).sum(0)
 
         fn = lambda: jax.block_until_ready(g(gy, x, rstd, w))  # noqa: E731
-    return [Impl("jax jit", PEER, "fresh", fn, "XLA threads; composite backward")]
+    return [Impl("jax jit", PEER, FRESH, fn, "XLA threads; composite backward")]
 
 
 # --------------------------------------------------------------------------- ONNX Runtime
@@ -458,7 +458,7 @@ def onnxruntime_impls(case: Case) -> list[Impl]:
     sess = ort.InferenceSession(model.SerializeToString(), opts,
                                 providers=["CPUExecutionProvider"])
     feeds = {"x": case.x, "w": case.weight, "b": case.bias}
-    return [Impl("onnxruntime", PEER, "fresh", lambda: sess.run(None, feeds),
+    return [Impl("onnxruntime", PEER, FRESH, lambda: sess.run(None, feeds),
                  "CPUExecutionProvider")]
 
 

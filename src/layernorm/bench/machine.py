@@ -1,18 +1,15 @@
-"""Command line: ``python -m layernorm info`` and ``python -m layernorm bench``.
+"""This machine: versions, backends, threads, CPU and GPU (``python -m layernorm info``).
 
-Each subcommand imports what it needs when it runs, so ``--help`` is instant and no
-optional library is imported unless it is installed and asked for.
+Nothing optional is imported: versions come from package metadata and availability
+from import specs, so reporting on torch or CuPy never loads them.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import importlib.util
 import os
 import platform
-import sys
-from collections.abc import Sequence
 from typing import Any
 
 #: Distributions reported by ``info``: (distribution name, import name, required?).
@@ -137,8 +134,8 @@ def threading_info(probe: bool = True) -> dict[str, Any]:
         try:
             import numpy as np
 
-            from . import layer_norm
-            from ._backends._numba import PARALLEL_MIN_ELEMENTS
+            from .. import layer_norm
+            from .._backends._numba import PARALLEL_MIN_ELEMENTS
 
             rows = max(2, PARALLEL_MIN_ELEMENTS // 64)
             x = np.random.default_rng(0).standard_normal((rows, 64), dtype=np.float32)
@@ -250,90 +247,19 @@ def format_info(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _cmd_info(args: argparse.Namespace) -> int:
-    info = collect_info(probe=not args.no_probe)
-    if args.json:
-        import json
-
-        print(json.dumps(info, indent=2))
-    else:
-        print(format_info(info))
-    return 0
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from . import _bench
-
-    return _bench.main(args)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``python -m layernorm``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m layernorm",
-        description="LayerNorm and RMSNorm for NumPy, CuPy, torch, Dask and array-API arrays.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p_info = sub.add_parser("info", help="versions, backends, threads, CPU and GPU")
-    p_info.add_argument("--json", action="store_true", help="print the report as JSON")
-    p_info.add_argument("--no-probe", action="store_true",
-                        help="do not run a parallel kernel to learn Numba's threading layer")
-    p_info.set_defaults(func=_cmd_info)
-
-    p_bench = sub.add_parser(
-        "bench",
-        help="time layernorm against copy bandwidth and the installed peers",
-        description=(
-            "Measures this machine's copy bandwidth, then times each backend and each "
-            "installed peer (NumPy composite, PyTorch, ONNX Runtime, JAX) on a grid of "
-            "shapes, interleaving them round-robin and reporting medians."
-        ),
-    )
-    p_bench.add_argument("--quick", action="store_true",
-                         help="a small grid and few repeats (well under a minute)")
-    p_bench.add_argument("--backward", action="store_true",
-                         help="also time the backward passes")
-    p_bench.add_argument("--shape", nargs="+", metavar="N,D",
-                         help="rows,columns of the inputs (default: a grid)")
-    p_bench.add_argument("--dtype", nargs="+", metavar="DTYPE",
-                         help="float32 (default), float64, float16, bfloat16; "
-                              "several allowed, space- or comma-separated")
-    p_bench.add_argument("--threads", nargs="+", metavar="T",
-                         help="thread counts to run, e.g. 1,2 (default: Numba's)")
-    p_bench.add_argument("--op", nargs="+", metavar="OP",
-                         help="layer_norm and/or rms_norm (default: both)")
-    p_bench.add_argument("--repeats", type=int, metavar="R",
-                         help="round-robin repeats per measurement (default 11; 5 with --quick)")
-    p_bench.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
-    p_bench.add_argument("--plot", metavar="FILE.png",
-                         help="plot GB/s against row length (needs matplotlib)")
-    p_bench.add_argument("--dask", action="store_true",
-                         help="Dask throughput with 1 and 2 workers against the NumPy path")
-    p_bench.add_argument("--roofline", action="store_true",
-                         help="where the LayerNorm forward's (with --backward: "
-                              "backward's) time goes instead: the kernel and its passes "
-                              "alone, in memory and in cache, against a copy (float32, "
-                              "1 thread)")
-    p_bench.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p_bench.set_defaults(func=_cmd_bench)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m layernorm`` and of the ``layernorm`` script."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except _UsageError as exc:
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
-    return 0  # pragma: no cover
-
-
-class _UsageError(ValueError):
-    """A bad command-line value, reported like an argparse error."""
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+def summary_line() -> str:
+    """One line on the machine and the libraries compared, for the top of a report;
+    a second line warns when other processes keep the machine busy."""
+    cpu = cpu_info()
+    ver = versions()
+    libs = ", ".join(f"{name} {ver[name]}" for name in
+                     ("layernorm", "numpy", "numba", "torch", "jax", "onnxruntime", "dask")
+                     if ver.get(name))
+    line = f"{cpu['model']}, {cpu['logical_cores']} logical cores; {libs}"
+    if hasattr(os, "getloadavg") and cpu["logical_cores"]:
+        load = os.getloadavg()[0]
+        if load > 0.5 * cpu["logical_cores"]:
+            line += (f"\nwarning: the machine is busy (load average {load:.1f} on "
+                     f"{cpu['logical_cores']} cores): other processes will add noise, "
+                     "most of all at more than one thread")
+    return line

@@ -36,11 +36,11 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from ._backends._numba import LN_FORWARD_WRITES, _entry, _streaming
-from ._backends._numba import kernels as k
-from ._backends._numba._scalars import widen
-from ._backends._numba._simd import alive, get, lane, raw, splat, store_fence, vload, vstore
-from ._bench_impls import Impl
+from .._backends._numba import LN_FORWARD_WRITES, _entry, _streaming
+from .._backends._numba import kernels as k
+from .._backends._numba._scalars import widen
+from .._backends._numba._simd import alive, get, lane, raw, splat, store_fence, vload, vstore
+from .timing import median_times
 
 LANES = k.LANES
 #: Vector accumulators of the read pass (enough to hide the add latency).
@@ -164,19 +164,6 @@ def check_parts(parts: _Parts) -> None:
                              "fused kernel")
 
 
-def _median_times(fns: dict[str, Callable[[], Any]], repeats: int, target_s: float
-                  ) -> dict[str, float]:
-    """Median seconds per call of each callable, timed round-robin as ``bench`` does."""
-    from ._bench import time_interleaved
-
-    impls = [Impl(name, "roofline", "prealloc", fn) for name, fn in fns.items()]
-    timings = time_interleaved(impls, repeats, target_s)
-    for name, timing in timings.items():
-        if "error" in timing:
-            raise RuntimeError(f"{name} failed: {timing['error']}")
-    return {name: timing["median_s"] for name, timing in timings.items()}
-
-
 def _inputs(shape: tuple[int, int], seed: int) -> tuple[Any, np.ndarray, np.ndarray]:
     """The seeded generator, float32 rows ``x`` (offset, not centred) and a weight."""
     rng = np.random.default_rng(seed)
@@ -209,7 +196,7 @@ def measure(shape: tuple[int, int], repeats: int = 11, target_s: float = 0.01,
     fns.update(full.callables())
     fns.update({f"in cache: {name}": fn for name, fn in cached.callables().items()})
     return {"shape": shape, "direction": "forward", "streaming": full.nt,
-            "seconds": _median_times(fns, repeats, target_s)}
+            "seconds": median_times(fns, repeats, target_s)}
 
 
 def measure_backward(shape: tuple[int, int], repeats: int = 11, target_s: float = 0.01,
@@ -221,7 +208,7 @@ def measure_backward(shape: tuple[int, int], repeats: int = 11, target_s: float 
     write, key ``"copy"`` as for the forward); the compute floor is the kernel on row
     views that alias one row of each array. Its two passes are not timed apart.
     """
-    from ._backends._numba import GRAD_ROW_BLOCK, LN_BACKWARD_WRITES
+    from .._backends._numba import GRAD_ROW_BLOCK, LN_BACKWARD_WRITES
 
     rows, n = shape
     rng, x, w = _inputs(shape, seed)
@@ -242,7 +229,7 @@ def measure_backward(shape: tuple[int, int], repeats: int = 11, target_s: float 
            "in cache: kernel": kernel_of(*(_one_row_repeated(a[0].copy(), rows)
                                            for a in (gy, x, gx)))}
     return {"shape": shape, "direction": "backward", "streaming": False,
-            "seconds": _median_times(fns, repeats, target_s)}
+            "seconds": median_times(fns, repeats, target_s)}
 
 
 def _bound(times: dict[str, float], floor_name: str) -> str:

@@ -1,0 +1,149 @@
+"""Command line: ``python -m layernorm info`` and ``python -m layernorm bench``.
+
+Each subcommand imports what it needs when it runs, so ``--help`` is instant and no
+optional library is imported unless it is installed and asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .settings import Settings, UsageError
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from .machine import collect_info, format_info
+
+    info = collect_info(probe=not args.no_probe)
+    if args.json:
+        import json
+
+        print(json.dumps(info, indent=2))
+    else:
+        print(format_info(info))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from . import machine, report, run, settings
+
+    config = settings.settings_from_args(args)
+    started = time.perf_counter()
+    print(machine.summary_line())
+    if args.roofline:
+        return _roofline(args, config, started)
+    if args.dask:
+        from .dask import format_dask, run_dask
+
+        out: dict[str, Any] = {"results": [], "phases": []}
+        out["dask"] = run_dask(quick=args.quick, repeats=min(config.repeats, 5))
+        print(format_dask(out["dask"]))
+    else:
+        out = run.run(config, progress=not args.no_progress)
+        print(report.format_table(out))
+    out["machine"] = machine.collect_info(probe=False)
+    out["elapsed_s"] = time.perf_counter() - started
+    if args.json:
+        report.write_json(out, args.json)
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        report.plot(out, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _roofline(args: argparse.Namespace, config: Settings, started: float) -> int:
+    from . import report, roofline
+    from .run import Progress
+
+    for flag in ("dask", "plot", "dtype", "op", "threads"):
+        if getattr(args, flag, None):
+            raise UsageError(f"--roofline measures the float32 LayerNorm (forward, or "
+                             f"backward with --backward) on one thread; it takes no "
+                             f"--{flag}")
+    shapes = [s for s in config.shapes if s[0] > 1] or list(config.shapes)
+    bar = Progress(len(shapes), enabled=not args.no_progress)
+    try:
+        results = roofline.run(shapes, config.repeats, config.target_s, bar.update,
+                               backward=args.backward)
+    finally:
+        bar.close()
+    print(roofline.format_report(results))
+    out = {"results": [], "phases": [], "roofline": results,
+           "elapsed_s": time.perf_counter() - started}
+    if args.json:
+        report.write_json(out, args.json)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m layernorm``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m layernorm",
+        description="LayerNorm and RMSNorm for NumPy, CuPy, torch, Dask and array-API arrays.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_info = sub.add_parser("info", help="versions, backends, threads, CPU and GPU")
+    p_info.add_argument("--json", action="store_true", help="print the report as JSON")
+    p_info.add_argument("--no-probe", action="store_true",
+                        help="do not run a parallel kernel to learn Numba's threading layer")
+    p_info.set_defaults(func=_cmd_info)
+
+    p_bench = sub.add_parser(
+        "bench",
+        help="time layernorm against copy bandwidth and the installed peers",
+        description=(
+            "Measures this machine's copy bandwidth, then times each backend and each "
+            "installed peer (NumPy composite, PyTorch, ONNX Runtime, JAX) on a grid of "
+            "shapes, interleaving them round-robin and reporting medians."
+        ),
+    )
+    p_bench.add_argument("--quick", action="store_true",
+                         help="a small grid and few repeats (well under a minute)")
+    p_bench.add_argument("--backward", action="store_true",
+                         help="also time the backward passes")
+    p_bench.add_argument("--shape", nargs="+", metavar="N,D",
+                         help="rows,columns of the inputs (default: a grid)")
+    p_bench.add_argument("--dtype", nargs="+", metavar="DTYPE",
+                         help="float32 (default), float64, float16, bfloat16; "
+                              "several allowed, space- or comma-separated")
+    p_bench.add_argument("--threads", nargs="+", metavar="T",
+                         help="thread counts to run, e.g. 1,2 (default: Numba's)")
+    p_bench.add_argument("--op", nargs="+", metavar="OP",
+                         help="layer_norm and/or rms_norm (default: both)")
+    p_bench.add_argument("--repeats", type=int, metavar="R",
+                         help="round-robin repeats per measurement (default 11; 5 with --quick)")
+    p_bench.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
+    p_bench.add_argument("--plot", metavar="FILE.png",
+                         help="plot GB/s against row length (needs matplotlib)")
+    p_bench.add_argument("--dask", action="store_true",
+                         help="Dask throughput with 1 and 2 workers against the NumPy path")
+    p_bench.add_argument("--roofline", action="store_true",
+                         help="where the LayerNorm forward's (with --backward: "
+                              "backward's) time goes instead: the kernel and its passes "
+                              "alone, in memory and in cache, against a copy (float32, "
+                              "1 thread)")
+    p_bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p_bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m layernorm`` and of the ``layernorm`` script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    return 0  # pragma: no cover
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

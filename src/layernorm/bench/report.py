@@ -1,0 +1,131 @@
+"""What a ``bench`` run shows: the printed tables, the JSON file and the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from .impls import COPY, FRESH, HEAP_REUSE
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if value >= 1000:
+        return f"{value:,.0f}"
+    if value >= 100:
+        return f"{value:.0f}"
+    return f"{value:.{digits}f}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The printed report: one table per (phase, threads, operation, dtype)."""
+    lines: list[str] = []
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for rec in report["results"]:
+        key = (rec["phase"], rec["threads"], rec["op"], rec["direction"], rec["dtype"])
+        groups.setdefault(key, []).append(rec)
+    header = (f"{'shape':>11}  {'implementation':<27} {'regime':<11} {'µs':>9} "
+              f"{'GB/s':>7} {'% copy':>7} {'speed-up':>9}")
+    for (phase, threads, op, direction, dtype), recs in groups.items():
+        name = {"layer_norm": "LayerNorm", "rms_norm": "RMSNorm"}[op]
+        regime = ("outputs as they come" if phase == FRESH
+                  else "malloc reuses freed memory (no mmap, no trim)")
+        lines += ["", f"{name} {direction}, {dtype}, {threads} thread(s); {regime}",
+                  header, "-" * len(header)]
+        last_shape = None
+        for rec in recs:
+            shape = "x".join(str(s) for s in rec["shape"])
+            if last_shape is not None and shape != last_shape:
+                lines.append("")
+            label = shape if shape != last_shape else ""
+            last_shape = shape
+            impl = rec["impl"] + (" *" if rec.get("best_copy") else "")
+            if "error" in rec:
+                lines.append(f"{label:>11}  {impl:<27} {rec['regime']:<11} "
+                             f"failed: {rec['error'][:60]}")
+                continue
+            speed = f"{rec['speedup']:.2f}" if rec.get("speedup") else ""
+            lines.append(
+                f"{label:>11}  {impl:<27} {rec['regime']:<11} {_fmt(rec['us'], 2):>9} "
+                f"{_fmt(rec['gbps']):>7} {_fmt(rec['pct_copy']):>7} {speed:>9}")
+        lines.extend(_summary_lines(recs))
+    lines += [
+        "",
+        "GB/s: forward reads x and writes y; backward reads grad_y, x and writes grad_x.",
+        "% copy: of the best preallocated baseline moving the same bytes, timed in the same "
+        "rounds (marked *): a copy for forward, grad_y + x into out= for backward.",
+        "speed-up: the peer's time / layernorm numba's with the same output regime "
+        "(>1: layernorm is faster).",
+        "Regimes: prealloc = into memory allocated before timing (out=); fresh = a new "
+        "output per call; heap reuse = fresh, with freed memory reused by malloc.",
+        "Medians of interleaved rounds; JAX uses XLA's own threads whatever --threads says.",
+    ]
+    return "\n".join(lines)
+
+
+def _summary_lines(recs: list[dict[str, Any]]) -> list[str]:
+    by_peer: dict[tuple[str, str], list[float]] = {}
+    for rec in recs:
+        if rec.get("speedup"):
+            by_peer.setdefault((rec["impl"], rec["regime"]), []).append(rec["speedup"])
+    if not by_peer:
+        return []
+    parts = [f"{name} ({regime}) {min(v):.2f}-{max(v):.2f}x"
+             for (name, regime), v in by_peer.items()]
+    return ["  layernorm vs " + "; ".join(parts)]
+
+
+def write_json(report: dict[str, Any], path: str) -> None:
+    """Write the report (settings, machine, every measurement) as JSON."""
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1)
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """GB/s against row length, one line per implementation (matplotlib, lazily)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: dict[tuple, dict[tuple[str, str], dict[int, tuple[int, float]]]] = {}
+    for rec in report["results"]:
+        if "gbps" not in rec:
+            continue
+        if rec["phase"] == HEAP_REUSE and rec["kind"] == COPY:
+            continue
+        key = (rec["op"], rec["direction"], rec["dtype"], rec["threads"])
+        line = panels.setdefault(key, {}).setdefault((rec["impl"], rec["regime"]), {})
+        n, d = rec["shape"]
+        # One point per row length: the shape with the most rows (a single row is latency).
+        if d not in line or line[d][0] < n:
+            line[d] = (n, rec["gbps"])
+    keys = sorted(panels)
+    cols = min(2, len(keys))
+    rows = math.ceil(len(keys) / cols)
+    labels = sorted({line for panel in panels.values() for line in panel})
+    colors = plt.get_cmap("tab20")
+    markers = "os^vD<>ph*"
+    fig, axes = plt.subplots(rows, cols, figsize=(9.5 * cols, 4.5 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys, strict=False):
+        op, direction, dtype, threads = key
+        for (impl, regime), points in sorted(panels[key].items()):
+            ds = sorted(points)
+            i = labels.index((impl, regime))
+            style = "--" if impl.startswith("copy") else "-"
+            ax.plot(ds, [points[d][1] for d in ds], style, color=colors(i % 20),
+                    marker=markers[i % len(markers)], markersize=4, label=f"{impl} [{regime}]")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("row length D")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"{op} {direction} {dtype}, {threads} thread(s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    for ax in list(axes.flat)[len(keys):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+

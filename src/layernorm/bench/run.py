@@ -1,0 +1,190 @@
+"""``python -m layernorm bench``: the grid of cases, each timed against the copy floor and
+the peers.
+
+How it measures
+---------------
+* Every grid cell (operation, direction, dtype, shape, thread count) builds its inputs
+  once (seeded), then times every implementation together with
+  :func:`.timing.time_interleaved`: round-robin rounds of calibrated samples, medians.
+* Bandwidth counts the floor of memory traffic: forward reads ``x`` and writes ``y``;
+  backward reads ``grad_y`` and ``x`` and writes ``grad_x``. Statistics and parameter
+  gradients are negligible and not counted.
+* The denominator of "% copy" is the best *preallocated* streaming baseline that moves
+  the operation's own bytes, timed in the same rounds: for forward a copy of ``x``
+  (``np.copyto``, or torch's multi-threaded ``copy_`` when torch is installed), for
+  backward ``grad_y + x`` into a preallocated array (NumPy's, or torch's threaded add),
+  which reads two arrays and writes one like the backward does. It is the best regime
+  such an operation has: no allocation, no page faults.
+* "speed-up" is a peer's time divided by ours with the same output regime
+  (``fresh`` with ``fresh``, ``heap reuse`` with ``heap reuse``); > 1 means we are faster.
+* After every ``fresh`` measurement, when torch is installed on glibc, a second pass
+  switches malloc to reuse freed memory (see :mod:`.impls`) and times torch and
+  us again in that regime.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from . import impls as impls_mod
+from .impls import COPY, FRESH, HEAP_REUSE, OURS, PEER, PREALLOC, Case, Impl
+from .machine import installed
+from .settings import Settings
+from .timing import time_interleaved
+
+# --------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """tqdm when installed, else a one-line bar on stderr."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self._bar = None
+        if enabled and installed("tqdm"):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, file=sys.stderr, unit="cell", leave=False,
+                             dynamic_ncols=True)
+
+    def update(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.set_description(label, refresh=False)
+            self._bar.update(1)
+            return
+        width = 30
+        filled = int(width * self.done / max(self.total, 1))
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
+                         f"{self.done}/{self.total} {label[:40]:<40}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            sys.stderr.write("\r" + " " * 90 + "\r")
+            sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------- one cell
+
+
+def set_threads(threads: int) -> None:
+    """Thread count for Numba and, when loaded, torch."""
+    import numba
+
+    numba.set_num_threads(threads)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
+def summarize(case: Case, impls: Sequence[Impl], timings: dict[str, dict[str, Any]],
+              threads: int, phase: str) -> list[dict[str, Any]]:
+    """One record per implementation, with GB/s, % of the best copy and speed-up."""
+    # The floor: the best preallocated baseline that moves the operation's own bytes.
+    floor_arrays = case.moved_bytes // case.array_bytes if case.array_bytes else 2
+    best_copy, best_copy_gbps = None, 0.0
+    for impl in impls:
+        t = timings[impl.name]
+        if (impl.kind == COPY and impl.regime == PREALLOC and "median_s" in t
+                and impl.arrays == floor_arrays):
+            gbps = impl.arrays * case.array_bytes / t["median_s"] / 1e9
+            if gbps > best_copy_gbps:
+                best_copy, best_copy_gbps = impl.name, gbps
+    ours_by_regime = {
+        impl.regime: timings[impl.name].get("median_s")
+        for impl in impls if impl.kind == OURS and impl.name == "layernorm numba"
+    }
+    records = []
+    for impl in impls:
+        t = timings[impl.name]
+        moved = impl.arrays * case.array_bytes if impl.kind == COPY else case.moved_bytes
+        rec: dict[str, Any] = {
+            "op": case.op, "direction": case.direction, "dtype": case.dtype,
+            "shape": list(case.shape), "threads": threads, "phase": phase,
+            "impl": impl.name, "kind": impl.kind, "regime": impl.regime, "note": impl.note,
+            "bytes": moved, "copy_impl": best_copy, "copy_gbps": best_copy_gbps or None,
+        }
+        if "error" in t:
+            rec["error"] = t["error"]
+            records.append(rec)
+            continue
+        median = t["median_s"]
+        gbps = moved / median / 1e9
+        ours = ours_by_regime.get(impl.regime)
+        rec.update(
+            median_s=median, min_s=t["min_s"], p90_s=t.get("p90_s"), us=median * 1e6,
+            samples_s=t["samples_s"],
+            number=t["number"], gbps=gbps,
+            pct_copy=(100.0 * gbps / best_copy_gbps) if best_copy_gbps else None,
+            best_copy=impl.name == best_copy,
+            speedup=(median / ours) if impl.kind == PEER and ours else None,
+        )
+        records.append(rec)
+    return records
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _cases(settings: Settings) -> list[tuple[str, str, str, tuple[int, int]]]:
+    return [(op, direction, dtype, shape)
+            for direction in settings.directions for op in settings.ops
+            for dtype in settings.dtypes for shape in settings.shapes]
+
+
+def time_cell(impls: Sequence[Impl], repeats: int, target_s: float
+              ) -> dict[str, dict[str, Any]]:
+    """:func:`.timing.time_interleaved` over the implementations of one cell, by name."""
+    fns = {impl.name: impl.fn for impl in impls}
+    if len(fns) != len(impls):
+        names = [impl.name for impl in impls]
+        raise ValueError(f"implementations of one cell need distinct names; got {names}")
+    return time_interleaved(fns, repeats, target_s)
+
+
+def build_impls(case: Case, phase: str) -> list[Impl]:
+    """Implementations timed together for one cell in one phase."""
+    impls = impls_mod.copy_impls(case)
+    if phase == FRESH:
+        return impls + impls_mod.ours_impls(case, FRESH) + impls_mod.peer_impls(case)
+    impls = [i for i in impls if i.regime == PREALLOC]
+    ours = [i for i in impls_mod.ours_impls(case, HEAP_REUSE) if i.regime == HEAP_REUSE]
+    return impls + ours + impls_mod.torch_impls(case, HEAP_REUSE)
+
+
+def run(settings: Settings, progress: bool = True) -> dict[str, Any]:
+    """Run the whole grid; returns ``{"settings", "phases", "results"}``."""
+    cells = _cases(settings)
+    phases = [FRESH]
+    if settings.heap_reuse and installed("torch") and impls_mod.heap_reuse_available():
+        phases.append(HEAP_REUSE)
+    if installed("torch"):
+        import torch  # noqa: F401  (so set_threads reaches it)
+    bar = Progress(len(phases) * len(settings.threads) * len(cells), progress)
+    results: list[dict[str, Any]] = []
+    try:
+        for phase in phases:
+            if phase == HEAP_REUSE and not impls_mod.enable_heap_reuse():
+                break
+            for threads in settings.threads:
+                set_threads(threads)
+                for op, direction, dtype, shape in cells:
+                    case = impls_mod.make_case(op, direction, dtype, shape)
+                    case.extras["threads"] = threads
+                    impls = build_impls(case, phase)
+                    timings = time_cell(impls, settings.repeats, settings.target_s)
+                    results += summarize(case, impls, timings, threads, phase)
+                    bar.update(f"{case.title} {shape[0]}x{shape[1]} t={threads} {phase}")
+                    del case, impls, timings
+    finally:
+        bar.close()
+    return {"settings": asdict(settings), "phases": phases, "results": results}

@@ -1,0 +1,101 @@
+"""What one ``python -m layernorm bench`` run measures, validated from the command line.
+
+A bad value raises :class:`UsageError`, which the command line reports like one of
+argparse's own errors (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+#: The operations, directions and dtypes a run can time.
+OPS = ("layer_norm", "rms_norm")
+DIRECTIONS = ("forward", "backward")
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+class UsageError(ValueError):
+    """A bad command-line value, reported like an argparse error."""
+
+
+#: Rows of 64 to 16384, output sizes from cache-resident to the page-fault regime.
+FULL_SHAPES = (
+    (1, 768), (65536, 64), (16384, 256), (4096, 768), (8192, 1024), (2048, 4096),
+    (512, 16384), (16384, 2048),
+)
+QUICK_SHAPES = ((1, 768), (65536, 64), (4096, 768), (8192, 1024))
+
+
+@dataclass
+class Settings:
+    """What one ``bench`` run measures."""
+
+    ops: tuple[str, ...]
+    directions: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, int], ...]
+    threads: tuple[int, ...]
+    repeats: int
+    target_s: float
+    heap_reuse: bool = True
+
+
+def _split(values: Iterable[str] | None) -> list[str]:
+    out: list[str] = []
+    for value in values or ():
+        out += [v.strip() for v in value.split(",") if v.strip()]
+    return out
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"N,D"`` (or ``NxD``) -> ``(N, D)``.
+
+    Examples
+    --------
+    >>> parse_shape("4096,768")
+    (4096, 768)
+    >>> parse_shape("1x64")
+    (1, 64)
+    """
+    parts = text.lower().replace("x", ",").split(",")
+    try:
+        n, d = (int(p) for p in parts)
+    except ValueError:
+        raise UsageError(f"--shape takes N,D with two positive integers; got {text!r}") from None
+    if n < 1 or d < 1:
+        raise UsageError(f"--shape takes N,D with two positive integers; got {text!r}")
+    return n, d
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Validate the command line into :class:`Settings`."""
+    import numba
+
+    shapes = tuple(parse_shape(s) for s in args.shape or ()) or (
+        QUICK_SHAPES if args.quick else FULL_SHAPES)
+    dtypes = tuple(_split(args.dtype)) or ("float32",)
+    for dt in dtypes:
+        if dt not in DTYPES:
+            raise UsageError(f"--dtype must be among {', '.join(DTYPES)}; got {dt!r}")
+    ops = tuple(_split(args.op)) or OPS
+    for op in ops:
+        if op not in OPS:
+            raise UsageError(f"--op must be among {', '.join(OPS)}; got {op!r}")
+    available = numba.config.NUMBA_NUM_THREADS
+    try:
+        threads = tuple(int(t) for t in _split(args.threads)) or (numba.get_num_threads(),)
+    except ValueError:
+        raise UsageError(f"--threads takes integers like 1,2; got {args.threads!r}") from None
+    for t in threads:
+        if not 1 <= t <= available:
+            raise UsageError(
+                f"--threads must be between 1 and {available} (NUMBA_NUM_THREADS); got {t}")
+    repeats = args.repeats or (5 if args.quick else 11)
+    if repeats < 1:
+        raise UsageError(f"--repeats must be >= 1; got {repeats}")
+    directions = ("forward", "backward") if args.backward else ("forward",)
+    return Settings(ops, directions, dtypes, shapes, threads, repeats,
+                    target_s=0.002 if args.quick else 0.01)
+
