@@ -43,7 +43,7 @@ import platform
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
+from numba.core import cgutils, config
 from numba.core.typing.templates import AbstractTemplate, infer_global, signature
 from numba.extending import intrinsic, lower_builtin, models, overload, register_model
 
@@ -617,7 +617,7 @@ def vaddress(typingctx, view, r, i):
 
 def itemsize(view):
     """Bytes per element of a :class:`Raw` (a compile-time constant)."""
-    raise NotImplementedError
+    return view.itemsize  # Python (NUMBA_DISABLE_JIT) only; jitted code: the overload
 
 
 @overload(itemsize, inline="always")
@@ -646,3 +646,11 @@ def copy2(typingctx, dst, di, dj, src, si, sj):
         return context.get_dummy_value()
 
     return types.none(dst, di, dj, src, si, sj), codegen
+
+
+if config.DISABLE_JIT:
+    # Numba's debugging mode runs the kernels as Python, where intrinsics cannot run:
+    # export NumPy stand-ins under the same names instead.
+    from . import python_simd
+
+    globals().update({name: getattr(python_simd, name) for name in python_simd.__all__})
