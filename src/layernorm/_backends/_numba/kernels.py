@@ -39,7 +39,9 @@ one, and nothing else. Modules, by job:
 * :mod:`.backward`: row and column backward and the ordered block sum ``sum_blocks``;
 * :mod:`.passes`: the forward's two passes alone, for the roofline tool;
 * :mod:`._simd`, :mod:`._scalars`: the SIMD vectors and 16-bit conversions they are
-  written with; :mod:`.diskcache`: the compile cache keyed to all of these sources;
+  written with (:mod:`.python_simd`: their NumPy stand-ins under
+  ``NUMBA_DISABLE_JIT=1``);
+* :mod:`.diskcache`: the compile cache, keyed to all of these sources;
   :mod:`.entry`: the compiled entry points the drivers call.
 
 Importing this module imports Numba and defines the kernels; nothing compiles until a

@@ -90,7 +90,7 @@ TAB_REM_F, TAB_REM_C, TAB_PARTIAL, TAB_COUNTS, TAB_INV_N = 0, 1, 2, 3, 4
 
 @cached_njit(error_model="numpy")
 def merge_weights(n, like):
-    """Weights of the row arithmetic that depend on ``n`` only (rows: ``_TAB_*``)."""
+    """Weights of the row arithmetic that depend on ``n`` only (rows: ``TAB_*``)."""
     groups = n // LANES
     r = n % LANES
     tab = np.full((TAB_ROWS, LANES), cast(0.0, like))
