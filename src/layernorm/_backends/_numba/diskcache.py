@@ -15,6 +15,10 @@ It degrades to a correct, slower behaviour, never to a stale or failing one:
   error;
 * a Numba whose cache internals differ from the ones used here: the same, no disk cache;
 * ``NUMBA_DISABLE_JIT=1``: the kernels are Python functions, there is nothing to cache.
+
+Directories of earlier salts are left in place (another installation sharing
+``NUMBA_CACHE_DIR`` may still use them). ``NUMBA_CACHE_LOCATOR_CLASSES``, where set,
+replaces the salted locator as it replaces Numba's own: that user's choice is honoured.
 """
 
 from __future__ import annotations
