@@ -48,7 +48,7 @@ _WARM_PROBE = textwrap.dedent(
     import layernorm as ln
     from layernorm._backends import _numba as backend
 
-    kernels = backend._kernels()
+    kernels = backend.load_kernels()
     refreshed = []
     context = kernels.ln_forward_serial.targetctx
     original = context.refresh
@@ -98,16 +98,16 @@ def test_kernel_not_in_the_cache_or_unknown_internals_take_the_public_path(monke
     import layernorm as ln
     from layernorm import _fast
     from layernorm._backends import _numba as backend
-    from layernorm._backends._numba import _entry
+    from layernorm._backends._numba import entry
 
-    kernels = backend._kernels()
+    kernels = backend.load_kernels()
     kernel = kernels.rms_forward_serial
     # A signature never compiled (int8 data): not in the cache, and nothing compiled.
     array = types.Array(types.int8, 2, "A", readonly=True)
     sig = (array, array, types.float32, types.Array(types.int8, 2, "A"),
            types.Array(types.float32, 1, "A"), types.boolean)
     before = len(kernel.overloads)
-    assert _entry._load_cached(kernel, sig) is None
+    assert entry._load_cached(kernel, sig) is None
     assert len(kernel.overloads) == before
 
     attempts = []
@@ -116,8 +116,8 @@ def test_kernel_not_in_the_cache_or_unknown_internals_take_the_public_path(monke
         attempts.append(kernel)
         raise AttributeError("internals of another Numba")
 
-    monkeypatch.setattr(_entry, "_load_cached", broken)
-    monkeypatch.setattr(_entry, "_entry_points", {})
+    monkeypatch.setattr(entry, "_load_cached", broken)
+    monkeypatch.setattr(entry, "_entry_points", {})
     monkeypatch.setattr(_fast, "_PLANS", {})
     rng = np.random.default_rng(12)
     x = (1.0 + rng.standard_normal((3, 40))).astype(np.float32)

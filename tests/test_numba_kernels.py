@@ -127,7 +127,7 @@ def test_short_rows_in_blocks_match_the_column_path(dtype, n):
     """Short rows go 16 at a time with their lane trees folded together; the column path
     runs the same arithmetic another way. Row counts cover partial last blocks, and
     constant and non-finite rows sit at several positions in a block."""
-    short_max = backend._kernels().SHORT_ROW_MAX
+    short_max = backend.load_kernels().SHORT_ROW_MAX
     n = {"short_max": short_max, "short_max+1": short_max + 1}.get(n, n)
     npdt = {"float16": np.float16, "float32": np.float32, "float64": np.float64}[dtype]
     rng = np.random.default_rng(n)
@@ -194,7 +194,7 @@ def test_16_bit_outputs_are_the_float32_result_rounded_to_nearest_even(dtype, n,
     got = ln.layer_norm(x, n, w, b)
     _same_bits(np.isnan(got), np.isnan(want))
     _same_bits(np.where(np.isnan(want), 0, got), np.where(np.isnan(want), 0, want))
-    monkeypatch.setattr(backend, "_streaming", lambda x, y: True)
+    monkeypatch.setattr(backend, "use_streaming_stores", lambda x, y: True)
     streamed = ln.layer_norm(x, n, w, b, backend="numba")
     _same_bits(streamed, got)
 
@@ -217,7 +217,7 @@ def test_streaming_stores_give_same_bits(monkeypatch):
 
 
 def test_serial_and_parallel_kernels_agree():
-    k = backend._kernels()
+    k = backend.load_kernels()
     rows, n = 333, 300
     x = _rows(rows, n, 11)
     w, b = _params(n, 11)
@@ -325,7 +325,7 @@ def test_threads_script_is_deterministic_in_process():
 def test_backward_rows_in_batch_match_rows_alone(rms, n):
     """Short rows keep grad_weight partials in registers, long rows run in pairs: each
     row's grad_x and its grad_weight/grad_bias terms must have the single-row bits."""
-    k = backend._kernels()
+    k = backend.load_kernels()
     n = k.PAIR_MIN_N + 37 if n == "pairs" else n
     rows = 7  # three pairs and a single row
     x = _rows(rows, n, 21)
@@ -362,7 +362,7 @@ def test_backward_rows_in_batch_match_rows_alone(rms, n):
 def test_layouts_and_absent_parameters_share_one_compiled_kernel():
     """C, Fortran, strided and read-only inputs, with or without weight/bias, reuse one
     specialization per dtype: each would otherwise cost seconds of compilation."""
-    kernels = backend._kernels()
+    kernels = backend.load_kernels()
     rng = np.random.default_rng(7)
     base = (2.0 + rng.standard_normal((24, 50))).astype(np.float64)
     w, b = rng.standard_normal(50), rng.standard_normal(50)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import layernorm as ln
+from layernorm._backends._numba import passes
 from layernorm.bench import cli, roofline
 
 
@@ -32,9 +33,9 @@ def test_the_two_passes_alone_give_layer_norms_bits(rows, n):
     x, w, b = _inputs(rows, n)
     expected = ln.layer_norm(x, (n,), w, b, eps=float(roofline.EPS))
     shift, mu, rstd = (np.empty(rows, np.float32) for _ in range(3))
-    roofline.statistics_pass(x, roofline.EPS, shift, mu, rstd)
+    passes.statistics_pass(x, roofline.EPS, shift, mu, rstd)
     y = np.full_like(x, np.nan)
-    roofline.output_pass(x, w, b, shift, mu, rstd, y, False)
+    passes.output_pass(x, w, b, shift, mu, rstd, y, False)
     np.testing.assert_array_equal(y, expected)
     # The statistics themselves against float64 (shift + shifted mean is the mean).
     x64 = x.astype(np.float64)
@@ -67,9 +68,9 @@ def test_in_cache_views_compute_every_row_from_one_row(n):
 
 def test_read_and_write_passes():
     x, _, _ = _inputs(7, 100)
-    assert roofline.read_pass(x) == pytest.approx(float(x.astype(np.float64).sum()), rel=1e-5)
+    assert passes.read_pass(x) == pytest.approx(float(x.astype(np.float64).sum()), rel=1e-5)
     y = np.zeros_like(x)
-    roofline.write_pass(y, np.float32(2.5))
+    passes.write_pass(y, np.float32(2.5))
     assert np.all(y == 2.5)
 
 
@@ -98,7 +99,7 @@ def test_measure_backward_reports_the_kernel_and_its_floors():
 
 
 def test_in_cache_backward_views_compute_every_row_from_one_row():
-    from layernorm._backends._numba import GRAD_ROW_BLOCK, LN_BACKWARD_WRITES, _entry
+    from layernorm._backends._numba import GRAD_ROW_BLOCK, LN_BACKWARD_WRITES, entry
     from layernorm._backends._numba import kernels as k
 
     rows, n = 70, 300
@@ -108,7 +109,7 @@ def test_in_cache_backward_views_compute_every_row_from_one_row():
     expected = ln.layer_norm_backward(gy, x, mean, rstd, w)[0][0]
     views = [roofline._one_row_repeated(a, rows) for a in (gy[0], x[0], np.empty(n, np.float32))]
     partials = np.zeros((2, -(-rows // GRAD_ROW_BLOCK), n), np.float32)
-    _entry.call(k.ln_backward_serial, LN_BACKWARD_WRITES, views[0], views[1],
+    entry.call(k.ln_backward_serial, LN_BACKWARD_WRITES, views[0], views[1],
                 np.repeat(mean.ravel(), rows), np.repeat(rstd.ravel(), rows), w, views[2],
                 partials, GRAD_ROW_BLOCK)
     np.testing.assert_array_equal(views[2][0], expected)

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _engine
 from ._backends import _numba
-from ._backends._numba import _entry
+from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
 from ._dtypes import HALF_DTYPES, MACHINE_EPS, dtype_name
 from ._validate import memo_axes
@@ -36,7 +36,7 @@ class Plan:
 
     ``run``/``run_stats`` call the serial kernel without and with statistics outputs.
     Each starts as a function that looks up the kernel's compiled entry point
-    (:func:`._backends._numba._entry.entry_point`, which compiles or loads it once per
+    (:func:`._backends._numba.entry.entry_point`, which compiles or loads it once per
     dtype) and, after its first call, becomes that entry point: the plan's checks
     guarantee every later call passes arrays of the same dtypes and dimensions, so
     Numba's type resolution, a third of the call, is skipped.
@@ -66,13 +66,13 @@ class Plan:
                  rms: bool) -> None:
         self.rows, self.n, self.stats_shape = rows, n, stats_shape
         self.acc = np.dtype(acc)
-        bits = _numba._BITS.get(dtype)
+        bits = _numba.KERNEL_BITS.get(dtype)
         self.bits = None if bits is None else np.dtype(bits)
         #: Per parameter: for float16/bfloat16, the dtype of its raw bits (it is passed
         #: uncast as on the general path: the kernels widen it, NumPy's float16 cast is
         #: slow), else None.
         self.param_bits = tuple(
-            np.dtype(_numba._BITS[dtype_name(p.dtype)])
+            np.dtype(_numba.KERNEL_BITS[dtype_name(p.dtype)])
             if p is not None and acc == "float32" and dtype_name(p.dtype) in HALF_DTYPES
             else None for p in params)
         self.cast_params = any(p is not None and bits is None and p.dtype != self.acc
@@ -86,7 +86,7 @@ class Plan:
         self.default_eps = MACHINE_EPS[acc]
         self.eps_scalars: dict[float, Any] = {}
         #: Stand-ins for an absent weight or bias (the backend's exact identities).
-        self.ones, self.negative_zeros = _numba._params(None, None, n, self.acc)
+        self.ones, self.negative_zeros = _numba.kernel_params(None, None, n, self.acc)
         writes = _numba.RMS_FORWARD_WRITES if rms else _numba.LN_FORWARD_WRITES
         self.run = _resolving(self, "run", kernel, writes)
         self.run_stats = _resolving(self, "run_stats", kernel, writes)
@@ -94,7 +94,7 @@ class Plan:
 
 def _resolving(plan: Plan, slot: str, dispatcher: Any, writes: tuple[int, ...]) -> Any:
     def first_call(*args: Any) -> None:
-        entry = _entry.entry_point(dispatcher, writes, args)
+        entry = kernel_entry.entry_point(dispatcher, writes, args)
         entry(*args)
         setattr(plan, slot, entry)
 
@@ -114,7 +114,7 @@ def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
             or layout.n == 0 or layout.rows == 0
             or layout.rows * layout.n >= FAST_MAX_ELEMENTS):
         return None
-    kernels = _numba._kernels()
+    kernels = _numba.load_kernels()
     return Plan(layout.shape, layout.rows, layout.n, req.dtype, req.acc, layout.stats_shape,
                 tuple(params.values()),
                 kernels.rms_forward_serial if rms else kernels.ln_forward_serial, rms)

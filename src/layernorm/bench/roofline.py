@@ -34,86 +34,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from numba import njit
 
-from .._backends._numba import LN_FORWARD_WRITES, _entry, _streaming
+from .._backends._numba import LN_FORWARD_WRITES, use_streaming_stores
 from .._backends._numba import kernels as k
-from .._backends._numba._scalars import widen
-from .._backends._numba._simd import alive, get, lane, raw, splat, store_fence, vload, vstore
+from .._backends._numba.entry import entry_point
+from .._backends._numba.passes import output_pass, read_pass, statistics_pass, write_pass
 from .timing import median_times
 
-LANES = k.LANES
-#: Vector accumulators of the read pass (enough to hide the add latency).
-_UNROLL = 4
 EPS = np.float32(1e-5)
-
-
-@njit(cache=True, error_model="numpy")
-def statistics_pass(x, eps, shift_out, mu_out, rstd_out):
-    """The forward kernel's statistics pass alone: per row its shift ``K``, shifted
-    mean and ``rstd`` (what the output pass takes)."""
-    n = x.shape[1]
-    tab = k.merge_weights(n, eps)
-    rem = np.full((1, LANES), eps)
-    xv, tv, remv = raw(x), raw(tab), raw(rem)
-    for r in range(x.shape[0]):
-        shift = widen(get(xv, r, 0))
-        mean, m2 = k._row_moments(xv, r, n, shift, tv, remv)
-        _, rstd = k._finish(shift, mean, m2, n, eps)
-        shift_out[r] = shift
-        mu_out[r] = mean
-        rstd_out[r] = rstd
-    alive(rem)
-    alive(tab)
-
-
-@njit(cache=True, error_model="numpy")
-def output_pass(x, w, b, shift, mu, rstd, y, nt):
-    """The forward kernel's output pass alone, given :func:`statistics_pass`'s results
-    (``nt``: streaming stores, as the kernel chooses them)."""
-    n = x.shape[1]
-    xv, yv, wv, bv = raw(x), raw(y), raw(w), raw(b)
-    for r in range(x.shape[0]):
-        k._ln_row_out(xv, yv, r, n, shift[r], mu[r], rstd[r], wv, bv, nt)
-    if nt:
-        store_fence()
-
-
-@njit(cache=True, error_model="numpy")
-def read_pass(x):
-    """Sum of ``x`` (float32 rows) in ``_UNROLL`` vector accumulators: a pure read."""
-    xv = raw(x)
-    n = x.shape[1]
-    step = _UNROLL * LANES
-    body = n // step * step
-    a0 = a1 = a2 = a3 = splat(np.float32(0.0))
-    tail = np.float32(0.0)
-    for r in range(x.shape[0]):
-        for i in range(0, body, step):
-            a0 = a0 + vload(xv, r, i)
-            a1 = a1 + vload(xv, r, i + LANES)
-            a2 = a2 + vload(xv, r, i + 2 * LANES)
-            a3 = a3 + vload(xv, r, i + 3 * LANES)
-        for i in range(body, n):
-            tail += x[r, i]
-    total = (a0 + a1) + (a2 + a3)
-    for j in range(LANES):
-        tail += lane(total, j)
-    return tail
-
-
-@njit(cache=True, error_model="numpy")
-def write_pass(y, value):
-    """Fill ``y`` (float32 rows) with ``value``, vector stores: a pure write."""
-    yv = raw(y)
-    n = y.shape[1]
-    body = n // LANES * LANES
-    v = splat(value)
-    for r in range(y.shape[0]):
-        for i in range(0, body, LANES):
-            vstore(yv, v, r, i)
-        for i in range(body, n):
-            y[r, i] = value
 
 
 class _Parts:
@@ -128,7 +56,7 @@ class _Parts:
         self.shift = np.empty(rows, np.float32)
         self.mu = np.empty(rows, np.float32)
         args = (x, w, b, EPS, y, self.mean, self.rstd, nt)
-        kernel = _entry.entry_point(k.ln_forward_serial, LN_FORWARD_WRITES, args)
+        kernel = entry_point(k.ln_forward_serial, LN_FORWARD_WRITES, args)
         self.kernel: Callable[[], Any] = lambda: kernel(*args)
         self.separable = x.shape[1] > k.SHORT_ROW_MAX
 
@@ -184,7 +112,7 @@ def measure(shape: tuple[int, int], repeats: int = 11, target_s: float = 0.01,
     rng, x, w = _inputs(shape, seed)
     b = rng.standard_normal(n).astype(np.float32)
     y = np.empty_like(x)
-    full = _Parts(x, w, b, y, _streaming(x, y))  # streaming stores as layer_norm chooses
+    full = _Parts(x, w, b, y, use_streaming_stores(x, y))  # streaming stores as layer_norm chooses
     cached = _Parts(_one_row_repeated(x[0], rows), w, b,
                     _one_row_repeated(np.empty(n, np.float32), rows), False)
     for parts in (full, cached):
@@ -221,7 +149,7 @@ def measure_backward(shape: tuple[int, int], repeats: int = 11, target_s: float 
 
     def kernel_of(*arrays: np.ndarray) -> Callable[[], Any]:
         args = (*arrays[:2], mean, rstd, w, arrays[2], partials, GRAD_ROW_BLOCK)
-        entry = _entry.entry_point(k.ln_backward_serial, LN_BACKWARD_WRITES, args)
+        entry = entry_point(k.ln_backward_serial, LN_BACKWARD_WRITES, args)
         return lambda: entry(*args)
 
     fns = {"copy": lambda: np.add(gy, x, out=gx),

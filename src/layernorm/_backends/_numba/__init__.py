@@ -1,7 +1,8 @@
 """Numba CPU backend: thin wrappers that pick serial or parallel kernels.
 
-Nothing here compiles at import; the kernels module (and Numba itself) is imported on
-first use, and every kernel is compiled lazily per signature with ``cache=True``.
+Nothing here compiles at import; the kernels (:mod:`.kernels`, and Numba itself) are
+imported on first use, and every kernel is compiled lazily per signature, cached on disk
+(:mod:`.diskcache`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..._dtypes import dtype_name
-from . import _entry
+from . import entry
 
 #: Below this many elements a call runs on the calling thread: starting threads for a
 #: microsecond problem costs more than it saves.
@@ -48,19 +49,20 @@ if hasattr(os, "register_at_fork"):
 
 
 @functools.cache
-def _kernels() -> Any:
+def load_kernels() -> Any:
+    """The :mod:`.kernels` module (imports Numba and defines the kernels on first use)."""
     from . import kernels
 
     return kernels
 
 
 #: Numba has no float16/bfloat16 on the CPU: the kernels see the raw bits and convert
-#: (int16 bits mean float16, uint16 bits mean bfloat16).
-_BITS = {"float16": np.int16, "bfloat16": np.uint16}
+#: (int16 bits mean float16, uint16 bits mean bfloat16). Dtype name -> bits dtype.
+KERNEL_BITS = {"float16": np.int16, "bfloat16": np.uint16}
 
 
 def _as_kernel_array(arr: Any, dtype: str) -> Any:
-    bits = _BITS.get(dtype)
+    bits = KERNEL_BITS.get(dtype)
     return arr if bits is None else arr.view(bits)
 
 
@@ -83,17 +85,17 @@ def _run(serial: Any, parallel: Any, elements: int, writes: tuple[int, ...],
     """Run the parallel kernel when it pays and no other thread is in one, else serial.
 
     Both perform the same arithmetic per row; small inputs never touch the thread pool.
-    ``writes`` are the positions of the arrays the kernels write (see :mod:`._entry`).
+    ``writes`` are the positions of the arrays the kernels write (see :mod:`.entry`).
     """
     global _parallel_ran
     if elements >= PARALLEL_MIN_ELEMENTS and not _serial_only and _num_threads() > 1 \
             and _parallel_lock.acquire(blocking=False):
         try:
             _parallel_ran = True
-            return _entry.call(parallel, writes, *args)
+            return entry.call(parallel, writes, *args)
         finally:
             _parallel_lock.release()
-    return _entry.call(serial, writes, *args)
+    return entry.call(serial, writes, *args)
 
 
 def _num_threads() -> int:
@@ -129,7 +131,8 @@ STREAM_MIN_FRACTION = 0.5
 STREAM_MIN_ROW = 1024
 
 
-def _streaming(x: Any, y: Any) -> bool:
+def use_streaming_stores(x: Any, y: Any) -> bool:
+    """Whether the forward of ``x`` into ``y`` should write ``y`` with streaming stores."""
     if y.shape[-1] < STREAM_MIN_ROW or y.nbytes < STREAM_MIN_FRACTION * _last_level_cache_bytes():
         return False
     # In place, the lines are already cached: a streaming store would only evict them.
@@ -153,11 +156,11 @@ def _identity_params(n: int, acc: Any) -> tuple[Any, Any]:
 
 def _param_bits(param: Any) -> Any:
     """A float16/bfloat16 parameter as its raw bits (the kernels widen it), else itself."""
-    bits = _BITS.get(dtype_name(param.dtype))
+    bits = KERNEL_BITS.get(dtype_name(param.dtype))
     return param if bits is None else param.view(bits)
 
 
-def _params(weight: Any, bias: Any, n: int, acc: Any) -> tuple[Any, Any]:
+def kernel_params(weight: Any, bias: Any, n: int, acc: Any) -> tuple[Any, Any]:
     """``weight`` and ``bias``, an absent one replaced by its exact identity.
 
     The kernels compute ``fma(v, w, b)``: with ``w = 1`` and ``b = -0.0`` that is ``v``,
@@ -173,16 +176,16 @@ def _params(weight: Any, bias: Any, n: int, acc: Any) -> tuple[Any, Any]:
 
 def layer_norm_forward(x3, weight, bias, eps, y3, mean, rstd, dtype) -> None:
     """LayerNorm forward into ``y3``; fills ``mean`` and ``rstd``."""
-    k = _kernels()
+    k = load_kernels()
     x = _as_kernel_array(x3, dtype)
     y = _as_kernel_array(y3, dtype)
     e = _acc_scalar(eps, dtype)
-    w, b = _params(weight, bias, x3.shape[1], mean.dtype)
+    w, b = kernel_params(weight, bias, x3.shape[1], mean.dtype)
     if x.shape[2] == 1:
         x = x[:, :, 0]
         y = y[:, :, 0]
         _run(k.ln_forward_serial, k.ln_forward_parallel, x.size, LN_FORWARD_WRITES,
-             x, w, b, e, y, mean, rstd, _streaming(x, y))
+             x, w, b, e, y, mean, rstd, use_streaming_stores(x, y))
     else:
         _run(k.ln_forward_cols_serial, k.ln_forward_cols_parallel, x.size,
              LN_FORWARD_WRITES, x, w, b, e, y, mean, rstd)
@@ -190,33 +193,33 @@ def layer_norm_forward(x3, weight, bias, eps, y3, mean, rstd, dtype) -> None:
 
 def rms_norm_forward(x3, weight, eps, y3, rstd, dtype) -> None:
     """RMSNorm forward into ``y3``; fills ``rstd``."""
-    k = _kernels()
+    k = load_kernels()
     x = _as_kernel_array(x3, dtype)
     y = _as_kernel_array(y3, dtype)
     e = _acc_scalar(eps, dtype)
-    w = _params(weight, None, x3.shape[1], rstd.dtype)[0]
+    w = kernel_params(weight, None, x3.shape[1], rstd.dtype)[0]
     if x.shape[2] == 1:
         x = x[:, :, 0]
         y = y[:, :, 0]
         _run(k.rms_forward_serial, k.rms_forward_parallel, x.size, RMS_FORWARD_WRITES,
-             x, w, e, y, rstd, _streaming(x, y))
+             x, w, e, y, rstd, use_streaming_stores(x, y))
     else:
         _run(k.rms_forward_cols_serial, k.rms_forward_cols_parallel, x.size,
              RMS_FORWARD_WRITES, x, w, e, y, rstd)
 
 
 def _col_blocks(x3: Any) -> int:
-    return x3.shape[0] * -(-x3.shape[2] // _kernels().COL_BLOCK)
+    return x3.shape[0] * -(-x3.shape[2] // load_kernels().COL_BLOCK)
 
 
 def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype):
     """LayerNorm backward into ``gx3``; returns ``(grad_weight, grad_bias)``."""
-    k = _kernels()
+    k = load_kernels()
     gy = _as_kernel_array(gy3, dtype)
     x = _as_kernel_array(x3, dtype)
     gx = _as_kernel_array(gx3, dtype)
     n = x3.shape[1]
-    w = _params(weight, None, n, mean.dtype)[0]
+    w = kernel_params(weight, None, n, mean.dtype)[0]
     if x.shape[2] == 1:
         partials = _grad_partials(-(-mean.shape[0] // GRAD_ROW_BLOCK), n, mean.dtype, 2)
         _run(k.ln_backward_serial, k.ln_backward_parallel, x.size, LN_BACKWARD_WRITES,
@@ -225,18 +228,18 @@ def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype):
         partials = _grad_partials(_col_blocks(x3), n, mean.dtype, 2)
         _run(k.backward_cols_serial, k.backward_cols_parallel, x.size, LN_BACKWARD_WRITES,
              gy, x, mean, rstd, w, gx, partials, False)
-    sums = _entry.call(k.sum_blocks, (), partials)
+    sums = entry.call(k.sum_blocks, (), partials)
     return sums[0], sums[1]
 
 
 def rms_norm_backward(gy3, x3, rstd, weight, gx3, dtype):
     """RMSNorm backward into ``gx3``; returns ``grad_weight``."""
-    k = _kernels()
+    k = load_kernels()
     gy = _as_kernel_array(gy3, dtype)
     x = _as_kernel_array(x3, dtype)
     gx = _as_kernel_array(gx3, dtype)
     n = x3.shape[1]
-    w = _params(weight, None, n, rstd.dtype)[0]
+    w = kernel_params(weight, None, n, rstd.dtype)[0]
     if x.shape[2] == 1:
         partials = _grad_partials(-(-rstd.shape[0] // GRAD_ROW_BLOCK), n, rstd.dtype, 1)
         _run(k.rms_backward_serial, k.rms_backward_parallel, x.size, RMS_BACKWARD_WRITES,
@@ -245,4 +248,4 @@ def rms_norm_backward(gy3, x3, rstd, weight, gx3, dtype):
         partials = _grad_partials(_col_blocks(x3), n, rstd.dtype, 1)
         _run(k.backward_cols_serial, k.backward_cols_parallel, x.size, LN_BACKWARD_WRITES,
              gy, x, rstd, rstd, w, gx, partials, True)
-    return _entry.call(k.sum_blocks, (), partials)[0]
+    return entry.call(k.sum_blocks, (), partials)[0]

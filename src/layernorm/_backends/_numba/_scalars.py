@@ -55,19 +55,40 @@ def _bfloat16_bits_to_f32(typingctx, bits):
     return sig, codegen
 
 
+# The Python bodies below run only under NUMBA_DISABLE_JIT (Numba's debugging mode, see
+# .python_simd), on scalars and on vectors (NumPy arrays); jitted code uses the overloads.
+
+
 def widen(value):
     """Element -> accumulation type (float32, or float64 for float64)."""
-    raise NotImplementedError  # only callable from jitted code
+    a = np.array(value)  # a copy: a widened vector never aliases the array it came from
+    if a.dtype == np.int16:
+        a = a.view(np.float16).astype(np.float32)
+    elif a.dtype == np.uint16:
+        a = (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return a if a.ndim else a[()]
 
 
 def narrow(value, out):
     """Accumulation value -> element of the array ``out``."""
-    raise NotImplementedError
+    element = out.dtype
+    if element == np.int16:
+        a = np.asarray(value, np.float32).astype(np.float16).view(np.int16)
+    elif element == np.uint16:
+        f = np.asarray(value, np.float32)
+        bits = f.reshape(-1).view(np.uint32)  # arrays: NaN bits wrap without a warning
+        nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+        rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+        a = np.where(nan, (bits >> np.uint32(16)) | np.uint32(0x40),
+                     rounded >> np.uint32(16)).astype(np.uint16).reshape(f.shape)
+    else:
+        a = np.asarray(value, element)
+    return a if a.ndim else a[()]
 
 
 def cast(value, like):
     """``value`` converted to the float type of the scalar ``like``."""
-    raise NotImplementedError
+    return np.asarray(like).dtype.type(value)
 
 
 @overload(widen, inline="always")

@@ -14,12 +14,14 @@ Only jitted code can use what this module defines:
   vectors or three scalars of one type: an exact operation, so the same bits on every
   machine (never a contraction the compiler chose);
 * :func:`splat` (scalar -> vector), :func:`lane` (vector -> scalar);
-* :func:`load` / :func:`store` of ``WIDTH`` consecutive elements of an array whose
-  last axis has unit stride, widening 16-bit floats (float16 as ``int16`` bits, bfloat16
-  as ``uint16`` bits) to float32 and rounding back to nearest even on store;
-  :func:`store_nt` is :func:`store` with a non-temporal (streaming) hint, for addresses
-  aligned to ``min(64, vector bytes)`` only, and :func:`store_fence` orders them before
-  the stores that follow (a kernel ends with it, before other threads read its output);
+* :func:`load2` / :func:`store2` of ``WIDTH`` consecutive elements of a row of a 2-D
+  array whose last axis has unit stride, and :func:`vload` / :func:`vstore` of a row of
+  a :class:`Raw` view, widening 16-bit floats (float16 as ``int16`` bits, bfloat16 as
+  ``uint16`` bits) to float32 and rounding back to nearest even on store;
+  :func:`vstore_nt` is :func:`vstore` with a non-temporal (streaming) hint, for
+  addresses aligned to ``min(64, vector bytes)`` only, and :func:`store_fence` orders
+  them before the stores that follow (a kernel ends with it, before other threads read
+  its output);
 * :func:`down8`, :func:`down4`, :func:`down2`, :func:`down1`: lane ``j + h`` moved to
   lane ``j`` (the fixed lane tree of the reductions);
 * :func:`fold8`, :func:`fold4`, :func:`fold2`, :func:`fold1` ``(a, b)``: one level of that
@@ -28,7 +30,7 @@ Only jitted code can use what this module defines:
   blocks first. Folding 16 row vectors pairwise with ``h = 8, 4, 2, 1`` leaves row
   ``i``'s tree sum in lane ``i``, computed by the same additions as the tree of one row;
 * :func:`sqrt` of every lane;
-* :func:`address` of an element, for alignment decisions.
+* :func:`vaddress` of an element, for alignment decisions;
 * :func:`runtime` of an integer constant, so that passing it to a helper does not compile
   a specialization per value;
 * :func:`alive` keeps a local array allocated up to that point (views borrow memory).
@@ -41,7 +43,7 @@ import platform
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
+from numba.core import cgutils, config
 from numba.core.typing.templates import AbstractTemplate, infer_global, signature
 from numba.extending import intrinsic, lower_builtin, models, overload, register_model
 
@@ -401,12 +403,10 @@ def _load_impl(ndim: int):
 
         return vt(arr, *indices), codegen
 
-    if ndim == 1:
-        return intrinsic(lambda typingctx, arr, i: typer(typingctx, arr, i))
     return intrinsic(lambda typingctx, arr, i, j: typer(typingctx, arr, i, j))
 
 
-def _store_impl(ndim: int, nontemporal: bool):
+def _store_impl(ndim: int):
     def typer(typingctx, arr, vec, *indices):
         if len(indices) != ndim or not _index_types_ok(arr, indices):
             return None
@@ -417,50 +417,19 @@ def _store_impl(ndim: int, nontemporal: bool):
             ptr = _element_pointer(context, builder, arr, args[0], args[2:])
             raw = _narrow_vector(builder, args[1], arr.dtype)
             vptr = builder.bitcast(ptr, raw.type.as_pointer())
-            if nontemporal:
-                st = builder.store(raw, vptr, align=min(64, WIDTH * arr.dtype.bitwidth // 8))
-                md = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-                st.set_metadata("nontemporal", md)
-            else:
-                builder.store(raw, vptr, align=arr.dtype.bitwidth // 8)
+            builder.store(raw, vptr, align=arr.dtype.bitwidth // 8)
             return context.get_dummy_value()
 
         return types.none(arr, vec, *indices), codegen
 
-    if ndim == 1:
-        return intrinsic(lambda typingctx, arr, vec, i: typer(typingctx, arr, vec, i))
     return intrinsic(lambda typingctx, arr, vec, i, j: typer(typingctx, arr, vec, i, j))
 
 
-def _address_impl(ndim: int):
-    def typer(typingctx, arr, *indices):
-        if not isinstance(arr, types.Array) or arr.ndim != ndim:
-            return None
-
-        def codegen(context, builder, sig, args):
-            ptr = _element_pointer(context, builder, arr, args[0], args[1:])
-            return builder.ptrtoint(ptr, ir.IntType(64))
-
-        return types.uint64(arr, *indices), codegen
-
-    if ndim == 1:
-        return intrinsic(lambda typingctx, arr, i: typer(typingctx, arr, i))
-    return intrinsic(lambda typingctx, arr, i, j: typer(typingctx, arr, i, j))
-
-
-#: ``load(arr, i)``: ``arr[i:i + WIDTH]`` of a 1-D array, widened to the accumulation type.
-load = _load_impl(1)
-#: ``load2(arr, i, j)``: ``arr[i, j:j + WIDTH]`` of a 2-D array.
+#: ``load2(arr, i, j)``: ``arr[i, j:j + WIDTH]`` of a 2-D array, widened to the
+#: accumulation type.
 load2 = _load_impl(2)
-#: ``store(arr, vec, i)``: ``arr[i:i + WIDTH] = vec`` (rounded to the element type).
-store = _store_impl(1, False)
-store2 = _store_impl(2, False)
-#: ``store_nt(arr, vec, i)``: non-temporal store; ``&arr[i]`` must be 64-byte aligned.
-store_nt = _store_impl(1, True)
-store2_nt = _store_impl(2, True)
-#: ``address(arr, i)`` / ``address2(arr, i, j)``: element address as an integer.
-address = _address_impl(1)
-address2 = _address_impl(2)
+#: ``store2(arr, vec, i, j)``: ``arr[i, j:j + WIDTH] = vec`` (rounded to the element type).
+store2 = _store_impl(2)
 
 
 # --------------------------------------------------------------------------- raw views
@@ -648,7 +617,7 @@ def vaddress(typingctx, view, r, i):
 
 def itemsize(view):
     """Bytes per element of a :class:`Raw` (a compile-time constant)."""
-    raise NotImplementedError
+    return view.itemsize  # Python (NUMBA_DISABLE_JIT) only; jitted code: the overload
 
 
 @overload(itemsize, inline="always")
@@ -677,3 +646,11 @@ def copy2(typingctx, dst, di, dj, src, si, sj):
         return context.get_dummy_value()
 
     return types.none(dst, di, dj, src, si, sj), codegen
+
+
+if config.DISABLE_JIT:
+    # Numba's debugging mode runs the kernels as Python, where intrinsics cannot run:
+    # export NumPy stand-ins under the same names instead.
+    from . import python_simd
+
+    globals().update({name: getattr(python_simd, name) for name in python_simd.__all__})

@@ -49,7 +49,8 @@ def entry_point(kernel: Any, writes: tuple[int, ...], args: tuple[Any, ...]) -> 
     Parameters
     ----------
     kernel : numba.core.registry.CPUDispatcher
-        A jitted kernel.
+        A jitted kernel (a plain function under ``NUMBA_DISABLE_JIT=1``, returned as
+        it is).
     writes : tuple of int
         Positions of the array arguments the kernel writes (typed writable).
     args : tuple
@@ -61,6 +62,9 @@ def entry_point(kernel: Any, writes: tuple[int, ...], args: tuple[Any, ...]) -> 
     callable
         The compiled function; it takes the same arguments as ``kernel``.
     """
+    if not hasattr(kernel, "overloads"):
+        # NUMBA_DISABLE_JIT=1 (Numba's debugging mode): the kernel is a Python function.
+        return kernel
     key = _key(kernel, args)
     entry = _entry_points.get(key)
     if entry is None:
@@ -87,13 +91,16 @@ def _load_cached(kernel: Any, sig: tuple[Any, ...]) -> Callable[..., Any] | None
     from numba.core.compiler_lock import global_compiler_lock
     from numba.core.runtime import rtsys
 
+    load = getattr(kernel._cache, "_load_overload", None)
+    if load is None:  # no disk cache (see .diskcache): compile
+        return None
     with global_compiler_lock:
         existing = kernel.overloads.get(sig)
         if existing is not None:
             return existing.entry_point
         context = kernel.targetctx
         rtsys.initialize(context)
-        result = kernel._cache._load_overload(sig, context)
+        result = load(sig, context)
         if result is None or result.objectmode:
             return None
         context.insert_user_function(result.entry_point, result.fndesc, [result.library])

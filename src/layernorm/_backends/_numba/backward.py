@@ -1,0 +1,432 @@
+"""LayerNorm and RMSNorm backward: rows of 2-D arrays, columns of 3-D ones.
+
+Backward (LayerNorm): lane ``i % LANES`` accumulates ``g = dy * w`` and ``g * xhat``
+(``xhat = (x - mean) * rstd``) in order; tree sums; ``grad_x = ((g - mean_g) - xhat *
+mean_gxhat) * rstd``. ``grad_weight``/``grad_bias`` partials are accumulated per fixed
+block of rows (2-D: ``block_rows`` consecutive rows in order; 3-D: one partial per
+``(outer index, COL_BLOCK columns)``), then summed over blocks in order.
+
+The column layout (``inner > 1``) gathers each column into a scratch row and runs the
+row helpers on it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ._scalars import cast, narrow, widen
+from ._simd import alive, get, put, raw, splat, vload, vstore
+from .diskcache import cached_njit
+from .rowmath import LANES, copy_row, times_w, tree_sum, unit_stride, widened
+
+#: Rows at least this long run the backward two rows per pass (no effect on results;
+#: measured: it pays once the partial sums no longer fit in L1, and costs below).
+PAIR_MIN_N = 2048
+#: Columns per grad_weight/grad_bias partial block in the channels-first backward.
+COL_BLOCK = 64
+
+
+@njit(inline="always", error_model="numpy")
+def _ln_bwd_means(gyr, xr, r, n, mean, rstd, w, rg, rx):
+    """(mean of g, mean of g * xhat) of row ``r``, ``g = dy * w``."""
+    like = mean
+    zero = splat(cast(0.0, like))
+    mv = splat(mean)
+    rv = splat(rstd)
+    acc_g = zero
+    acc_gx = zero
+    body = n - n % LANES
+    for i in range(0, body, LANES):
+        g = vload(gyr, r, i)
+        g = times_w(g, w, i)
+        xh = (vload(xr, r, i) - mv) * rv
+        acc_g = acc_g + g
+        acc_gx = acc_gx + g * xh
+    if body < n:
+        for j in range(LANES):
+            if body + j < n:
+                gj = widen(get(gyr, r, body + j))
+                gj = times_w(gj, w, body + j)
+                put(rg, 0, j, gj)
+                put(rx, 0, j, widen(get(xr, r, body + j)))
+            else:
+                put(rg, 0, j, cast(0.0, like))
+                put(rx, 0, j, mean)
+        g = vload(rg, 0, 0)
+        xh = (vload(rx, 0, 0) - mv) * rv
+        acc_g = acc_g + g
+        acc_gx = acc_gx + g * xh
+    inv_n = cast(1.0, like) / cast(n, like)
+    return tree_sum(acc_g) * inv_n, tree_sum(acc_gx) * inv_n
+
+
+@njit(inline="always", error_model="numpy")
+def _ln_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw, db):
+    """grad_x of rows ``ra`` and (if ``two``) ``rb``; their terms added to dw/db in order.
+
+    ``sa``/``sb`` are (mean, rstd, mean_g, mean_gx) of each row. Two rows per pass read
+    and write the partial sums once for both: ``dw = (dw + a) + b`` is exactly what two
+    single-row passes compute.
+    """
+    mva, rva, mga, mgxa = splat(sa[0]), splat(sa[1]), splat(sa[2]), splat(sa[3])
+    mvb, rvb, mgb, mgxb = splat(sb[0]), splat(sb[1]), splat(sb[2]), splat(sb[3])
+    body = n - n % LANES
+    for i in range(0, body, LANES):
+        dya = vload(gyr, ra, i)
+        xha = (vload(xr, ra, i) - mva) * rva
+        vstore(gxr, ((times_w(dya, w, i) - mga) - xha * mgxa) * rva, ra, i)
+        tw = vload(dw, 0, i) + dya * xha
+        tb = vload(db, 0, i) + dya
+        if two:
+            dyb = vload(gyr, rb, i)
+            xhb = (vload(xr, rb, i) - mvb) * rvb
+            vstore(gxr, ((times_w(dyb, w, i) - mgb) - xhb * mgxb) * rvb, rb, i)
+            tw = tw + dyb * xhb
+            tb = tb + dyb
+        vstore(dw, tw, 0, i)
+        vstore(db, tb, 0, i)
+    for i in range(body, n):
+        dya = widen(get(gyr, ra, i))
+        xha = (widen(get(xr, ra, i)) - sa[0]) * sa[1]
+        put(gxr, ra, i, narrow(((times_w(dya, w, i) - sa[2]) - xha * sa[3]) * sa[1], gxr))
+        tw = get(dw, 0, i) + dya * xha
+        tb = get(db, 0, i) + dya
+        if two:
+            dyb = widen(get(gyr, rb, i))
+            xhb = (widen(get(xr, rb, i)) - sb[0]) * sb[1]
+            put(gxr, rb, i, narrow(((times_w(dyb, w, i) - sb[2]) - xhb * sb[3]) * sb[1], gxr))
+            tw = tw + dyb * xhb
+            tb = tb + dyb
+        put(dw, 0, i, tw)
+        put(db, 0, i, tb)
+
+
+@njit(inline="always", error_model="numpy")
+def _ln_bwd_vector(gyr, xr, gxr, r, i, w, mv, rv, mgv, mgxv, dwk, dbk):
+    """grad_x of one vector of row ``r``; returns the updated dw/db partial vectors."""
+    dy = vload(gyr, r, i)
+    xh = (vload(xr, r, i) - mv) * rv
+    vstore(gxr, ((times_w(dy, w, i) - mgv) - xh * mgxv) * rv, r, i)
+    return dwk + dy * xh, dbk + dy
+
+
+@njit(error_model="numpy")
+def _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
+    """:func:`_ln_bwd_rows` for contiguous rows shorter than ``5 * LANES`` (four vectors + tail).
+
+    The block's dw/db partial vectors stay in registers across its rows instead of being
+    read and written per row (the same additions in the same order, so the same bits).
+    """
+    n = x.shape[1]
+    nv = n // LANES
+    acc = mean_in.dtype
+    rg = np.empty((1, LANES), dtype=acc)
+    rx = np.empty((1, LANES), dtype=acc)
+    xv, gyv, gxv, wv, rgv, rxv = raw(x), raw(gy), raw(gx), raw(w), raw(rg), raw(rx)
+    dw = raw(partials[0, blk])
+    db = raw(partials[1, blk])
+    zero = splat(cast(0.0, mean_in[0]))
+    dw0 = vload(dw, 0, 0) if nv > 0 else zero
+    db0 = vload(db, 0, 0) if nv > 0 else zero
+    dw1 = vload(dw, 0, LANES) if nv > 1 else zero
+    db1 = vload(db, 0, LANES) if nv > 1 else zero
+    dw2 = vload(dw, 0, 2 * LANES) if nv > 2 else zero
+    db2 = vload(db, 0, 2 * LANES) if nv > 2 else zero
+    dw3 = vload(dw, 0, 3 * LANES) if nv > 3 else zero
+    db3 = vload(db, 0, 3 * LANES) if nv > 3 else zero
+    for r in range(r0, r1):
+        m, s = mean_in[r], rstd_in[r]
+        mg, mgx = _ln_bwd_means(gyv, xv, r, n, m, s, wv, rgv, rxv)
+        mv, rv, mgv, mgxv = splat(m), splat(s), splat(mg), splat(mgx)
+        if nv > 0:
+            dw0, db0 = _ln_bwd_vector(gyv, xv, gxv, r, 0, wv, mv, rv, mgv, mgxv, dw0, db0)
+        if nv > 1:
+            dw1, db1 = _ln_bwd_vector(gyv, xv, gxv, r, LANES, wv, mv, rv, mgv, mgxv, dw1,
+                                      db1)
+        if nv > 2:
+            dw2, db2 = _ln_bwd_vector(gyv, xv, gxv, r, 2 * LANES, wv, mv, rv, mgv, mgxv,
+                                      dw2, db2)
+        if nv > 3:
+            dw3, db3 = _ln_bwd_vector(gyv, xv, gxv, r, 3 * LANES, wv, mv, rv, mgv, mgxv,
+                                      dw3, db3)
+        for i in range(nv * LANES, n):
+            dy = widen(get(gyv, r, i))
+            xh = (widen(get(xv, r, i)) - m) * s
+            put(gxv, r, i, narrow(((times_w(dy, wv, i) - mg) - xh * mgx) * s, gxv))
+            put(dw, 0, i, get(dw, 0, i) + dy * xh)
+            put(db, 0, i, get(db, 0, i) + dy)
+    if nv > 0:
+        vstore(dw, dw0, 0, 0)
+        vstore(db, db0, 0, 0)
+    if nv > 1:
+        vstore(dw, dw1, 0, LANES)
+        vstore(db, db1, 0, LANES)
+    if nv > 2:
+        vstore(dw, dw2, 0, 2 * LANES)
+        vstore(db, db2, 0, 2 * LANES)
+    if nv > 3:
+        vstore(dw, dw3, 0, 3 * LANES)
+        vstore(db, db3, 0, 3 * LANES)
+    alive(rg)
+    alive(rx)
+
+
+@njit(error_model="numpy")
+def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
+    n = x.shape[1]
+    if n < 5 * LANES and unit_stride(x) and unit_stride(gy) and unit_stride(gx):
+        _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1)
+        return
+    acc = mean_in.dtype
+    rg = np.empty((1, LANES), dtype=acc)
+    rx = np.empty((1, LANES), dtype=acc)
+    strided = not (unit_stride(x) and unit_stride(gy) and unit_stride(gx))
+    xs = np.empty((2, n if strided else 0), dtype=x.dtype)
+    gys = np.empty((2, n if strided else 0), dtype=gy.dtype)
+    gxs = np.empty((2, n if strided else 0), dtype=gx.dtype)
+    xv, gyv, gxv, xsv, gysv, gxsv = raw(x), raw(gy), raw(gx), raw(xs), raw(gys), raw(gxs)
+    wv, rgv, rxv = raw(w), raw(rg), raw(rx)
+    dw = raw(partials[0, blk])
+    db = raw(partials[1, blk])
+    a, b, c = (gysv, xsv, gxsv) if strided else (gyv, xv, gxv)
+    # Long rows in pairs (a last single row alone): the parameter-gradient partial sums,
+    # too long for L1 then, are read and written once per pair. Each row's arithmetic is
+    # the same either way.
+    step = 2 if n >= PAIR_MIN_N else 1
+    for r in range(r0, r1, step):
+        two = step == 2 and r + 1 < r1
+        if strided:
+            copy_row(xs, 0, x, r)
+            copy_row(gys, 0, gy, r)
+            if two:
+                copy_row(xs, 1, x, r + 1)
+                copy_row(gys, 1, gy, r + 1)
+        ra = 0 if strided else r
+        rb = ra + 1 if two else ra
+        ma, sa_ = mean_in[r], rstd_in[r]
+        mb, sb_ = mean_in[r + 1] if two else ma, rstd_in[r + 1] if two else sa_
+        ga, gxa = _ln_bwd_means(a, b, ra, n, ma, sa_, wv, rgv, rxv)
+        gb, gxb = _ln_bwd_means(a, b, rb, n, mb, sb_, wv, rgv, rxv) if two else (ga, gxa)
+        _ln_bwd_rows_out(a, b, c, ra, rb, two, n, (ma, sa_, ga, gxa), (mb, sb_, gb, gxb),
+                         wv, dw, db)
+        if strided:
+            copy_row(gx, r, gxs, 0)
+            if two:
+                copy_row(gx, r + 1, gxs, 1)
+    alive(rg)
+    alive(rx)
+    alive(xs)
+    alive(gys)
+    alive(gxs)
+
+
+@cached_njit(error_model="numpy")
+def ln_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows):
+    """LayerNorm backward of 2-D arrays on the calling thread (same blocks as parallel)."""
+    rows = x.shape[0]
+    w = widened(w)
+    for blk in range(partials.shape[1]):
+        r0 = blk * block_rows
+        _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
+                     min(rows, r0 + block_rows))
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def ln_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows):
+    """LayerNorm backward of 2-D arrays, row blocks spread over threads."""
+    rows = x.shape[0]
+    w = widened(w)
+    for blk in prange(partials.shape[1]):
+        r0 = blk * block_rows
+        _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
+                     min(rows, r0 + block_rows))
+
+
+@njit(inline="always", error_model="numpy")
+def _rms_bwd_mean(gyr, xr, r, n, rstd, w, rg, rx):
+    """Mean of ``g * xhat`` of row ``r`` (``g = dy * w``, ``xhat = x * rstd``)."""
+    like = rstd
+    zero = splat(cast(0.0, like))
+    rv = splat(rstd)
+    acc = zero
+    body = n - n % LANES
+    for i in range(0, body, LANES):
+        g = vload(gyr, r, i)
+        g = times_w(g, w, i)
+        acc = acc + g * (vload(xr, r, i) * rv)
+    if body < n:
+        for j in range(LANES):
+            if body + j < n:
+                gj = widen(get(gyr, r, body + j))
+                gj = times_w(gj, w, body + j)
+                put(rg, 0, j, gj)
+                put(rx, 0, j, widen(get(xr, r, body + j)))
+            else:
+                put(rg, 0, j, cast(0.0, like))
+                put(rx, 0, j, cast(0.0, like))
+        acc = acc + vload(rg, 0, 0) * (vload(rx, 0, 0) * rv)
+    return tree_sum(acc) * (cast(1.0, like) / cast(n, like))
+
+
+@njit(inline="always", error_model="numpy")
+def _rms_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw):
+    """grad_x of rows ``ra`` and (if ``two``) ``rb``, like :func:`_ln_bwd_rows_out`.
+
+    ``sa``/``sb`` are (rstd, mean_gx) of each row.
+    """
+    rva, mgxa = splat(sa[0]), splat(sa[1])
+    rvb, mgxb = splat(sb[0]), splat(sb[1])
+    body = n - n % LANES
+    for i in range(0, body, LANES):
+        dya = vload(gyr, ra, i)
+        xha = vload(xr, ra, i) * rva
+        vstore(gxr, (times_w(dya, w, i) - xha * mgxa) * rva, ra, i)
+        tw = vload(dw, 0, i) + dya * xha
+        if two:
+            dyb = vload(gyr, rb, i)
+            xhb = vload(xr, rb, i) * rvb
+            vstore(gxr, (times_w(dyb, w, i) - xhb * mgxb) * rvb, rb, i)
+            tw = tw + dyb * xhb
+        vstore(dw, tw, 0, i)
+    for i in range(body, n):
+        dya = widen(get(gyr, ra, i))
+        xha = widen(get(xr, ra, i)) * sa[0]
+        put(gxr, ra, i, narrow((times_w(dya, w, i) - xha * sa[1]) * sa[0], gxr))
+        tw = get(dw, 0, i) + dya * xha
+        if two:
+            dyb = widen(get(gyr, rb, i))
+            xhb = widen(get(xr, rb, i)) * sb[0]
+            put(gxr, rb, i, narrow((times_w(dyb, w, i) - xhb * sb[1]) * sb[0], gxr))
+            tw = tw + dyb * xhb
+        put(dw, 0, i, tw)
+
+
+@njit(error_model="numpy")
+def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1):
+    n = x.shape[1]
+    acc = rstd_in.dtype
+    rg = np.empty((1, LANES), dtype=acc)
+    rx = np.empty((1, LANES), dtype=acc)
+    strided = not (unit_stride(x) and unit_stride(gy) and unit_stride(gx))
+    xs = np.empty((2, n if strided else 0), dtype=x.dtype)
+    gys = np.empty((2, n if strided else 0), dtype=gy.dtype)
+    gxs = np.empty((2, n if strided else 0), dtype=gx.dtype)
+    xv, gyv, gxv, xsv, gysv, gxsv = raw(x), raw(gy), raw(gx), raw(xs), raw(gys), raw(gxs)
+    wv, rgv, rxv = raw(w), raw(rg), raw(rx)
+    dw = raw(partials[0, blk])
+    a, b, c = (gysv, xsv, gxsv) if strided else (gyv, xv, gxv)
+    step = 2 if n >= PAIR_MIN_N else 1
+    for r in range(r0, r1, step):
+        two = step == 2 and r + 1 < r1
+        if strided:
+            copy_row(xs, 0, x, r)
+            copy_row(gys, 0, gy, r)
+            if two:
+                copy_row(xs, 1, x, r + 1)
+                copy_row(gys, 1, gy, r + 1)
+        ra = 0 if strided else r
+        rb = ra + 1 if two else ra
+        sa_ = rstd_in[r]
+        sb_ = rstd_in[r + 1] if two else sa_
+        ma = _rms_bwd_mean(a, b, ra, n, sa_, wv, rgv, rxv)
+        mb = _rms_bwd_mean(a, b, rb, n, sb_, wv, rgv, rxv) if two else ma
+        _rms_bwd_rows_out(a, b, c, ra, rb, two, n, (sa_, ma), (sb_, mb), wv, dw)
+        if strided:
+            copy_row(gx, r, gxs, 0)
+            if two:
+                copy_row(gx, r + 1, gxs, 1)
+    alive(rg)
+    alive(rx)
+    alive(xs)
+    alive(gys)
+    alive(gxs)
+
+
+@cached_njit(error_model="numpy")
+def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows):
+    """RMSNorm backward of 2-D arrays on the calling thread."""
+    rows = x.shape[0]
+    w = widened(w)
+    for blk in range(partials.shape[1]):
+        r0 = blk * block_rows
+        _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows))
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def rms_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows):
+    """RMSNorm backward of 2-D arrays, row blocks spread over threads."""
+    rows = x.shape[0]
+    w = widened(w)
+    for blk in prange(partials.shape[1]):
+        r0 = blk * block_rows
+        _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows))
+
+
+@njit(error_model="numpy")
+def _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols):
+    n = x.shape[1]
+    inner = x.shape[2]
+    per = (inner + COL_BLOCK - 1) // COL_BLOCK
+    o = item // per
+    c0 = (item % per) * COL_BLOCK
+    xs, gys, gxs, rg, rx = cols
+    xsv, gysv, gxsv, rgv, rxv = raw(xs), raw(gys), raw(gxs), raw(rg), raw(rx)
+    wv = raw(w)
+    dw = raw(partials[0, item])
+    db = raw(partials[partials.shape[0] - 1, item])
+    for c in range(c0, min(inner, c0 + COL_BLOCK)):
+        r = o * inner + c
+        for i in range(n):
+            xs[0, i] = x[o, i, c]
+            gys[0, i] = gy[o, i, c]
+        if rms:
+            sd = rstd_in[r]
+            mgx = _rms_bwd_mean(gysv, xsv, 0, n, sd, wv, rgv, rxv)
+            _rms_bwd_rows_out(gysv, xsv, gxsv, 0, 0, False, n, (sd, mgx), (sd, mgx), wv, dw)
+        else:
+            m, sd = mean_in[r], rstd_in[r]
+            mg, mgx = _ln_bwd_means(gysv, xsv, 0, n, m, sd, wv, rgv, rxv)
+            _ln_bwd_rows_out(gysv, xsv, gxsv, 0, 0, False, n, (m, sd, mg, mgx),
+                             (m, sd, mg, mgx), wv, dw, db)
+        for i in range(n):
+            gx[o, i, c] = gxs[0, i]
+
+
+@njit(inline="always", error_model="numpy")
+def _bwd_col_scratch(gy, x, gx, acc):
+    n = x.shape[1]
+    return (np.empty((1, n), dtype=x.dtype), np.empty((1, n), dtype=gy.dtype),
+            np.empty((1, n), dtype=gx.dtype), np.empty((1, LANES), dtype=acc),
+            np.empty((1, LANES), dtype=acc))
+
+
+@cached_njit(error_model="numpy")
+def backward_cols_serial(gy, x, mean_in, rstd_in, w, gx, partials, rms):
+    """Backward over axis 1 of 3-D arrays; one partial per (outer, COL_BLOCK columns).
+
+    ``rms`` selects RMSNorm (``mean_in`` is then ignored and ``partials`` has one row).
+    """
+    cols = _bwd_col_scratch(gy, x, gx, rstd_in.dtype)
+    for item in range(partials.shape[1]):
+        _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def backward_cols_parallel(gy, x, mean_in, rstd_in, w, gx, partials, rms):
+    """Parallel :func:`backward_cols_serial` (same partial blocks)."""
+    for item in prange(partials.shape[1]):
+        cols = _bwd_col_scratch(gy, x, gx, rstd_in.dtype)
+        _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols)
+
+
+@cached_njit(error_model="numpy")
+def sum_blocks(partials):
+    """Sum ``partials[:, blk, :]`` over ``blk`` in increasing order (deterministic)."""
+    count, blocks, n = partials.shape
+    total = partials[:, 0, :].copy()
+    for c in range(count):
+        for blk in range(1, blocks):
+            for i in range(n):
+                total[c, i] = total[c, i] + partials[c, blk, i]
+    return total

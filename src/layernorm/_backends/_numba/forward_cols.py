@@ -1,0 +1,315 @@
+"""LayerNorm and RMSNorm forward over axis 1 of 3-D ``(outer, n, inner)`` arrays.
+
+The **column path** (``inner > 1``, the channels-first case): ``WIDTH`` neighbouring
+columns are processed at once, one column per SIMD lane, and the row arithmetic's lanes
+(:mod:`.rowmath`) become a loop over lane-state vectors. A work item copies a tile of up
+to ``8 * WIDTH`` columns into an ``(n, columns)`` scratch tile in row order first (rows
+are far apart; a sequential walk is what the prefetchers follow), padding a last
+partial block by repeating its last column. Each column gets the bits the row path
+gives the same values as a row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ._scalars import cast, widen
+from ._simd import WIDTH, copy2, fma, lane, load2, splat, store2
+from .diskcache import cached_njit
+from .rowmath import (
+    CHUNK,
+    LANES,
+    PER_LANE,
+    TAB_COUNTS,
+    TAB_INV_N,
+    TAB_REM_C,
+    TAB_REM_F,
+    WORK_ELEMENTS,
+    chunk_tree,
+    chunk_weights,
+    finish,
+    merge,
+    merge_weights,
+    square_tree,
+)
+
+
+@njit(error_model="numpy")
+def _col_chunk(x2, row0, c0, g, kv, inv, pad, zero):
+    # Leaves written out: a helper called with the constants 0 .. 7 would be compiled
+    # once per constant.
+    return chunk_tree(
+        load2(x2, row0, c0) - kv if g > 0 else pad,
+        load2(x2, row0 + LANES, c0) - kv if g > 1 else pad,
+        load2(x2, row0 + 2 * LANES, c0) - kv if g > 2 else pad,
+        load2(x2, row0 + 3 * LANES, c0) - kv if g > 3 else pad,
+        load2(x2, row0 + 4 * LANES, c0) - kv if g > 4 else pad,
+        load2(x2, row0 + 5 * LANES, c0) - kv if g > 5 else pad,
+        load2(x2, row0 + 6 * LANES, c0) - kv if g > 6 else pad,
+        load2(x2, row0 + 7 * LANES, c0) - kv if g > 7 else pad,
+        g, inv, zero)
+
+
+@njit(inline="always", error_model="numpy")
+def _lane_tree_sum(lt):
+    """Row 0 of ``lt`` becomes the sum of its LANES rows, in :func:`tree_sum`'s tree."""
+    h = LANES // 2
+    while h >= 1:
+        for j in range(h):
+            store2(lt, load2(lt, j, 0) + load2(lt, j + h, 0), j, 0)
+        h = h // 2
+
+
+@njit(inline="always", error_model="numpy")
+def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out, r0, valid):
+    """The row arithmetic for columns ``c0 .. c0+WIDTH`` of ``x2`` (unit column stride).
+
+    Writes the outputs of the first ``valid`` columns' statistics at ``r0 ..``.
+    """
+    n = x2.shape[0]
+    like = eps
+    kv = load2(x2, 0, c0)
+    zero = splat(cast(0.0, like))
+    pad = splat(cast(-0.0, like))
+    for j in range(LANES):
+        store2(lm, zero, j, 0)
+        store2(lm2, zero, j, 0)
+    groups = n // LANES
+    full = groups // PER_LANE
+    inv_full = splat(cast(1.0, like) / cast(PER_LANE, like))
+    for c in range(full):
+        f, cc = chunk_weights(c, PER_LANE, like)
+        fv = splat(f)
+        cv = splat(cc)
+        for j in range(LANES):
+            m, q = _col_chunk(x2, c * CHUNK + j, c0, PER_LANE, kv, inv_full, pad, zero)
+            mean, m2 = merge(load2(lm, j, 0), load2(lm2, j, 0), m, q, fv, cv)
+            store2(lm, mean, j, 0)
+            store2(lm2, m2, j, 0)
+    g = groups - full * PER_LANE
+    if g > 0:
+        f, cc = chunk_weights(full, g, like)
+        fv = splat(f)
+        cv = splat(cc)
+        inv = splat(cast(1.0, like) / cast(g, like))
+        for j in range(LANES):
+            m, q = _col_chunk(x2, full * CHUNK + j, c0, g, kv, inv, pad, zero)
+            mean, m2 = merge(load2(lm, j, 0), load2(lm2, j, 0), m, q, fv, cv)
+            store2(lm, mean, j, 0)
+            store2(lm2, m2, j, 0)
+    start = groups * LANES
+    r = n - start
+    if r > 0:
+        for j in range(LANES):
+            v = (load2(x2, start + j, c0) - kv) if j < r else (kv - kv)
+            d = v - v
+            mean, m2 = merge(load2(lm, j, 0), load2(lm2, j, 0), v, d * d,
+                              splat(tab[TAB_REM_F, j]), splat(tab[TAB_REM_C, j]))
+            store2(lm, mean, j, 0)
+            store2(lm2, m2, j, 0)
+    # Lanes to columns: the row path's two tree sums, lane j of a vector being row j of
+    # the lane-state tiles here.
+    for j in range(LANES):
+        store2(lt, splat(tab[TAB_COUNTS, j]) * load2(lm, j, 0), j, 0)
+    _lane_tree_sum(lt)
+    mu = load2(lt, 0, 0) * splat(tab[TAB_INV_N, 0])
+    for j in range(LANES):
+        d = load2(lm, j, 0) - mu
+        store2(lt, fma(splat(tab[TAB_COUNTS, j]) * d, d, load2(lm2, j, 0)), j, 0)
+    _lane_tree_sum(lt)
+    store2(cs, mu, 0, 0)
+    # cs rows: 0 shifted mean, 1 rstd (per column)
+    for k in range(LANES):
+        mean = cs[0, k]
+        mo, rstd = finish(lane(kv, k), mean, lt[0, k], n, eps)
+        cs[0, k] = mean
+        cs[1, k] = rstd
+        if k < valid:
+            mean_out[r0 + k] = mo
+            rstd_out[r0 + k] = rstd
+    mv = load2(cs, 0, 0)
+    rv = load2(cs, 1, 0)
+    for i in range(n):
+        v = ((load2(x2, i, c0) - kv) - mv) * rv
+        v = fma(v, splat(widen(w[i])), splat(widen(b[i])))
+        store2(y2, v, i, c0)
+
+
+@njit(inline="always", error_model="numpy")
+def _tile_columns(n):
+    # Columns per work item: several WIDTH blocks, so each visit of a (far away) row
+    # reads a few contiguous cache lines, while the tile stays within L2.
+    return WIDTH * max(1, min(8, 4096 // max(n, 1)))
+
+
+@njit(inline="always", error_model="numpy")
+def _load_tile(x2, xt, c0, valid, unit):
+    """Copy columns ``c0 .. c0+valid`` of ``x2`` into ``xt``, in row order.
+
+    Rows are far apart in memory and a sequential walk is what the hardware prefetchers
+    follow. Columns past ``valid`` in the last block repeat the last valid column.
+    """
+    full = valid // WIDTH if unit else 0
+    for i in range(x2.shape[0]):
+        for s in range(full):
+            copy2(xt, i, s * WIDTH, x2, i, c0 + s * WIDTH)
+        for k in range(full * WIDTH, xt.shape[1]):
+            xt[i, k] = x2[i, c0 + min(k, valid - 1)]
+
+
+@njit(inline="always", error_model="numpy")
+def _store_tile(yt, y2, c0, valid, unit):
+    full = valid // WIDTH if unit else 0
+    for i in range(y2.shape[0]):
+        for s in range(full):
+            copy2(y2, i, c0 + s * WIDTH, yt, i, s * WIDTH)
+        for k in range(full * WIDTH, valid):
+            y2[i, c0 + k] = yt[i, k]
+
+
+@njit(error_model="numpy")
+def _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item):
+    lm, lm2, lt, cs = scratch
+    xt, yt = tiles
+    inner = x.shape[2]
+    tw = xt.shape[1]
+    per = (inner + tw - 1) // tw
+    o = item // per
+    c0 = (item % per) * tw
+    valid = min(tw, inner - c0)
+    unit = x.strides[2] == x.itemsize and y.strides[2] == y.itemsize
+    _load_tile(x[o], xt, c0, valid, unit)
+    for s in range(0, valid, WIDTH):
+        _ln_cols(xt, yt, s, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out,
+                 o * inner + c0 + s, min(WIDTH, valid - s))
+    _store_tile(yt, y[o], c0, valid, unit)
+
+
+@njit(inline="always", error_model="numpy")
+def _col_scratch(x, y, acc):
+    n = x.shape[1]
+    tw = _tile_columns(n)
+    scratch = (np.empty((LANES, WIDTH), dtype=acc), np.empty((LANES, WIDTH), dtype=acc),
+               np.empty((LANES, WIDTH), dtype=acc), np.empty((2, WIDTH), dtype=acc))
+    tiles = (np.empty((n, tw), dtype=x.dtype), np.empty((n, tw), dtype=y.dtype))
+    return scratch, tiles
+
+
+@njit(inline="always", error_model="numpy")
+def _col_items(x):
+    tw = _tile_columns(x.shape[1])
+    return x.shape[0] * ((x.shape[2] + tw - 1) // tw), max(1, WORK_ELEMENTS // (tw * x.shape[1]))
+
+
+@cached_njit(error_model="numpy")
+def ln_forward_cols_serial(x, w, b, eps, y, mean_out, rstd_out):
+    """LayerNorm forward over axis 1 of a 3-D ``(outer, n, inner)`` array."""
+    tab = merge_weights(x.shape[1], eps)
+    items, _ = _col_items(x)
+    scratch, tiles = _col_scratch(x, y, mean_out.dtype)
+    for item in range(items):
+        _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def ln_forward_cols_parallel(x, w, b, eps, y, mean_out, rstd_out):
+    """Channels-first LayerNorm forward, column tiles spread over Numba's threads."""
+    tab = merge_weights(x.shape[1], eps)
+    items, per_work = _col_items(x)
+    for wk in prange((items + per_work - 1) // per_work):
+        scratch, tiles = _col_scratch(x, y, mean_out.dtype)
+        for item in range(wk * per_work, min(items, (wk + 1) * per_work)):
+            _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item)
+
+
+@njit(error_model="numpy")
+def _col_square_chunk(x2, row0, c0, g, zero):
+    # Leaves written out: a helper called with the constants 0 .. 7 would be compiled
+    # once per constant.
+    return square_tree(
+        load2(x2, row0, c0) if g > 0 else zero,
+        load2(x2, row0 + LANES, c0) if g > 1 else zero,
+        load2(x2, row0 + 2 * LANES, c0) if g > 2 else zero,
+        load2(x2, row0 + 3 * LANES, c0) if g > 3 else zero,
+        load2(x2, row0 + 4 * LANES, c0) if g > 4 else zero,
+        load2(x2, row0 + 5 * LANES, c0) if g > 5 else zero,
+        load2(x2, row0 + 6 * LANES, c0) if g > 6 else zero,
+        load2(x2, row0 + 7 * LANES, c0) if g > 7 else zero)
+
+
+@njit(inline="always", error_model="numpy")
+def _rms_cols(x2, y2, c0, w, eps, lanes, cs, rstd_out, r0, valid):
+    n = x2.shape[0]
+    zero = splat(cast(0.0, eps))
+    for j in range(LANES):
+        store2(lanes, zero, j, 0)
+    groups = n // LANES
+    full = groups // PER_LANE
+    for c in range(full):
+        for j in range(LANES):
+            sq = _col_square_chunk(x2, c * CHUNK + j, c0, PER_LANE, zero)
+            store2(lanes, load2(lanes, j, 0) + sq, j, 0)
+    g = groups - full * PER_LANE
+    if g > 0:
+        for j in range(LANES):
+            sq = _col_square_chunk(x2, full * CHUNK + j, c0, g, zero)
+            store2(lanes, load2(lanes, j, 0) + sq, j, 0)
+    body = groups * LANES
+    if body < n:
+        for j in range(LANES):
+            v = load2(x2, body + j, c0) if body + j < n else zero
+            store2(lanes, load2(lanes, j, 0) + v * v, j, 0)
+    h = LANES // 2
+    while h >= 1:
+        for j in range(h):
+            store2(lanes, load2(lanes, j, 0) + load2(lanes, j + h, 0), j, 0)
+        h = h // 2
+    one = cast(1.0, eps)
+    for k in range(WIDTH):
+        rstd = one / np.sqrt(lanes[0, k] / cast(n, eps) + eps)
+        cs[1, k] = rstd
+        if k < valid:
+            rstd_out[r0 + k] = rstd
+    rv = load2(cs, 1, 0)
+    for i in range(n):
+        v = load2(x2, i, c0) * rv
+        v = v * splat(widen(w[i]))
+        store2(y2, v, i, c0)
+
+
+@njit(error_model="numpy")
+def _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item):
+    lanes, _, _, cs = scratch
+    xt, yt = tiles
+    inner = x.shape[2]
+    tw = xt.shape[1]
+    per = (inner + tw - 1) // tw
+    o = item // per
+    c0 = (item % per) * tw
+    valid = min(tw, inner - c0)
+    unit = x.strides[2] == x.itemsize and y.strides[2] == y.itemsize
+    _load_tile(x[o], xt, c0, valid, unit)
+    for s in range(0, valid, WIDTH):
+        _rms_cols(xt, yt, s, w, eps, lanes, cs, rstd_out, o * inner + c0 + s,
+                  min(WIDTH, valid - s))
+    _store_tile(yt, y[o], c0, valid, unit)
+
+
+@cached_njit(error_model="numpy")
+def rms_forward_cols_serial(x, w, eps, y, rstd_out):
+    """RMSNorm forward over axis 1 of a 3-D array."""
+    items, _ = _col_items(x)
+    scratch, tiles = _col_scratch(x, y, rstd_out.dtype)
+    for item in range(items):
+        _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def rms_forward_cols_parallel(x, w, eps, y, rstd_out):
+    """Channels-first RMSNorm forward, column tiles spread over threads."""
+    items, per_work = _col_items(x)
+    for wk in prange((items + per_work - 1) // per_work):
+        scratch, tiles = _col_scratch(x, y, rstd_out.dtype)
+        for item in range(wk * per_work, min(items, (wk + 1) * per_work)):
+            _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item)

@@ -1,0 +1,374 @@
+"""LayerNorm and RMSNorm forward of contiguous-row 2-D ``(rows, n)`` arrays.
+
+* **row path** (row with unit stride): the ``LANES`` lanes of the row arithmetic
+  (:mod:`.rowmath`) are the lanes of one SIMD vector (:mod:`._simd`), loaded straight
+  from the row. In the LayerNorm forward, rows of at most ``SHORT_ROW_MAX`` elements go
+  ``LANES`` at a time: each row's lane state is computed alone, then the lane trees of
+  step 4 and the ``rstd`` of step 5 are evaluated for all of them at once on folded
+  vectors (row ``i`` in lane ``i``, the same additions in the same tree), which removes
+  most of a short row's latency;
+* **gather path** (any other 2-D row): rows are copied into contiguous scratch rows,
+  run through the row path, and the results copied out.
+
+Each comes as a serial kernel (the calling thread) and a parallel one (blocks of rows
+over Numba's threads); both perform the same arithmetic per row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ._scalars import cast, narrow, widen
+from ._simd import (
+    alive,
+    fma,
+    fold1,
+    fold2,
+    fold4,
+    fold8,
+    get,
+    itemsize,
+    put,
+    raw,
+    runtime,
+    splat,
+    sqrt,
+    store_fence,
+    vaddress,
+    vload,
+    vstore,
+    vstore_nt,
+)
+from .diskcache import cached_njit
+from .rowmath import (
+    CHUNK,
+    LANES,
+    PER_LANE,
+    TAB_COUNTS,
+    TAB_INV_N,
+    WORK_ELEMENTS,
+    affine,
+    copy_row,
+    finish,
+    lane_moments,
+    merge_weights,
+    put_stat,
+    row_moments,
+    square_tree,
+    times_w,
+    tree_sum,
+    unit_stride,
+    widened,
+    widened_pair,
+)
+
+#: Rows up to this long take the LayerNorm forward's short-row path, ``LANES`` rows at a
+#: time (no effect on results). Measured, float32, 1 thread, kernel alone: 16-20% faster
+#: at (4096, 64) and 10% at (65536, 64), 25% at (32768, 100); even at (16384, 128); at
+#: n = 160-256 faster from L2 but 10-45% slower from L3, so longer rows keep the row
+#: path. Such rows never take streaming stores (``STREAM_MIN_ROW`` is larger).
+SHORT_ROW_MAX = 128
+#: Rows of the short-row path's scratch block: lane means, lane M2s, per-row work
+#: vectors (LANES rows each), then one row each of shifts, shifted means, rstd, means.
+_S_MEAN, _S_M2, _S_WORK = 0, LANES, 2 * LANES
+_S_SHIFT, _S_MU, _S_RSTD, _S_MEAN_OUT = 3 * LANES, 3 * LANES + 1, 3 * LANES + 2, 3 * LANES + 3
+_S_ROWS = 3 * LANES + 4
+
+
+@njit(inline="always", error_model="numpy")
+def ln_row_out(xr, yr, r, n, shift, mean, rstd, w, b, nt):
+    kv = splat(shift)
+    mv = splat(mean)
+    rv = splat(rstd)
+    i = 0
+    if nt:
+        # Streaming stores need aligned addresses: peel elements up to the boundary.
+        align = min(64, LANES * itemsize(yr))
+        while i < n and vaddress(yr, r, i) % align != 0:
+            v = ((widen(get(xr, r, i)) - shift) - mean) * rstd
+            v = affine(v, w, b, i)
+            put(yr, r, i, narrow(v, yr))
+            i += 1
+    body = i + (n - i) // LANES * LANES
+    if nt:
+        while i < body:
+            v = ((vload(xr, r, i) - kv) - mv) * rv
+            v = affine(v, w, b, i)
+            vstore_nt(yr, v, r, i)
+            i += LANES
+    else:
+        while i < body:
+            v = ((vload(xr, r, i) - kv) - mv) * rv
+            v = affine(v, w, b, i)
+            vstore(yr, v, r, i)
+            i += LANES
+    while i < n:
+        v = ((widen(get(xr, r, i)) - shift) - mean) * rstd
+        v = affine(v, w, b, i)
+        put(yr, r, i, narrow(v, yr))
+        i += 1
+
+
+@njit(error_model="numpy")
+def _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, r0, r1):
+    if not (unit_stride(x) and unit_stride(y)):
+        _ln_rows_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1)
+        return
+    _ln_raw_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1], nt, mean_out,
+                 rstd_out, r0, r1, r0)
+
+
+@njit(error_model="numpy")
+def _ln_raw_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r0, r1, s0):
+    """Rows ``r0 .. r1`` of unit-stride :class:`._simd.Raw` views; their statistics go to
+    ``s0 ..``. Compiled once per dtype: the contiguous rows and the gathered ones (whose
+    views are of scratch rows) share it."""
+    rem = np.full((1, LANES), eps)
+    remv = raw(rem)
+    if n <= SHORT_ROW_MAX:
+        _ln_rows_short(xv, yv, wv, bv, tv, remv, eps, n, mean_out, rstd_out, r0, r1, s0)
+        alive(rem)
+        return
+    for r in range(r0, r1):
+        shift = widen(get(xv, r, 0))
+        mean, m2 = row_moments(xv, r, n, shift, tv, remv)
+        mo, rstd = finish(shift, mean, m2, n, eps)
+        ln_row_out(xv, yv, r, n, shift, mean, rstd, wv, bv, nt)
+        put_stat(mean_out, s0 + (r - r0), mo)
+        put_stat(rstd_out, s0 + (r - r0), rstd)
+    alive(rem)
+    if nt:
+        store_fence()  # streaming stores done before another thread reads y
+
+
+@njit(inline="always", error_model="numpy")
+def _folded_tree_sums(sv, first):
+    """:func:`tree_sum` of each of the LANES vectors in rows ``first ..`` of ``sv``; the
+    sum of row ``first + i`` lands in lane ``i`` (the same additions, see ``fold8``)."""
+    a0 = fold8(vload(sv, first, 0), vload(sv, first + 1, 0))
+    a1 = fold8(vload(sv, first + 2, 0), vload(sv, first + 3, 0))
+    a2 = fold8(vload(sv, first + 4, 0), vload(sv, first + 5, 0))
+    a3 = fold8(vload(sv, first + 6, 0), vload(sv, first + 7, 0))
+    a4 = fold8(vload(sv, first + 8, 0), vload(sv, first + 9, 0))
+    a5 = fold8(vload(sv, first + 10, 0), vload(sv, first + 11, 0))
+    a6 = fold8(vload(sv, first + 12, 0), vload(sv, first + 13, 0))
+    a7 = fold8(vload(sv, first + 14, 0), vload(sv, first + 15, 0))
+    b0 = fold4(a0, a1)
+    b1 = fold4(a2, a3)
+    b2 = fold4(a4, a5)
+    b3 = fold4(a6, a7)
+    return fold1(fold2(b0, b1), fold2(b2, b3))
+
+
+@njit(inline="always", error_model="numpy")
+def _ln_rows_short(xv, yv, wv, bv, tv, remv, eps, n, mean_out, rstd_out, r0, r1, s0):
+    """:func:`_ln_rows` for rows of at most ``SHORT_ROW_MAX``, ``LANES`` rows at a time.
+
+    A short row's time goes to the latency of its two lane trees and of its ``rstd``.
+    Here each row's lane state is computed as on the row path and parked in a scratch
+    block; the trees of ``LANES`` rows are then folded together (row ``i`` in lane ``i``)
+    and ``rstd`` is computed for all of them in one vector: the same IEEE operations per
+    row, so the same bits. A last partial block fills its unused lanes with its last row
+    again (loops of constant length run faster) and stores that row once.
+    """
+    scratch = np.full((_S_ROWS, LANES), eps)
+    sv = raw(scratch)
+    counts = vload(tv, TAB_COUNTS, 0)
+    inv_n = splat(get(tv, TAB_INV_N, 0))
+    n_vec = splat(cast(n, eps))
+    eps_vec = splat(eps)
+    one = splat(cast(1.0, eps))
+    last = r1 - 1
+    for first in range(r0, r1, LANES):
+        for i in range(LANES):
+            row = min(first + i, last)
+            shift = widen(get(xv, row, 0))
+            put(sv, _S_SHIFT, i, shift)
+            mean, m2 = lane_moments(xv, row, n, shift, tv, remv)
+            vstore(sv, mean, _S_MEAN + i, 0)
+            vstore(sv, m2, _S_M2 + i, 0)
+            vstore(sv, counts * mean, _S_WORK + i, 0)
+        mu = _folded_tree_sums(sv, _S_WORK) * inv_n
+        vstore(sv, mu, _S_MU, 0)
+        for i in range(LANES):
+            d = vload(sv, _S_MEAN + i, 0) - splat(get(sv, _S_MU, i))
+            vstore(sv, fma(counts * d, d, vload(sv, _S_M2 + i, 0)), _S_WORK + i, 0)
+        m2 = _folded_tree_sums(sv, _S_WORK)
+        vstore(sv, one / sqrt(m2 / n_vec + eps_vec), _S_RSTD, 0)
+        vstore(sv, vload(sv, _S_SHIFT, 0) + mu, _S_MEAN_OUT, 0)
+        for i in range(min(LANES, r1 - first)):
+            rstd = get(sv, _S_RSTD, i)
+            ln_row_out(xv, yv, first + i, n, get(sv, _S_SHIFT, i), get(sv, _S_MU, i), rstd,
+                        wv, bv, False)
+            put_stat(mean_out, s0 + (first - r0) + i, get(sv, _S_MEAN_OUT, i))
+            put_stat(rstd_out, s0 + (first - r0) + i, rstd)
+    alive(scratch)
+
+
+@njit(error_model="numpy")
+def _ln_rows_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1):
+    """:func:`_ln_rows` for strided rows: ``LANES`` at a time through contiguous scratch
+    rows, computed by the same compiled :func:`_ln_raw_rows`."""
+    n = x.shape[1]
+    xs = np.empty((LANES, n), dtype=x.dtype)
+    ys = np.empty((LANES, n), dtype=y.dtype)
+    xv, yv, wv, bv, tv = raw(xs), raw(ys), raw(w), raw(b), raw(tab)
+    for first in range(r0, r1, LANES):
+        count = min(LANES, r1 - first)
+        for i in range(count):
+            copy_row(xs, i, x, first + i)
+        _ln_raw_rows(xv, yv, wv, bv, tv, eps, n, runtime(False), mean_out, rstd_out,
+                     runtime(0), count, first)
+        for i in range(count):
+            copy_row(y, first + i, ys, i)
+    alive(xs)
+    alive(ys)
+
+
+@njit(inline="always", error_model="numpy")
+def _row_block(rows, n):
+    return max(1, min(rows, WORK_ELEMENTS // max(n, 1)))
+
+
+@cached_njit(error_model="numpy")
+def ln_forward_serial(x, w, b, eps, y, mean_out, rstd_out, nt):
+    """LayerNorm forward of a 2-D ``(rows, n)`` array on the calling thread."""
+    tab = merge_weights(x.shape[1], eps)
+    w, b = widened_pair(w, b)
+    _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, runtime(0), x.shape[0])
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, nt):
+    """LayerNorm forward of a 2-D array, blocks of rows spread over Numba's threads."""
+    rows = x.shape[0]
+    tab = merge_weights(x.shape[1], eps)
+    w, b = widened_pair(w, b)
+    rb = _row_block(rows, x.shape[1])
+    for blk in prange((rows + rb - 1) // rb):
+        r0 = blk * rb
+        _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, r0, min(rows, r0 + rb))
+
+
+@njit(error_model="numpy")
+def _row_square_chunk(xr, r, base, g, zero):
+    # Leaves written out: a helper called with the constants 0 .. 7 would be compiled
+    # once per constant.
+    return square_tree(
+        vload(xr, r, base) if g > 0 else zero,
+        vload(xr, r, base + LANES) if g > 1 else zero,
+        vload(xr, r, base + 2 * LANES) if g > 2 else zero,
+        vload(xr, r, base + 3 * LANES) if g > 3 else zero,
+        vload(xr, r, base + 4 * LANES) if g > 4 else zero,
+        vload(xr, r, base + 5 * LANES) if g > 5 else zero,
+        vload(xr, r, base + 6 * LANES) if g > 6 else zero,
+        vload(xr, r, base + 7 * LANES) if g > 7 else zero)
+
+
+@njit(inline="always", error_model="numpy")
+def _row_sum_squares(xr, r, n, like, rem):
+    zero = splat(cast(0.0, like))
+    acc = zero
+    groups = n // LANES
+    full = groups // PER_LANE
+    for c in range(full):
+        acc = acc + _row_square_chunk(xr, r, c * CHUNK, PER_LANE, zero)
+    g = groups - full * PER_LANE
+    if g > 0:
+        acc = acc + _row_square_chunk(xr, r, full * CHUNK, g, zero)
+    body = groups * LANES
+    if body < n:
+        for j in range(LANES):
+            put(rem, 0, j, widen(get(xr, r, body + j)) if body + j < n else cast(0.0, like))
+        v = vload(rem, 0, 0)
+        acc = acc + v * v
+    return tree_sum(acc)
+
+
+@njit(inline="always", error_model="numpy")
+def _rms_row_out(xr, yr, r, n, rstd, w, nt):
+    rv = splat(rstd)
+    i = 0
+    if nt:
+        align = min(64, LANES * itemsize(yr))
+        while i < n and vaddress(yr, r, i) % align != 0:
+            v = widen(get(xr, r, i)) * rstd
+            v = times_w(v, w, i)
+            put(yr, r, i, narrow(v, yr))
+            i += 1
+    body = i + (n - i) // LANES * LANES
+    if nt:
+        while i < body:
+            v = vload(xr, r, i) * rv
+            v = times_w(v, w, i)
+            vstore_nt(yr, v, r, i)
+            i += LANES
+    else:
+        while i < body:
+            v = vload(xr, r, i) * rv
+            v = times_w(v, w, i)
+            vstore(yr, v, r, i)
+            i += LANES
+    while i < n:
+        v = widen(get(xr, r, i)) * rstd
+        v = times_w(v, w, i)
+        put(yr, r, i, narrow(v, yr))
+        i += 1
+
+
+@njit(error_model="numpy")
+def _rms_rows(x, w, eps, y, rstd_out, nt, r0, r1):
+    if not (unit_stride(x) and unit_stride(y)):
+        _rms_rows_gathered(x, w, eps, y, rstd_out, r0, r1)
+        return
+    n = x.shape[1]
+    rem = np.full((1, LANES), eps)
+    xv, yv, wv, remv = raw(x), raw(y), raw(w), raw(rem)
+    for r in range(r0, r1):
+        rstd = _rms_rstd(xv, r, n, eps, remv)
+        _rms_row_out(xv, yv, r, n, rstd, wv, nt)
+        put_stat(rstd_out, r, rstd)
+    alive(rem)
+    if nt:
+        store_fence()
+
+
+@njit(error_model="numpy")
+def _rms_rows_gathered(x, w, eps, y, rstd_out, r0, r1):
+    """:func:`_rms_rows` for strided rows, through a contiguous scratch row."""
+    n = x.shape[1]
+    rem = np.full((1, LANES), eps)
+    xs = np.empty((1, n), dtype=x.dtype)
+    ys = np.empty((1, n), dtype=y.dtype)
+    xv, yv, wv, remv = raw(xs), raw(ys), raw(w), raw(rem)
+    for r in range(r0, r1):
+        copy_row(xs, 0, x, r)
+        rstd = _rms_rstd(xv, runtime(0), n, eps, remv)
+        _rms_row_out(xv, yv, runtime(0), n, rstd, wv, False)
+        copy_row(y, r, ys, 0)
+        put_stat(rstd_out, r, rstd)
+    alive(rem)
+
+
+@njit(inline="always", error_model="numpy")
+def _rms_rstd(xr, r, n, eps, rem):
+    ss = _row_sum_squares(xr, r, n, eps, rem)
+    return cast(1.0, eps) / np.sqrt(ss / cast(n, eps) + eps)
+
+
+@cached_njit(error_model="numpy")
+def rms_forward_serial(x, w, eps, y, rstd_out, nt):
+    """RMSNorm forward of a 2-D array on the calling thread."""
+    _rms_rows(x, widened(w), eps, y, rstd_out, nt, runtime(0), x.shape[0])
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def rms_forward_parallel(x, w, eps, y, rstd_out, nt):
+    """RMSNorm forward of a 2-D array, blocks of rows spread over Numba's threads."""
+    rows = x.shape[0]
+    w = widened(w)
+    rb = _row_block(rows, x.shape[1])
+    for blk in prange((rows + rb - 1) // rb):
+        r0 = blk * rb
+        _rms_rows(x, w, eps, y, rstd_out, nt, r0, min(rows, r0 + rb))

@@ -1,0 +1,154 @@
+"""Python stand-ins for the :mod:`._simd` intrinsics, for ``NUMBA_DISABLE_JIT=1``.
+
+In Numba's debugging mode ``njit`` returns the Python function itself, and intrinsics
+cannot run in Python. :mod:`._simd` then exports these instead: a vector is a NumPy
+array of ``WIDTH`` lanes and a :class:`._simd.Raw` view is a 2-D NumPy view, so the
+kernels run as Python, slowly, performing the same operations. Not bit for bit:
+:func:`fma` here rounds twice where the compiled one rounds once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._scalars import narrow, widen
+
+WIDTH = 16
+
+__all__ = [
+    "alive",
+    "copy2",
+    "down1",
+    "down2",
+    "down4",
+    "down8",
+    "fma",
+    "fold1",
+    "fold2",
+    "fold4",
+    "fold8",
+    "get",
+    "lane",
+    "load2",
+    "put",
+    "raw",
+    "runtime",
+    "splat",
+    "sqrt",
+    "store2",
+    "store_fence",
+    "vaddress",
+    "vload",
+    "vstore",
+    "vstore_nt",
+]
+
+
+def runtime(value: Any) -> Any:
+    """``value`` itself (compiled: the same value, not typed as a constant)."""
+    return value
+
+
+def alive(value: Any) -> None:
+    """Nothing to do: Python keeps referenced arrays alive."""
+
+
+def splat(value: Any) -> np.ndarray:
+    """A vector with every lane ``value`` (of ``value``'s float type)."""
+    return np.full(WIDTH, value, dtype=np.asarray(value).dtype)
+
+
+def fma(a: Any, b: Any, c: Any) -> Any:
+    """``a * b + c``; float32 through float64 (both rounded), float64 rounded twice."""
+    dtype = np.asarray(a).dtype
+    if dtype == np.float32:
+        wide = np.float64(1.0) * a * b + np.asarray(c, np.float64)
+        return wide.astype(np.float32) if isinstance(wide, np.ndarray) else np.float32(wide)
+    return a * b + c
+
+
+def lane(vec: np.ndarray, index: int) -> Any:
+    """Lane ``index`` of ``vec``."""
+    return vec[index]
+
+
+def _down(h: int) -> Any:
+    def down(vec: np.ndarray) -> np.ndarray:
+        return np.roll(vec, -h)
+
+    down.__doc__ = f"Lane ``j + {h}`` moved to lane ``j`` (lanes wrap around)."
+    return down
+
+
+down8, down4, down2, down1 = _down(8), _down(4), _down(2), _down(1)
+
+
+def _fold(h: int) -> Any:
+    per_vector = WIDTH // (2 * h)
+    low = []
+    for k in range(WIDTH):
+        block, offset = divmod(k, h)
+        source = block if block < per_vector else block - per_vector
+        low.append(source * 2 * h + offset + (0 if block < per_vector else WIDTH))
+    low_index = np.array(low)
+
+    def fold(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        both = np.concatenate((a, b))
+        return both[low_index] + both[low_index + h]
+
+    fold.__doc__ = f"One level (``h = {h}``) of the lane tree for several rows at once."
+    return fold
+
+
+fold8, fold4, fold2, fold1 = _fold(8), _fold(4), _fold(2), _fold(1)
+
+
+def sqrt(vec: np.ndarray) -> np.ndarray:
+    """Square root of every lane."""
+    return np.sqrt(vec)
+
+
+def raw(arr: np.ndarray) -> np.ndarray:
+    """A 2-D view of ``arr`` (a 1-D array is row 0)."""
+    return arr if arr.ndim == 2 else arr[np.newaxis, :]
+
+
+def vload(view: np.ndarray, r: int, i: int) -> np.ndarray:
+    """``WIDTH`` elements of row ``r`` from column ``i``, widened (a copy)."""
+    return widen(view[r, i:i + WIDTH])
+
+
+def vstore(view: np.ndarray, vec: np.ndarray, r: int, i: int) -> None:
+    """Row ``r``, columns ``i .. i + WIDTH`` of ``view`` set to ``vec``, narrowed."""
+    view[r, i:i + WIDTH] = narrow(vec, view)
+
+
+vstore_nt = vstore
+load2 = vload
+store2 = vstore
+
+
+def store_fence() -> None:
+    """Nothing to order: Python stores are plain stores."""
+
+
+def get(view: np.ndarray, r: int, i: int) -> Any:
+    """Element ``[r, i]`` (raw element type)."""
+    return view[r, i]
+
+
+def put(view: np.ndarray, r: int, i: int, value: Any) -> None:
+    """Element ``[r, i]`` set to ``value`` (raw element type)."""
+    view[r, i] = value
+
+
+def vaddress(view: np.ndarray, r: int, i: int) -> int:
+    """Address of element ``[r, i]``."""
+    return int(view[r, i:].ctypes.data)
+
+
+def copy2(dst: np.ndarray, di: int, dj: int, src: np.ndarray, si: int, sj: int) -> None:
+    """``dst[di, dj:dj+WIDTH] = src[si, sj:sj+WIDTH]``, bits unchanged."""
+    dst[di, dj:dj + WIDTH] = src[si, sj:sj + WIDTH]
