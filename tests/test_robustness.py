@@ -142,6 +142,67 @@ def test_rows_whose_squares_overflow_are_normalized(name, dtype, scale, backend)
     assert np.array_equal(y[1], FUNCTIONS[name](x[1:2], backend=backend)[0])
 
 
+def _overflow_layouts(rng, dtype):
+    """(x, axis) pairs reaching each kernel path: short rows, long rows, strided rows
+    (gathered), columns (inner > 1), and enough elements for the parallel kernels."""
+    def rows(shape):
+        return (rng.standard_normal(shape) * 1e30).astype(DTYPES[dtype])
+
+    return {
+        "short": (rows((20, 40)), -1),
+        "long": (rows((5, 300)), -1),
+        "strided": (rows((5, 600))[:, ::2], -1),
+        "columns": (rows((3, 40, 7)), 1),
+        "parallel": (rows((300, 256)), -1),
+    }
+
+
+@pytest.mark.parametrize("layout", ["short", "long", "strided", "columns", "parallel"])
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_overflowing_rows_on_every_kernel_path(name, layout):
+    rng = np.random.default_rng(16)
+    x, axis = _overflow_layouts(rng, "float32")[layout]
+    x = x.copy() if layout != "strided" else x
+    ordinary = np.take(x, [1], axis=0 if axis == -1 else 2).copy()
+    sel = (slice(1, 2),) if axis == -1 else (slice(None), slice(None), slice(1, 2))
+    x[sel] = random_rows(rng, x[sel].shape, "float32")  # an ordinary row among them
+    ordinary = x[sel].copy()
+    kw = {"axis": axis, "return_stats": True}
+    y, *stats = FUNCTIONS[name](x, **kw)
+    assert np.isfinite(y).all() and all(np.isfinite(s).all() for s in stats)
+    np.testing.assert_allclose(y, _ref(name, x, axes=(axis,)), atol=ATOL["float32"] * 4)
+    rstd = stats[-1]
+    x64 = x.astype(np.float64)
+    mean64 = x64.mean(axis, keepdims=True) if name == "layer_norm" else 0.0
+    var64 = ((x64 - mean64) ** 2).mean(axis, keepdims=True)
+    eps = 1e-5 if name == "layer_norm" else float(np.finfo(np.float32).eps)
+    np.testing.assert_allclose(rstd, 1 / np.sqrt(var64 + eps), rtol=1e-5)
+    if name == "layer_norm":
+        np.testing.assert_allclose(stats[0], mean64, rtol=1e-5, atol=1e-30)
+    # Ordinary rows beside them keep the fast path's bits.
+    assert np.array_equal(y[sel], FUNCTIONS[name](ordinary, axis=axis))
+    # In place gives the same result.
+    if layout != "strided":
+        inplace = x.copy()
+        assert np.array_equal(FUNCTIONS[name](inplace, axis=axis, out=inplace), y)
+
+
+def test_rows_with_nan_or_inf_keep_their_rules_beside_overflowing_rows():
+    rng = np.random.default_rng(17)
+    x = (rng.standard_normal((4, 50)) * 1e30).astype(np.float32)
+    x[0, 3] = np.inf
+    x[1, 7] = np.nan
+    y = ln.layer_norm(x)
+    assert np.isnan(y[:2]).all() and np.isfinite(y[2:]).all()
+    r = ln.rms_norm(x)
+    # torch's RMSNorm rules: an infinite row has rstd 0, so y = x * 0 (NaN only where x
+    # is infinite); a NaN row has rstd NaN, so y is NaN throughout.
+    with np.errstate(invalid="ignore"):
+        assert np.array_equal(np.isnan(r[0]), np.isnan(x[0] * np.float32(0.0)))
+    assert np.isnan(r[1]).all()
+    assert np.isfinite(r[2:]).all()
+
+
 # ------------------------------------------------------------------ 7: torch lazy bits
 
 

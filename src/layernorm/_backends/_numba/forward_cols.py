@@ -17,6 +17,7 @@ from numba import njit, prange
 from ._scalars import cast, widen
 from ._simd import WIDTH, copy2, fma, lane, load2, splat, store2
 from .diskcache import cached_njit
+from .rescale import ln_column_rescaled, rms_column_rescaled
 from .rowmath import (
     CHUNK,
     LANES,
@@ -134,6 +135,9 @@ def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out, r0
         v = ((load2(x2, i, c0) - kv) - mv) * rv
         v = fma(v, splat(widen(w[i])), splat(widen(b[i])))
         store2(y2, v, i, c0)
+    for k in range(valid):
+        if not cs[1, k] > 0:  # a finite column whose squares overflow: redone rescaled
+            ln_column_rescaled(x2, y2, c0 + k, eps, w, b, mean_out, rstd_out, r0 + k)
 
 
 @njit(inline="always", error_model="numpy")
@@ -276,6 +280,9 @@ def _rms_cols(x2, y2, c0, w, eps, lanes, cs, rstd_out, r0, valid):
         v = load2(x2, i, c0) * rv
         v = v * splat(widen(w[i]))
         store2(y2, v, i, c0)
+    for k in range(valid):
+        if not cs[1, k] > 0:  # a finite column whose squares overflow: redone rescaled
+            rms_column_rescaled(x2, y2, c0 + k, eps, w, rstd_out, r0 + k)
 
 
 @njit(error_model="numpy")

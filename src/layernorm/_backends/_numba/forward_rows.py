@@ -41,6 +41,7 @@ from ._simd import (
     vstore_nt,
 )
 from .diskcache import cached_njit
+from .rescale import ln_row_rescaled, rms_row_rescaled
 from .rowmath import (
     CHUNK,
     LANES,
@@ -134,6 +135,9 @@ def _ln_raw_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r0, r1, s0)
         shift = widen(get(xv, r, 0))
         mean, m2 = row_moments(xv, r, n, shift, tv, remv)
         mo, rstd = finish(shift, mean, m2, n, eps)
+        if not rstd > 0 and ln_row_rescaled(xv, yv, r, n, eps, wv, bv, mean_out, rstd_out,
+                                            s0 + (r - r0)):
+            continue  # a finite row whose squares overflow
         ln_row_out(xv, yv, r, n, shift, mean, rstd, wv, bv, nt)
         put_stat(mean_out, s0 + (r - r0), mo)
         put_stat(rstd_out, s0 + (r - r0), rstd)
@@ -199,6 +203,9 @@ def _ln_rows_short(xv, yv, wv, bv, tv, remv, eps, n, mean_out, rstd_out, r0, r1,
         vstore(sv, vload(sv, _S_SHIFT, 0) + mu, _S_MEAN_OUT, 0)
         for i in range(min(LANES, r1 - first)):
             rstd = get(sv, _S_RSTD, i)
+            if not rstd > 0 and ln_row_rescaled(xv, yv, first + i, n, eps, wv, bv, mean_out,
+                                                rstd_out, s0 + (first - r0) + i):
+                continue  # a finite row whose squares overflow
             ln_row_out(xv, yv, first + i, n, get(sv, _S_SHIFT, i), get(sv, _S_MU, i), rstd,
                         wv, bv, False)
             put_stat(mean_out, s0 + (first - r0) + i, get(sv, _S_MEAN_OUT, i))
@@ -327,6 +334,8 @@ def _rms_rows(x, w, eps, y, rstd_out, nt, r0, r1):
     xv, yv, wv, remv = raw(x), raw(y), raw(w), raw(rem)
     for r in range(r0, r1):
         rstd = _rms_rstd(xv, r, n, eps, remv)
+        if not rstd > 0 and rms_row_rescaled(xv, yv, r, n, eps, wv, rstd_out, r):
+            continue  # a finite row whose squares overflow
         _rms_row_out(xv, yv, r, n, rstd, wv, nt)
         put_stat(rstd_out, r, rstd)
     alive(rem)
@@ -345,9 +354,11 @@ def _rms_rows_gathered(x, w, eps, y, rstd_out, r0, r1):
     for r in range(r0, r1):
         copy_row(xs, 0, x, r)
         rstd = _rms_rstd(xv, runtime(0), n, eps, remv)
-        _rms_row_out(xv, yv, runtime(0), n, rstd, wv, False)
+        # A finite row whose squares overflow is written by rms_row_rescaled instead.
+        if rstd > 0 or not rms_row_rescaled(xv, yv, runtime(0), n, eps, wv, rstd_out, r):
+            _rms_row_out(xv, yv, runtime(0), n, rstd, wv, False)
+            put_stat(rstd_out, r, rstd)
         copy_row(y, r, ys, 0)
-        put_stat(rstd_out, r, rstd)
     alive(rem)
 
 

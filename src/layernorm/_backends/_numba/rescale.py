@@ -1,0 +1,139 @@
+"""Rows whose squares overflow the accumulation dtype, normalized after an exact rescaling.
+
+A finite float32 row with a spread near ``1e19`` (float64: ``1e154``) has a sum of
+squared deviations beyond the largest float: the fast row arithmetic ends with
+``rstd = 0`` (or NaN, when a partial sum overflows first) and a row of zeros or NaN.
+Yet the normalized row is well defined and finite, because normalization is scale
+invariant. The kernels therefore check each row's ``rstd`` (one comparison per row,
+nothing on rows that pass) and hand a row whose ``rstd`` is not positive to these
+functions, which:
+
+* return False without writing anything when the row holds a NaN or an infinity (its
+  ordinary result, NaN for LayerNorm and ``x * 0`` for RMSNorm, stands), and otherwise
+* scale the row by the power of two ``s`` that brings its largest magnitude into
+  ``[0.5, 1)`` (exact: only the exponents change), compute its statistics two-pass in
+  float64, write the normalized row through the same affine step and rounding as the
+  fast path, and store the statistics of the unscaled row (``mean / s``, ``rstd * s``).
+
+The result of such a row depends on that row alone (batch and thread invariance hold),
+but it is computed by this different sequence of operations, so its bits are not those
+any formula of the fast path would give: it is a rare row that the fast path cannot
+compute at all.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from ._scalars import cast, narrow, widen
+from ._simd import alive, get, put, raw
+from .rowmath import affine, put_stat, times_w
+
+
+@njit(error_model="numpy")
+def _power_of_two_scale(xr, r, n):
+    """``2**-e`` with ``max|x| * 2**-e`` in ``[0.5, 1)``; 0.0 for a row holding a NaN or an
+    infinity, or only zeros (no rescaling can help those)."""
+    amax = 0.0
+    for i in range(n):
+        a = abs(np.float64(widen(get(xr, r, i))))
+        if not a < math.inf:  # NaN or infinity
+            return 0.0
+        amax = max(amax, a)
+    if amax == 0.0:
+        return 0.0
+    return math.ldexp(1.0, -math.frexp(amax)[1])
+
+
+@njit(error_model="numpy")
+def ln_row_rescaled(xr, yr, r, n, eps, w, b, mean_out, rstd_out, s):
+    """LayerNorm of row ``r`` of the :class:`._simd.Raw` view ``xr`` into ``yr``, rescaled.
+
+    Statistics go to index ``s`` of ``mean_out``/``rstd_out`` (None: not stored).
+    Returns False, having written nothing, if the row holds a NaN or an infinity.
+    """
+    scale = _power_of_two_scale(xr, r, n)
+    if scale == 0.0:
+        return False
+    total = 0.0
+    for i in range(n):
+        total += np.float64(widen(get(xr, r, i))) * scale
+    mean = total / n
+    m2 = 0.0
+    for i in range(n):
+        d = np.float64(widen(get(xr, r, i))) * scale - mean
+        m2 += d * d
+    rstd = 1.0 / math.sqrt(m2 / n + np.float64(eps) * scale * scale)
+    for i in range(n):
+        v = cast((np.float64(widen(get(xr, r, i))) * scale - mean) * rstd, eps)
+        put(yr, r, i, narrow(affine(v, w, b, i), yr))
+    put_stat(mean_out, s, cast(mean / scale, eps))
+    put_stat(rstd_out, s, cast(rstd * scale, eps))
+    return True
+
+
+@njit(error_model="numpy")
+def rms_row_rescaled(xr, yr, r, n, eps, w, rstd_out, s):
+    """RMSNorm of row ``r`` of ``xr`` into ``yr``, rescaled; ``rstd`` to ``rstd_out[s]``.
+
+    Returns False, having written nothing, if the row holds a NaN or an infinity.
+    """
+    scale = _power_of_two_scale(xr, r, n)
+    if scale == 0.0:
+        return False
+    ss = 0.0
+    for i in range(n):
+        v = np.float64(widen(get(xr, r, i))) * scale
+        ss += v * v
+    rstd = 1.0 / math.sqrt(ss / n + np.float64(eps) * scale * scale)
+    for i in range(n):
+        v = cast(np.float64(widen(get(xr, r, i))) * scale * rstd, eps)
+        put(yr, r, i, narrow(times_w(v, w, i), yr))
+    put_stat(rstd_out, s, cast(rstd * scale, eps))
+    return True
+
+
+@njit(error_model="numpy")
+def _column_row(x2, c):
+    # A column of a tile as a contiguous scratch row (the rescaled functions read rows).
+    n = x2.shape[0]
+    xs = np.empty((1, n), dtype=x2.dtype)
+    for i in range(n):
+        xs[0, i] = x2[i, c]
+    return xs
+
+
+@njit(error_model="numpy")
+def ln_column_rescaled(x2, y2, c, eps, w, b, mean_out, rstd_out, s):
+    """:func:`ln_row_rescaled` for column ``c`` of the 2-D tiles ``x2``/``y2``
+    (``w``, ``b``: 1-D arrays)."""
+    xs = _column_row(x2, c)
+    ys = np.empty_like(xs, dtype=y2.dtype)
+    done = ln_row_rescaled(raw(xs), raw(ys), 0, xs.shape[1], eps, raw(w), raw(b), mean_out,
+                           rstd_out, s)
+    if done:
+        for i in range(xs.shape[1]):
+            y2[i, c] = ys[0, i]
+    alive(xs)
+    alive(ys)
+    alive(w)
+    alive(b)
+    return done
+
+
+@njit(error_model="numpy")
+def rms_column_rescaled(x2, y2, c, eps, w, rstd_out, s):
+    """:func:`rms_row_rescaled` for column ``c`` of the 2-D tiles ``x2``/``y2``."""
+    xs = _column_row(x2, c)
+    ys = np.empty_like(xs, dtype=y2.dtype)
+    done = rms_row_rescaled(raw(xs), raw(ys), 0, xs.shape[1], eps, raw(w), rstd_out, s)
+    if done:
+        for i in range(xs.shape[1]):
+            y2[i, c] = ys[0, i]
+    alive(xs)
+    alive(ys)
+    alive(w)
+    return done
