@@ -52,10 +52,10 @@ for rec in report["results"]:
         continue
     d = rec["shape"][1]
     if rec["kind"] == "copy":
-        if rec["regime"] == "prealloc":
+        if rec["output"] == "prealloc":
             ceiling[d] = max(ceiling.get(d, 0.0), rec["gbps"])
         continue
-    label = rec["impl"] if rec["regime"] == "fresh" else f"{rec['impl']} ({rec['regime']})"
+    label = rec["impl"] if rec["output"] == "fresh" else f"{rec['impl']} ({rec['output']})"
     lines.setdefault(label, {})[d] = rec["gbps"]
 
 row_lengths = sorted(ceiling)

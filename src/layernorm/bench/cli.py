@@ -60,10 +60,11 @@ def _roofline(args: argparse.Namespace, config: Settings, started: float) -> int
     from . import report, roofline
     from .run import Progress
 
-    for flag in ("dask", "plot", "dtype", "op", "threads"):
+    for flag in ("dask", "plot", "dtype", "op", "threads", "regime"):
         if getattr(args, flag, None):
             raise UsageError(f"--roofline measures the float32 LayerNorm (forward, or "
-                             f"backward with --backward) on one thread; it takes no "
+                             f"backward with --backward) on one thread, in memory and in "
+                             f"cache; it takes no "
                              f"--{flag}")
     shapes = [s for s in config.shapes if s[0] > 1] or list(config.shapes)
     bar = Progress(len(shapes), enabled=not args.no_progress)
@@ -117,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="thread counts to run, e.g. 1,2 (default: Numba's)")
     p_bench.add_argument("--op", nargs="+", metavar="OP",
                          help="layer_norm and/or rms_norm (default: both)")
+    p_bench.add_argument("--regime", nargs="+", metavar="REGIME",
+                         help="cache (one working set of <= 1.5 MB, reused: bound by "
+                              "arithmetic) and/or memory (inputs rotated over > 128 MiB: "
+                              "bound by DRAM bandwidth); default both")
     p_bench.add_argument("--repeats", type=int, metavar="R",
                          help="round-robin repeats per measurement (default 11; 5 with --quick)")
     p_bench.add_argument("--json", metavar="FILE", help="write every measurement as JSON")

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 OPS = ("layer_norm", "rms_norm")
 DIRECTIONS = ("forward", "backward")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
+#: Where the inputs are when a call starts: one reused working set of at most 1.5 MB,
+#: or a rotation over more than 128 MiB (see :mod:`.impls`).
+REGIMES = ("cache", "memory")
 
 
 class UsageError(ValueError):
@@ -40,6 +43,7 @@ class Settings:
     repeats: int
     target_s: float
     heap_reuse: bool = True
+    regimes: tuple[str, ...] = REGIMES
 
 
 def _split(values: Iterable[str] | None) -> list[str]:
@@ -92,10 +96,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         if not 1 <= t <= available:
             raise UsageError(
                 f"--threads must be between 1 and {available} (NUMBA_NUM_THREADS); got {t}")
+    regimes = tuple(_split(getattr(args, "regime", None))) or REGIMES
+    for regime in regimes:
+        if regime not in REGIMES:
+            raise UsageError(f"--regime must be among {', '.join(REGIMES)}; got {regime!r}")
+    regimes = tuple(r for r in REGIMES if r in regimes)  # each once, cache first
     repeats = args.repeats or (5 if args.quick else 11)
     if repeats < 1:
         raise UsageError(f"--repeats must be >= 1; got {repeats}")
     directions = ("forward", "backward") if args.backward else ("forward",)
     return Settings(ops, directions, dtypes, shapes, threads, repeats,
-                    target_s=0.002 if args.quick else 0.01)
+                    target_s=0.002 if args.quick else 0.01, regimes=regimes)
 
