@@ -10,6 +10,7 @@ import argparse
 import importlib.metadata
 import json
 import math
+import os
 import subprocess
 import sys
 import types
@@ -470,3 +471,56 @@ def test_onnxruntime_workers_block_instead_of_spinning(monkeypatch):
     (options,) = created
     assert options.intra_op_num_threads == 2
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+# --------------------------------------------------------------------------- compile
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dtype", "int8"], "--dtype"),
+    (["--op", "batch_norm"], "--op"),
+    (["--dtype", "float32", "--unknown"], "unrecognized"),
+])
+def test_compile_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["compile", "--no-progress", *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_compile_layouts_select_every_kernel_family():
+    from layernorm._backends._numba import PARALLEL_MIN_ELEMENTS
+    from layernorm.bench import precompile
+
+    serial = precompile.layouts(1)
+    assert not any(lay.parallel for lay in serial)
+    both = precompile.layouts(2)
+    for lay in both:
+        x, _, w, _ = precompile._inputs(lay, "float32")
+        n = x.shape[lay.axis]
+        assert w.shape == (n,)
+        assert (x.size >= PARALLEL_MIN_ELEMENTS) == lay.parallel, lay
+        if lay.axis == -1:
+            assert ("short" in lay.name) == (n <= 128), lay
+            assert ("strided" in lay.name) == (not x.flags.c_contiguous), lay
+        else:
+            assert x.shape[-1] > 1  # columns: inner size > 1
+    assert {"columns", "parallel columns", "strided rows"} <= {lay.name for lay in both}
+
+
+@pytest.mark.slow
+def test_compile_fills_an_empty_numba_cache(tmp_path):
+    # One small dtype and op, one thread (no parallel kernels): the cheapest real run.
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "layernorm", "compile", "--dtype", "float32", "--op",
+         "rms_norm", "--no-progress"],
+        capture_output=True, text=True, timeout=600, check=False, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    index = list(tmp_path.rglob("*.nbi"))
+    data = list(tmp_path.rglob("*.nbc"))
+    assert index and data, proc.stdout
+    assert "float32   rms_norm    forward" in proc.stdout
+    assert f"{len(index) + len(data)} new cache files" in proc.stdout
+    assert str(tmp_path) in proc.stdout
+    assert "parallel kernels: not compiled" in proc.stdout

@@ -1,4 +1,4 @@
-"""Command line: ``python -m layernorm info`` and ``python -m layernorm bench``.
+"""Command line: ``python -m layernorm info``, ``bench`` and ``compile``.
 
 Each subcommand imports what it needs when it runs, so ``--help`` is instant and no
 optional library is imported unless it is installed and asked for.
@@ -53,6 +53,28 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         report.plot(out, args.plot)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from . import precompile
+    from .run import Progress
+    from .settings import DTYPES, OPS, split_choices
+
+    dtypes = split_choices(args.dtype, DTYPES, "--dtype") or DTYPES
+    ops = split_choices(args.op, OPS, "--op") or OPS
+    directions = ("forward", "backward") if args.backward else ("forward",)
+    dtypes, skipped = precompile.available_dtypes(dtypes)
+    import numba
+
+    total = len(dtypes) * len(ops) * len(directions) * len(
+        precompile.layouts(numba.get_num_threads()))
+    bar = Progress(total, enabled=not args.no_progress)
+    try:
+        report = precompile.run(ops, directions, dtypes, bar.update)
+    finally:
+        bar.close()
+    print(precompile.format_report(report, skipped))
     return 0
 
 
@@ -136,6 +158,27 @@ def build_parser() -> argparse.ArgumentParser:
                               "1 thread)")
     p_bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_bench.set_defaults(func=_cmd_bench)
+
+    p_compile = sub.add_parser(
+        "compile",
+        help="fill Numba's disk cache ahead of time (container images, CI)",
+        description=(
+            "Compiles the Numba kernels that real calls use, by making small real calls "
+            "through the public API for every dtype and every layout that selects a "
+            "different kernel (short, long and strided rows, columns; parallel variants "
+            "when Numba has more than one thread), and stores them in Numba's disk cache "
+            "(NUMBA_CACHE_DIR when set). A second run only loads them."
+        ),
+    )
+    p_compile.add_argument("--dtype", nargs="+", metavar="DTYPE",
+                           help="float32, float64, float16, bfloat16 (default: all); "
+                                "space- or comma-separated")
+    p_compile.add_argument("--op", nargs="+", metavar="OP",
+                           help="layer_norm and/or rms_norm (default: both)")
+    p_compile.add_argument("--backward", action="store_true",
+                           help="also compile the backward kernels")
+    p_compile.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p_compile.set_defaults(func=_cmd_compile)
     return parser
 
 

@@ -53,6 +53,22 @@ def _split(values: Iterable[str] | None) -> list[str]:
     return out
 
 
+def split_choices(values: Iterable[str] | None, choices: tuple[str, ...], flag: str
+                  ) -> tuple[str, ...]:
+    """Space- or comma-separated values of ``flag``, each one of ``choices``.
+
+    Examples
+    --------
+    >>> split_choices(["float32,float64", "float16"], DTYPES, "--dtype")
+    ('float32', 'float64', 'float16')
+    """
+    out = tuple(_split(values))
+    for value in out:
+        if value not in choices:
+            raise UsageError(f"{flag} must be among {', '.join(choices)}; got {value!r}")
+    return out
+
+
 def parse_shape(text: str) -> tuple[int, int]:
     """``"N,D"`` (or ``NxD``) -> ``(N, D)``.
 
@@ -79,14 +95,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
     shapes = tuple(parse_shape(s) for s in args.shape or ()) or (
         QUICK_SHAPES if args.quick else FULL_SHAPES)
-    dtypes = tuple(_split(args.dtype)) or ("float32",)
-    for dt in dtypes:
-        if dt not in DTYPES:
-            raise UsageError(f"--dtype must be among {', '.join(DTYPES)}; got {dt!r}")
-    ops = tuple(_split(args.op)) or OPS
-    for op in ops:
-        if op not in OPS:
-            raise UsageError(f"--op must be among {', '.join(OPS)}; got {op!r}")
+    dtypes = split_choices(args.dtype, DTYPES, "--dtype") or ("float32",)
+    ops = split_choices(args.op, OPS, "--op") or OPS
     available = numba.config.NUMBA_NUM_THREADS
     try:
         threads = tuple(int(t) for t in _split(args.threads)) or (numba.get_num_threads(),)
@@ -96,10 +106,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         if not 1 <= t <= available:
             raise UsageError(
                 f"--threads must be between 1 and {available} (NUMBA_NUM_THREADS); got {t}")
-    regimes = tuple(_split(getattr(args, "regime", None))) or REGIMES
-    for regime in regimes:
-        if regime not in REGIMES:
-            raise UsageError(f"--regime must be among {', '.join(REGIMES)}; got {regime!r}")
+    regimes = split_choices(getattr(args, "regime", None), REGIMES, "--regime") or REGIMES
     regimes = tuple(r for r in REGIMES if r in regimes)  # each once, cache first
     repeats = args.repeats or (5 if args.quick else 11)
     if repeats < 1:
