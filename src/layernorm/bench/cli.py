@@ -33,6 +33,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     config = settings.settings_from_args(args)
     started = time.perf_counter()
+    load_before = machine.load_info()
     print(machine.summary_line())
     if args.roofline:
         return _roofline(args, config, started)
@@ -46,6 +47,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         out = run.run(config, progress=not args.no_progress)
         print(report.format_table(out))
     out["machine"] = machine.collect_info(probe=False)
+    # Other processes' load before and after: a reader of the JSON (the docs' performance
+    # page) can tell a measurement made on a busy machine.
+    out["load"] = {"before": load_before, "after": machine.load_info()}
     out["elapsed_s"] = time.perf_counter() - started
     if args.json:
         report.write_json(out, args.json)
