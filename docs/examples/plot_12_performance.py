@@ -19,8 +19,6 @@ Run the command on your own machine for your numbers (see :doc:`/benchmarks`).
 
 # %%
 import json
-import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,28 +48,13 @@ print(f"{len(report['results'])} measurements in {report['elapsed_s']:.0f} s")
 # Two signs of other processes taking the cores: a 1-minute load average above the
 # number of cores (before or after the run), and rounds that disagree (each measurement
 # keeps its 90th-percentile round and its median: on a quiet machine their ratio stays
-# near 1). Either one makes every number below suspect, so the page says so.
-BUSY_LOAD_PER_CORE = 0.75
-BUSY_SPREAD = 1.25  # median over the measurements of p90 / median
+# near 1). Either one makes every number below suspect, so the page says so
+# (``layernorm.bench.report.noise`` applies the thresholds: a load above 0.75 per core,
+# a median spread above 1.25).
+from layernorm.bench.report import noise
 
-cores = os.cpu_count() or 1
-loads = [
-    snapshot["load_avg_1m"]
-    for snapshot in (report.get("load") or {}).values()
-    if snapshot.get("load_avg_1m") is not None
-]
-spreads = [
-    rec["p90_s"] / rec["median_s"]
-    for rec in report["results"]
-    if rec.get("p90_s") and rec.get("median_s")
-]
-load = max(loads, default=0.0)
-spread = statistics.median(spreads) if spreads else 1.0
-noisy = load > BUSY_LOAD_PER_CORE * cores or spread > BUSY_SPREAD
-summary = (
-    f"load average {load:.1f} on {cores} cores; rounds' p90/median: median "
-    f"{spread:.2f}, worst {max(spreads, default=1.0):.2f}"
-)
+busy = noise(report)
+noisy, summary = busy["noisy"], busy["text"]
 if noisy:
     banner = "!" * 78
     print(banner)

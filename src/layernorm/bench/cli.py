@@ -45,11 +45,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(format_dask(out["dask"]))
     else:
         out = run.run(config, progress=not args.no_progress)
+    # Other processes' load before and after: the report (and a reader of the JSON, such
+    # as the docs' performance page) can tell a measurement made on a busy machine.
+    out["load"] = {"before": load_before, "after": machine.load_info()}
+    if not args.dask:
         print(report.format_table(out))
     out["machine"] = machine.collect_info(probe=False)
-    # Other processes' load before and after: a reader of the JSON (the docs' performance
-    # page) can tell a measurement made on a busy machine.
-    out["load"] = {"before": load_before, "after": machine.load_info()}
     out["elapsed_s"] = time.perf_counter() - started
     if args.json:
         report.write_json(out, args.json)
