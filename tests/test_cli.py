@@ -263,6 +263,7 @@ def test_memory_regime_in_a_run(monkeypatch):
     (["--op", "batch_norm"], "--op"),
     (["--regime", "l2"], "--regime"),
     (["--roofline", "--regime", "cache"], "--regime"),
+    (["--dask", "--regime", "memory"], "--regime"),
 ])
 def test_bench_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

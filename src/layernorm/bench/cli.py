@@ -38,6 +38,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.roofline:
         return _roofline(args, config, started)
     if args.dask:
+        if args.regime:
+            raise UsageError("--dask measures Dask throughput on arrays larger than any "
+                             "cache; it takes no --regime")
         from .dask import format_dask, run_dask
 
         out: dict[str, Any] = {"results": [], "phases": []}
