@@ -91,3 +91,31 @@ class ForwardPeakMemory:
 
     def peakmem_forward(self, op: str, shape: str) -> Any:
         return self.call()
+
+
+#: Shapes whose whole working set (x, y, weight, bias, statistics) stays under 1.5 MB
+#: for every dtype below, float64 included: reused call after call, it stays in cache.
+CACHE_SHAPES = ["64x768", "16x4096"]
+
+
+class ForwardInCache:
+    """The forward on one small working set reused call after call (cache-resident):
+    bound by arithmetic, not memory. Time, and % of an in-cache copy of the same bytes
+    timed round-robin with it."""
+
+    params = [OPS, ["float32", "float64", "bfloat16"], CACHE_SHAPES]
+    param_names = ["op", "dtype", "shape"]
+
+    def setup(self, op: str, dtype: str, shape: str) -> None:
+        self.ours = forward_callable(op, dtype, shape, "numba")
+        self.copy = copy_callable(shape, dtype)
+        self.ours()  # compile (or load the Numba cache) outside the timing
+
+    def time_forward_in_cache(self, op: str, dtype: str, shape: str) -> None:
+        self.ours()
+
+    def track_pct_of_copy_in_cache(self, op: str, dtype: str, shape: str) -> float:
+        t = interleaved_medians({"ours": self.ours, "copy": self.copy})
+        return 100.0 * t["copy"] / t["ours"]  # same bytes moved by both
+
+    track_pct_of_copy_in_cache.unit = "%"

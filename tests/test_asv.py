@@ -27,6 +27,8 @@ QUICK_SUBSET = (
     r"Backward\.time_backward\('rms_norm', 'float32', '4096x768', 'numba'\)",
     r"ForwardBandwidth\.track_pct_of_copy\('layer_norm', 'float32', '4096x768', 'out'\)",
     r"ForwardPeakMemory\.peakmem_forward\('layer_norm', '4096x768'\)",
+    r"ForwardInCache\.time_forward_in_cache\('rms_norm', 'float32', '64x768'\)",
+    r"ForwardInCache\.track_pct_of_copy_in_cache\('layer_norm', 'float32', '64x768'\)",
     r"Accuracy\.track_max_abs_error\('layer_norm', 'numba'\)",
     r"Import\.timeraw_import_layernorm",
     r"FirstCall\.timeraw_first_call\('cold', '1x768'\)",
@@ -111,6 +113,8 @@ def test_asv_quick_run(tmp_path):
         "bench_forward.Forward.time_forward", "bench_backward.Backward.time_backward",
         "bench_forward.ForwardBandwidth.track_pct_of_copy",
         "bench_forward.ForwardPeakMemory.peakmem_forward",
+        "bench_forward.ForwardInCache.time_forward_in_cache",
+        "bench_forward.ForwardInCache.track_pct_of_copy_in_cache",
         "bench_accuracy.Accuracy.track_max_abs_error",
         "bench_import.Import.timeraw_import_layernorm",
         "bench_import.FirstCall.timeraw_first_call",
@@ -170,3 +174,24 @@ def test_benchmark_parameters_run_or_skip(dtype):
             assert bench.track_max_abs_error(*params) > 0
             ran += 1
     assert ran >= 2 * 2 * 2 + 2  # at least numba and array_api, both ops, both passes
+
+
+def test_cold_first_call_starts_from_an_empty_numba_cache(monkeypatch):
+    # The cold-start benchmark is only cold if its setup points Numba at a new, empty
+    # folder before the timed code imports layernorm (and, through it, Numba).
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import bench_import
+    finally:
+        sys.path.remove(str(ROOT))
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "unchanged")
+    for shape in bench_import.FirstCall.params[1]:
+        timed, setup = bench_import.FirstCall().timeraw_first_call("cold", shape)
+        assert "import layernorm" in timed and "layer_norm(x)" in timed
+        assert "import layernorm" not in setup
+        namespace: dict = {}
+        exec(setup.split("import numpy as np")[0], namespace)  # the cache folder part
+        folder = Path(namespace["cache_dir"])
+        assert os.environ["NUMBA_CACHE_DIR"] == str(folder)
+        assert folder.is_dir() and not any(folder.iterdir())
+        shutil.rmtree(folder)

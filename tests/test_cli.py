@@ -10,6 +10,7 @@ import argparse
 import importlib.metadata
 import json
 import math
+import os
 import subprocess
 import sys
 import types
@@ -128,7 +129,7 @@ def test_bench_json_structure(bench_report):
         best = [r for r in recs if r.get("best_copy")]
         assert len(best) == 1
         assert best[0]["pct_copy"] == pytest.approx(100.0)
-        assert best[0]["regime"] == "prealloc"
+        assert best[0]["output"] == "prealloc"
         assert all(r["copy_impl"] == best[0]["impl"] for r in recs)
         # The floor moves the operation's own bytes: a copy forward, grad_y + x backward.
         floor_kind = "stream" if recs[0]["direction"] == "backward" else "copy"
@@ -136,13 +137,16 @@ def test_bench_json_structure(bench_report):
     peers = [r for r in results if r["kind"] == "peer"]
     assert peers and all(r["speedup"] > 0 for r in peers)
     assert "machine" in report and report["machine"]["cpu"]["logical_cores"] >= 1
+    # The load before and after, so that a reader can tell a run on a busy machine.
+    for when in ("before", "after"):
+        assert report["load"][when]["logical_cores"] >= 1
 
 
 @pytest.mark.slow
 def test_bench_torch_is_measured_in_both_regimes(bench_report):
     pytest.importorskip("torch")
     _, report, _ = bench_report
-    regimes = {r["regime"] for r in report["results"] if r["impl"].startswith("torch")}
+    regimes = {r["output"] for r in report["results"] if r["impl"].startswith("torch")}
     assert "fresh" in regimes
     if impls.heap_reuse_available():
         assert "heap reuse" in regimes
@@ -156,6 +160,99 @@ def test_bench_prints_a_table(bench_report):
     for name in ("layernorm numba", "copy np.copyto", "numpy composite"):
         assert name in out
     assert "% copy" in out and "GB/s" in out
+    # The shape is one small working set: the cache regime only, and the tables say so.
+    assert "cache-resident" in out and "DRAM-resident" not in out
+
+
+@pytest.mark.slow
+def test_bench_records_carry_their_data_regime(bench_report):
+    _, report, _ = bench_report
+    assert report["settings"]["regimes"] == ["cache", "memory"]
+    for rec in report["results"]:
+        # 64 x 128 float32 is far below 128 MiB even in 64 copies: cache regime only.
+        assert rec["regime"] == "cache" and rec["sets"] == 1, rec
+        assert rec["working_set_bytes"] <= impls.CACHE_BYTES
+
+
+def test_noise_flags_a_busy_machine_or_scattered_rounds():
+    def rec(spread):
+        return {"median_s": 1e-3, "p90_s": spread * 1e-3}
+
+    def load(value):
+        return {"before": {"load_avg_1m": 0.1, "logical_cores": 4},
+                "after": {"load_avg_1m": value, "logical_cores": 4}}
+
+    quiet = report.noise({"results": [rec(1.02), rec(1.1)], "load": load(1.0)})
+    assert not quiet["noisy"] and quiet["load"] == 1.0 and quiet["cores"] == 4
+    assert quiet["spread"] == pytest.approx(1.06)
+    busy = report.noise({"results": [rec(1.02)], "load": load(3.5)})  # > 0.75 per core
+    assert busy["noisy"] and "load average 3.5 on 4 cores" in busy["text"]
+    scattered = report.noise({"results": [rec(1.5), rec(2.0), rec(1.0)], "load": load(0.2)})
+    assert scattered["noisy"] and "median 1.50, worst 2.00" in scattered["text"]
+    # An old report without a recorded load is judged by its spread alone.
+    assert not report.noise({"results": [rec(1.0)]})["noisy"]
+    table = report.format_table({"results": [], "load": load(9.0)})
+    assert "warning: a noisy run (load average 9.0 on 4 cores" in table
+
+
+def test_cache_shape_fits_the_working_set_in_the_cache():
+    for op in ("layer_norm", "rms_norm"):
+        for direction in ("forward", "backward"):
+            for dtype in ("float32", "float64", "bfloat16"):
+                for shape in settings.FULL_SHAPES:
+                    small = impls.cache_shape(op, direction, dtype, shape)
+                    assert small is not None and small[1] == shape[1]
+                    assert 1 <= small[0] <= shape[0]
+                    case = impls.make_case(op, direction, dtype, small)
+                    assert case.working_set_bytes <= impls.CACHE_BYTES
+                    if small[0] < shape[0]:  # as many rows as fit, not fewer
+                        bigger = impls.make_case(op, direction, dtype, (small[0] + 1, shape[1]))
+                        assert bigger.working_set_bytes > impls.CACHE_BYTES
+    # A row longer than the cache budget cannot be measured in cache.
+    assert impls.cache_shape("layer_norm", "forward", "float64", (2, 1 << 20)) is None
+
+
+def test_memory_regime_rotates_over_distinct_copies(monkeypatch):
+    monkeypatch.setattr(impls, "MEMORY_BYTES", 1 << 20)
+    sets = impls.regime_cases("layer_norm", "forward", "float32", (64, 256), "memory")
+    one = sets[0].working_set_bytes
+    assert len(sets) == -(-(1 << 20) // one) and len(sets) * one >= 1 << 20
+    assert all(c.extras["regime"] == "memory" and c.extras["sets"] == len(sets) for c in sets)
+    for case in sets[1:]:
+        assert not np.shares_memory(case.x, sets[0].x)
+        np.testing.assert_array_equal(case.x, sets[0].x)
+    # A single row would need thousands of copies: not measured from DRAM.
+    assert impls.regime_cases("layer_norm", "forward", "float32", (1, 64), "memory") == []
+    with pytest.raises(ValueError, match="regime"):
+        impls.regime_cases("layer_norm", "forward", "float32", (1, 64), "l2")
+
+
+def test_regime_impls_rotate_every_implementation_over_the_sets(monkeypatch):
+    # Every implementation, the copies included, cycles through the input sets.
+    monkeypatch.setattr(impls, "MEMORY_BYTES", 1 << 20)
+    sets = impls.regime_cases("rms_norm", "forward", "float32", (64, 256), "memory")
+    assert len(sets) > 1
+    seen: list[int] = []
+    monkeypatch.setattr(run, "build_impls", lambda case, phase: [
+        impls.Impl("copy", "copy", "prealloc", lambda case=case: seen.append(id(case))),
+        impls.Impl("ours", "layernorm", "fresh", lambda: None)])
+    built = run.build_regime_impls(sets, "fresh")
+    assert [i.name for i in built] == ["copy", "ours"]
+    for _ in range(len(sets) + 1):
+        built[0].fn()
+    assert seen == [id(c) for c in sets] + [id(sets[0])]
+
+
+def test_memory_regime_in_a_run(monkeypatch):
+    monkeypatch.setattr(impls, "MEMORY_BYTES", 1 << 20)
+    config = settings.Settings(("rms_norm",), ("forward",), ("float32",), ((64, 256),), (1,),
+                               repeats=1, target_s=0.0, heap_reuse=False,
+                               regimes=("memory",))
+    out = run.run(config, progress=False)
+    recs = out["results"]
+    assert recs and {r["regime"] for r in recs} == {"memory"}
+    assert all(r["sets"] > 1 and r["shape"] == [64, 256] for r in recs)
+    assert "DRAM-resident" in report.format_table(out)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -164,6 +261,9 @@ def test_bench_prints_a_table(bench_report):
     (["--dtype", "int8"], "--dtype"),
     (["--threads", "999"], "--threads"),
     (["--op", "batch_norm"], "--op"),
+    (["--regime", "l2"], "--regime"),
+    (["--roofline", "--regime", "cache"], "--regime"),
+    (["--dask", "--regime", "memory"], "--regime"),
 ])
 def test_bench_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -310,7 +410,8 @@ def test_plot_writes_a_png(tmp_path):
         for d, gbps in ((64, 3.0), (768, 9.0)):
             recs.append({"op": "layer_norm", "direction": "forward", "dtype": "float32",
                          "threads": 1, "phase": "fresh", "impl": impl, "kind": kind,
-                         "regime": "fresh", "shape": [100, d], "gbps": gbps})
+                         "output": "fresh", "regime": "memory", "shape": [100, d],
+                         "gbps": gbps})
     path = tmp_path / "plot.png"
     report.plot({"results": recs}, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -395,3 +496,56 @@ def test_onnxruntime_workers_block_instead_of_spinning(monkeypatch):
     (options,) = created
     assert options.intra_op_num_threads == 2
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+# --------------------------------------------------------------------------- compile
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dtype", "int8"], "--dtype"),
+    (["--op", "batch_norm"], "--op"),
+    (["--dtype", "float32", "--unknown"], "unrecognized"),
+])
+def test_compile_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["compile", "--no-progress", *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_compile_layouts_select_every_kernel_family():
+    from layernorm._backends._numba import PARALLEL_MIN_ELEMENTS
+    from layernorm.bench import precompile
+
+    serial = precompile.layouts(1)
+    assert not any(lay.parallel for lay in serial)
+    both = precompile.layouts(2)
+    for lay in both:
+        x, _, w, _ = precompile._inputs(lay, "float32")
+        n = x.shape[lay.axis]
+        assert w.shape == (n,)
+        assert (x.size >= PARALLEL_MIN_ELEMENTS) == lay.parallel, lay
+        if lay.axis == -1:
+            assert ("short" in lay.name) == (n <= 128), lay
+            assert ("strided" in lay.name) == (not x.flags.c_contiguous), lay
+        else:
+            assert x.shape[-1] > 1  # columns: inner size > 1
+    assert {"columns", "parallel columns", "strided rows"} <= {lay.name for lay in both}
+
+
+@pytest.mark.slow
+def test_compile_fills_an_empty_numba_cache(tmp_path):
+    # One small dtype and op, one thread (no parallel kernels): the cheapest real run.
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "layernorm", "compile", "--dtype", "float32", "--op",
+         "rms_norm", "--no-progress"],
+        capture_output=True, text=True, timeout=600, check=False, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    index = list(tmp_path.rglob("*.nbi"))
+    data = list(tmp_path.rglob("*.nbc"))
+    assert index and data, proc.stdout
+    assert "float32   rms_norm    forward" in proc.stdout
+    assert f"{len(index) + len(data)} new cache files" in proc.stdout
+    assert str(tmp_path) in proc.stdout
+    assert "parallel kernels: not compiled" in proc.stdout

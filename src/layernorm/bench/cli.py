@@ -1,4 +1,4 @@
-"""Command line: ``python -m layernorm info`` and ``python -m layernorm bench``.
+"""Command line: ``python -m layernorm info``, ``bench`` and ``compile``.
 
 Each subcommand imports what it needs when it runs, so ``--help`` is instant and no
 optional library is imported unless it is installed and asked for.
@@ -33,10 +33,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     config = settings.settings_from_args(args)
     started = time.perf_counter()
+    load_before = machine.load_info()
     print(machine.summary_line())
     if args.roofline:
         return _roofline(args, config, started)
     if args.dask:
+        if args.regime:
+            raise UsageError("--dask measures Dask throughput on arrays larger than any "
+                             "cache; it takes no --regime")
         from .dask import format_dask, run_dask
 
         out: dict[str, Any] = {"results": [], "phases": []}
@@ -44,6 +48,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(format_dask(out["dask"]))
     else:
         out = run.run(config, progress=not args.no_progress)
+    # Other processes' load before and after: the report (and a reader of the JSON, such
+    # as the docs' performance page) can tell a measurement made on a busy machine.
+    out["load"] = {"before": load_before, "after": machine.load_info()}
+    if not args.dask:
         print(report.format_table(out))
     out["machine"] = machine.collect_info(probe=False)
     out["elapsed_s"] = time.perf_counter() - started
@@ -56,14 +64,37 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from . import precompile
+    from .run import Progress
+    from .settings import DTYPES, OPS, split_choices
+
+    dtypes = split_choices(args.dtype, DTYPES, "--dtype") or DTYPES
+    ops = split_choices(args.op, OPS, "--op") or OPS
+    directions = ("forward", "backward") if args.backward else ("forward",)
+    dtypes, skipped = precompile.available_dtypes(dtypes)
+    import numba
+
+    total = len(dtypes) * len(ops) * len(directions) * len(
+        precompile.layouts(numba.get_num_threads()))
+    bar = Progress(total, enabled=not args.no_progress)
+    try:
+        report = precompile.run(ops, directions, dtypes, bar.update)
+    finally:
+        bar.close()
+    print(precompile.format_report(report, skipped))
+    return 0
+
+
 def _roofline(args: argparse.Namespace, config: Settings, started: float) -> int:
     from . import report, roofline
     from .run import Progress
 
-    for flag in ("dask", "plot", "dtype", "op", "threads"):
+    for flag in ("dask", "plot", "dtype", "op", "threads", "regime"):
         if getattr(args, flag, None):
             raise UsageError(f"--roofline measures the float32 LayerNorm (forward, or "
-                             f"backward with --backward) on one thread; it takes no "
+                             f"backward with --backward) on one thread, in memory and in "
+                             f"cache; it takes no "
                              f"--{flag}")
     shapes = [s for s in config.shapes if s[0] > 1] or list(config.shapes)
     bar = Progress(len(shapes), enabled=not args.no_progress)
@@ -117,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="thread counts to run, e.g. 1,2 (default: Numba's)")
     p_bench.add_argument("--op", nargs="+", metavar="OP",
                          help="layer_norm and/or rms_norm (default: both)")
+    p_bench.add_argument("--regime", nargs="+", metavar="REGIME",
+                         help="cache (one working set of <= 1.5 MB, reused: bound by "
+                              "arithmetic) and/or memory (inputs rotated over > 128 MiB: "
+                              "bound by DRAM bandwidth); default both")
     p_bench.add_argument("--repeats", type=int, metavar="R",
                          help="round-robin repeats per measurement (default 11; 5 with --quick)")
     p_bench.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
@@ -131,6 +166,27 @@ def build_parser() -> argparse.ArgumentParser:
                               "1 thread)")
     p_bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_bench.set_defaults(func=_cmd_bench)
+
+    p_compile = sub.add_parser(
+        "compile",
+        help="fill Numba's disk cache ahead of time (container images, CI)",
+        description=(
+            "Compiles the Numba kernels that real calls use, by making small real calls "
+            "through the public API for every dtype and every layout that selects a "
+            "different kernel (short, long and strided rows, columns; parallel variants "
+            "when Numba has more than one thread), and stores them in Numba's disk cache "
+            "(NUMBA_CACHE_DIR when set). A second run only loads them."
+        ),
+    )
+    p_compile.add_argument("--dtype", nargs="+", metavar="DTYPE",
+                           help="float32, float64, float16, bfloat16 (default: all); "
+                                "space- or comma-separated")
+    p_compile.add_argument("--op", nargs="+", metavar="OP",
+                           help="layer_norm and/or rms_norm (default: both)")
+    p_compile.add_argument("--backward", action="store_true",
+                           help="also compile the backward kernels")
+    p_compile.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p_compile.set_defaults(func=_cmd_compile)
     return parser
 
 

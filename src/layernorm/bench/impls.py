@@ -5,7 +5,19 @@ Every factory takes a :class:`Case` (inputs already made) and returns a list of
 Peers are only built when their library is installed; their imports happen here,
 inside the factories, never at ``import layernorm``.
 
-Regimes (how the output memory is obtained; they change the numbers a lot for
+Data regimes (where the inputs are when a call starts; see :func:`regime_cases`):
+
+``cache``
+    One working set of at most ``CACHE_BYTES`` (x, y, the parameters, and for the
+    backward grad_y, grad_x and the statistics), reused call after call: its rows stay
+    in L2/L3, so what is measured is the arithmetic. Grid shapes that do not fit keep
+    their row length and lose rows.
+``memory``
+    The shape as given, in as many copies as make the inputs and outputs of the
+    rotation exceed ``MEMORY_BYTES``, called in turn (:func:`.timing.rotating`), so
+    every call reads inputs evicted from the caches: what is measured is DRAM bandwidth.
+
+Output regimes (how the output memory is obtained; they change the numbers a lot for
 outputs of tens of MiB, where a fresh allocation is mapped and page-faulted):
 
 ``prealloc``
@@ -37,8 +49,19 @@ EPS = 1e-5
 
 #: Kinds of implementation: the copy baselines, our own paths, and other libraries.
 COPY, OURS, PEER = "copy", "layernorm", "peer"
-#: Regimes: how an implementation gets its output memory (see above).
+#: Output regimes: how an implementation gets its output memory (see above).
 PREALLOC, FRESH, HEAP_REUSE = "prealloc", "fresh", "heap reuse"
+#: Data regimes: where the inputs are when a call starts (see above).
+CACHE, MEMORY = "cache", "memory"
+#: The cache regime's whole working set, in bytes (fits in the L2 of recent server
+#: cores, and well within any last-level cache).
+CACHE_BYTES = 1_500_000
+#: The memory regime rotates over copies of the inputs until they and their outputs
+#: exceed this (above the last-level cache of any current CPU socket).
+MEMORY_BYTES = 1 << 27
+#: At most this many copies: a shape that would need more (a single row) is too small
+#: to measure from DRAM and is only shown in the cache regime.
+MEMORY_MAX_SETS = 64
 
 
 @dataclass
@@ -73,6 +96,17 @@ class Case:
         return (2 if self.direction == "forward" else 3) * self.array_bytes
 
     @property
+    def working_set_bytes(self) -> int:
+        """Bytes one call touches: the arrays it reads and writes (``moved_bytes``), the
+        parameters and the statistics."""
+        extra = sum(a.nbytes for a in (self.weight, self.bias, self.mean, self.rstd)
+                    if a is not None)
+        if self.mean is None and self.rstd is None:  # forward: it writes them
+            acc = acc_dtype(self.dtype).itemsize
+            extra += (2 if self.op == "layer_norm" else 1) * self.shape[0] * acc
+        return self.moved_bytes + extra
+
+    @property
     def title(self) -> str:
         name = {"layer_norm": "LayerNorm", "rms_norm": "RMSNorm"}[self.op]
         return f"{name} {self.direction} {self.dtype}"
@@ -84,7 +118,7 @@ class Impl:
 
     name: str
     kind: str
-    regime: str
+    output: str
     fn: Callable[[], Any]
     note: str = ""
     #: Arrays of x's size it reads and writes in all (baselines only; 2 for a copy).
@@ -135,6 +169,63 @@ def make_case(op: str, direction: str, dtype: str, shape: tuple[int, int],
     return case
 
 
+def cache_shape(op: str, direction: str, dtype: str, shape: tuple[int, int]
+                ) -> tuple[int, int] | None:
+    """``shape`` with as many of its rows as fit in ``CACHE_BYTES`` (all of the
+    working set: see :attr:`Case.working_set_bytes`); None if not even one row fits.
+
+    Examples
+    --------
+    >>> cache_shape("layer_norm", "forward", "float32", (4096, 768))
+    (242, 768)
+    >>> cache_shape("layer_norm", "forward", "float32", (1, 768))
+    (1, 768)
+    """
+    n, d = shape
+    item = numpy_dtype(dtype).itemsize
+    acc = acc_dtype(dtype).itemsize
+    arrays = 2 if direction == "forward" else 3
+    stats = 2 if op == "layer_norm" else 1
+    params = (2 if op == "layer_norm" else 1) * d * item
+    rows = (CACHE_BYTES - params) // (arrays * d * item + stats * acc)
+    return (min(n, rows), d) if rows >= 1 else None
+
+
+def replica(case: Case) -> Case:
+    """The same case with every array copied to new memory (same values)."""
+    def fresh(a: Any) -> Any:
+        return None if a is None else a.copy()
+
+    return Case(case.op, case.direction, case.dtype, case.shape, x=fresh(case.x),
+                weight=fresh(case.weight), bias=fresh(case.bias),
+                grad_y=fresh(case.grad_y), mean=fresh(case.mean), rstd=fresh(case.rstd),
+                extras=dict(case.extras))
+
+
+def regime_cases(op: str, direction: str, dtype: str, shape: tuple[int, int],
+                 regime: str) -> list[Case]:
+    """The input sets one grid cell is timed on in a data regime: one set (of a shape
+    cut to fit the cache, see :func:`cache_shape`) for ``cache``; enough copies of the
+    shape's inputs to exceed ``MEMORY_BYTES`` for ``memory``. An empty list when the
+    shape cannot be measured in that regime.
+    """
+    if regime == CACHE:
+        small = cache_shape(op, direction, dtype, shape)
+        if small is None:
+            return []
+        case = make_case(op, direction, dtype, small)
+        case.extras.update(regime=CACHE, sets=1)
+        return [case]
+    if regime != MEMORY:
+        raise ValueError(f"regime must be {CACHE!r} or {MEMORY!r}; got {regime!r}")
+    case = make_case(op, direction, dtype, shape)
+    sets = -(-MEMORY_BYTES // case.working_set_bytes)
+    if sets > MEMORY_MAX_SETS:
+        return []
+    case.extras.update(regime=MEMORY, sets=sets)
+    return [case] + [replica(case) for _ in range(sets - 1)]
+
+
 # --------------------------------------------------------------------------- copies
 
 
@@ -180,7 +271,7 @@ def torch_add(a: Any, b: Any, out: Any) -> Any:
 # --------------------------------------------------------------------------- ours
 
 
-def ours_impls(case: Case, regime: str = FRESH) -> list[Impl]:
+def ours_impls(case: Case, output: str = FRESH) -> list[Impl]:
     """Our Numba path (into ``out=`` and with a fresh output) and our generic path."""
     import layernorm as ln
 
@@ -191,41 +282,41 @@ def ours_impls(case: Case, regime: str = FRESH) -> list[Impl]:
         if case.op == "layer_norm":
             impls.append(Impl("layernorm numba out=", OURS, PREALLOC,
                               lambda: ln.layer_norm(x, weight=w, bias=b, eps=eps, out=out)))
-            impls.append(Impl("layernorm numba", OURS, regime,
+            impls.append(Impl("layernorm numba", OURS, output,
                               lambda: ln.layer_norm(x, weight=w, bias=b, eps=eps)))
-            if regime == FRESH:
+            if output == FRESH:
                 impls.append(Impl(
-                    "layernorm array_api", OURS, regime,
+                    "layernorm array_api", OURS, output,
                     lambda: ln.layer_norm(x, weight=w, bias=b, eps=eps, backend="array_api"),
                     "generic path on NumPy"))
         else:
             impls.append(Impl("layernorm numba out=", OURS, PREALLOC,
                               lambda: ln.rms_norm(x, weight=w, eps=eps, out=out)))
-            impls.append(Impl("layernorm numba", OURS, regime,
+            impls.append(Impl("layernorm numba", OURS, output,
                               lambda: ln.rms_norm(x, weight=w, eps=eps)))
-            if regime == FRESH:
-                impls.append(Impl("layernorm array_api", OURS, regime,
+            if output == FRESH:
+                impls.append(Impl("layernorm array_api", OURS, output,
                                   lambda: ln.rms_norm(x, weight=w, eps=eps, backend="array_api"),
                                   "generic path on NumPy"))
         return impls
 
     gy, mean, rstd = case.grad_y, case.mean, case.rstd
     if case.op == "layer_norm":
-        impls.append(Impl("layernorm numba", OURS, regime,
+        impls.append(Impl("layernorm numba", OURS, output,
                           lambda: ln.layer_norm_backward(gy, x, mean, rstd, w),
                           "grad_x, grad_weight, grad_bias"))
-        if regime == FRESH:
+        if output == FRESH:
             impls.append(Impl(
-                "layernorm array_api", OURS, regime,
+                "layernorm array_api", OURS, output,
                 lambda: ln.layer_norm_backward(gy, x, mean, rstd, w, backend="array_api"),
                 "generic path on NumPy"))
     else:
-        impls.append(Impl("layernorm numba", OURS, regime,
+        impls.append(Impl("layernorm numba", OURS, output,
                           lambda: ln.rms_norm_backward(gy, x, rstd, w),
                           "grad_x, grad_weight"))
-        if regime == FRESH:
+        if output == FRESH:
             impls.append(Impl(
-                "layernorm array_api", OURS, regime,
+                "layernorm array_api", OURS, output,
                 lambda: ln.rms_norm_backward(gy, x, rstd, w, backend="array_api"),
                 "generic path on NumPy"))
     return impls
@@ -304,7 +395,7 @@ def _to_torch(arr: Any) -> Any:
     return torch.from_numpy(arr)
 
 
-def torch_impls(case: Case, regime: str = FRESH) -> list[Impl]:
+def torch_impls(case: Case, output: str = FRESH) -> list[Impl]:
     """PyTorch's CPU ``F.layer_norm``/``F.rms_norm`` and their autograd backward."""
     if not installed("torch"):
         return []
@@ -315,20 +406,20 @@ def torch_impls(case: Case, regime: str = FRESH) -> list[Impl]:
     b = None if case.bias is None else _to_torch(case.bias)
     shape = (case.shape[1],)
     eps = EPS
-    label = "as it comes" if regime == FRESH else regime
+    label = "as it comes" if output == FRESH else output
     if case.direction == "forward":
         if case.op == "layer_norm":
             def fn() -> Any:
                 with torch.no_grad():
                     return F.layer_norm(x, shape, w, b, eps)
 
-            return [Impl("torch F.layer_norm", PEER, regime, fn, label)]
+            return [Impl("torch F.layer_norm", PEER, output, fn, label)]
 
         def fn_rms() -> Any:
             with torch.no_grad():
                 return F.rms_norm(x, shape, w, eps)
 
-        return [Impl("torch F.rms_norm", PEER, regime, fn_rms, label)]
+        return [Impl("torch F.rms_norm", PEER, output, fn_rms, label)]
 
     # Backward as users get it: autograd over a graph built once, kept with retain_graph.
     xr = x.clone().requires_grad_(True)
@@ -348,7 +439,7 @@ def torch_impls(case: Case, regime: str = FRESH) -> list[Impl]:
     def fn_back() -> Any:
         return torch.autograd.grad(y, inputs, gy, retain_graph=True)
 
-    return [Impl(name, PEER, regime, fn_back, f"{label}; graph built once")]
+    return [Impl(name, PEER, output, fn_back, f"{label}; graph built once")]
 
 
 # --------------------------------------------------------------------------- JAX

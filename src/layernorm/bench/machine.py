@@ -247,6 +247,19 @@ def format_info(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def load_info() -> dict[str, Any]:
+    """The 1-minute load average against the logical cores (None where the platform has
+    no load average): more runnable processes than cores means timings are shared.
+
+    Examples
+    --------
+    >>> sorted(load_info())
+    ['load_avg_1m', 'logical_cores']
+    """
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"load_avg_1m": load, "logical_cores": os.cpu_count()}
+
+
 def summary_line() -> str:
     """One line on the machine and the libraries compared, for the top of a report;
     a second line warns when other processes keep the machine busy."""

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from typing import Any
 
-from .impls import COPY, FRESH, HEAP_REUSE
+from .impls import CACHE, CACHE_BYTES, COPY, FRESH, HEAP_REUSE, MEMORY, MEMORY_BYTES
+
+#: Section headings of the data regimes.
+REGIME_TITLES = {
+    CACHE: f"cache-resident (one working set of <= {CACHE_BYTES / 1e6:.1f} MB, reused)",
+    MEMORY: f"DRAM-resident (inputs rotated over > {MEMORY_BYTES >> 20} MiB)",
+}
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -20,19 +27,21 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The printed report: one table per (phase, threads, operation, dtype)."""
+    """The printed report: one table per (phase, data regime, threads, operation, dtype)."""
     lines: list[str] = []
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for rec in report["results"]:
-        key = (rec["phase"], rec["threads"], rec["op"], rec["direction"], rec["dtype"])
+        key = (rec["phase"], rec.get("regime", MEMORY), rec["threads"], rec["op"],
+               rec["direction"], rec["dtype"])
         groups.setdefault(key, []).append(rec)
-    header = (f"{'shape':>11}  {'implementation':<27} {'regime':<11} {'µs':>9} "
+    header = (f"{'shape':>11}  {'implementation':<27} {'output':<11} {'µs':>9} "
               f"{'GB/s':>7} {'% copy':>7} {'speed-up':>9}")
-    for (phase, threads, op, direction, dtype), recs in groups.items():
+    for (phase, data, threads, op, direction, dtype), recs in groups.items():
         name = {"layer_norm": "LayerNorm", "rms_norm": "RMSNorm"}[op]
-        regime = ("outputs as they come" if phase == FRESH
-                  else "malloc reuses freed memory (no mmap, no trim)")
-        lines += ["", f"{name} {direction}, {dtype}, {threads} thread(s); {regime}",
+        outputs = ("outputs as they come" if phase == FRESH
+                   else "malloc reuses freed memory (no mmap, no trim)")
+        lines += ["", f"{name} {direction}, {dtype}, {threads} thread(s); "
+                      f"{REGIME_TITLES.get(data, data)}; {outputs}",
                   header, "-" * len(header)]
         last_shape = None
         for rec in recs:
@@ -43,33 +52,78 @@ def format_table(report: dict[str, Any]) -> str:
             last_shape = shape
             impl = rec["impl"] + (" *" if rec.get("best_copy") else "")
             if "error" in rec:
-                lines.append(f"{label:>11}  {impl:<27} {rec['regime']:<11} "
+                lines.append(f"{label:>11}  {impl:<27} {rec['output']:<11} "
                              f"failed: {rec['error'][:60]}")
                 continue
             speed = f"{rec['speedup']:.2f}" if rec.get("speedup") else ""
             lines.append(
-                f"{label:>11}  {impl:<27} {rec['regime']:<11} {_fmt(rec['us'], 2):>9} "
+                f"{label:>11}  {impl:<27} {rec['output']:<11} {_fmt(rec['us'], 2):>9} "
                 f"{_fmt(rec['gbps']):>7} {_fmt(rec['pct_copy']):>7} {speed:>9}")
         lines.extend(_summary_lines(recs))
     lines += [
         "",
         "GB/s: forward reads x and writes y; backward reads grad_y, x and writes grad_x.",
-        "% copy: of the best preallocated baseline moving the same bytes, timed in the same "
-        "rounds (marked *): a copy for forward, grad_y + x into out= for backward.",
-        "speed-up: the peer's time / layernorm numba's with the same output regime "
-        "(>1: layernorm is faster).",
-        "Regimes: prealloc = into memory allocated before timing (out=); fresh = a new "
+        "% copy: of the best preallocated baseline moving the same bytes in the same data "
+        "regime, timed in the same rounds (marked *): a copy for forward, grad_y + x into "
+        "out= for backward.",
+        "Data regimes: cache = one working set reused (rows cut to fit; bound by "
+        "arithmetic); memory = the shape as given, inputs rotated over copies so every "
+        "call reads from DRAM (bound by bandwidth; single rows are too small for it).",
+        "speed-up: the peer's time / layernorm numba's with the same data and output "
+        "regimes (>1: layernorm is faster).",
+        "Output regimes: prealloc = into memory allocated before timing (out=); fresh = a new "
         "output per call; heap reuse = fresh, with freed memory reused by malloc.",
         "Medians of interleaved rounds; JAX uses XLA's own threads whatever --threads says.",
     ]
+    busy = noise(report)
+    if busy["noisy"]:
+        lines += ["", f"warning: a noisy run ({busy['text']}): other processes took the "
+                      "cores; these numbers understate the library"]
     return "\n".join(lines)
+
+
+#: A run is noisy when the 1-minute load average (before or after it) exceeds this many
+#: runnable processes per core ...
+BUSY_LOAD_PER_CORE = 0.75
+#: ... or when the median over its measurements of p90 / median round exceeds this.
+BUSY_SPREAD = 1.25
+
+
+def noise(report: dict[str, Any]) -> dict[str, Any]:
+    """How busy the machine was during a run: its load average against the cores
+    (from ``report["load"]``, when recorded) and the spread of the timed rounds.
+
+    Examples
+    --------
+    >>> rec = {"median_s": 1.0, "p90_s": 1.1}
+    >>> n = noise({"results": [rec], "load": {"before": {"load_avg_1m": 3.0,
+    ...                                                  "logical_cores": 2}}})
+    >>> n["noisy"], n["load"], n["spread"]
+    (True, 3.0, 1.1)
+    """
+    snapshots = [s for s in (report.get("load") or {}).values() if s]
+    loads = [s["load_avg_1m"] for s in snapshots if s.get("load_avg_1m") is not None]
+    cores = max([s.get("logical_cores") or 0 for s in snapshots] + [1])
+    spreads = [rec["p90_s"] / rec["median_s"] for rec in report.get("results", ())
+               if rec.get("p90_s") and rec.get("median_s")]
+    load = max(loads, default=None)
+    spread = statistics.median(spreads) if spreads else None
+    noisy = bool((load is not None and load > BUSY_LOAD_PER_CORE * cores)
+                 or (spread is not None and spread > BUSY_SPREAD))
+    parts = []
+    if load is not None:
+        parts.append(f"load average {load:.1f} on {cores} cores")
+    if spread is not None:
+        parts.append(f"rounds' p90/median: median {spread:.2f}, worst {max(spreads):.2f}")
+    return {"noisy": noisy, "load": load, "cores": cores, "spread": spread,
+            "worst_spread": max(spreads, default=None), "text": "; ".join(parts)}
 
 
 def _summary_lines(recs: list[dict[str, Any]]) -> list[str]:
     by_peer: dict[tuple[str, str], list[float]] = {}
     for rec in recs:
         if rec.get("speedup"):
-            by_peer.setdefault((rec["impl"], rec["regime"]), []).append(rec["speedup"])
+            by_peer.setdefault((rec["impl"], rec["output"]), []).append(rec["speedup"])
     if not by_peer:
         return []
     parts = [f"{name} ({regime}) {min(v):.2f}-{max(v):.2f}x"
@@ -96,8 +150,9 @@ def plot(report: dict[str, Any], path: str) -> None:
             continue
         if rec["phase"] == HEAP_REUSE and rec["kind"] == COPY:
             continue
-        key = (rec["op"], rec["direction"], rec["dtype"], rec["threads"])
-        line = panels.setdefault(key, {}).setdefault((rec["impl"], rec["regime"]), {})
+        key = (rec["op"], rec["direction"], rec["dtype"], rec["threads"],
+               rec.get("regime", MEMORY))
+        line = panels.setdefault(key, {}).setdefault((rec["impl"], rec["output"]), {})
         n, d = rec["shape"]
         # One point per row length: the shape with the most rows (a single row is latency).
         if d not in line or line[d][0] < n:
@@ -110,7 +165,7 @@ def plot(report: dict[str, Any], path: str) -> None:
     markers = "os^vD<>ph*"
     fig, axes = plt.subplots(rows, cols, figsize=(9.5 * cols, 4.5 * rows), squeeze=False)
     for ax, key in zip(axes.flat, keys, strict=False):
-        op, direction, dtype, threads = key
+        op, direction, dtype, threads, data = key
         for (impl, regime), points in sorted(panels[key].items()):
             ds = sorted(points)
             i = labels.index((impl, regime))
@@ -120,7 +175,7 @@ def plot(report: dict[str, Any], path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("row length D")
         ax.set_ylabel("GB/s")
-        ax.set_title(f"{op} {direction} {dtype}, {threads} thread(s)")
+        ax.set_title(f"{op} {direction} {dtype}, {threads} thread(s), {data}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     for ax in list(axes.flat)[len(keys):]:

@@ -3,9 +3,15 @@ the peers.
 
 How it measures
 ---------------
-* Every grid cell (operation, direction, dtype, shape, thread count) builds its inputs
-  once (seeded), then times every implementation together with
+* Every grid cell (operation, direction, dtype, shape, thread count, data regime) builds
+  its inputs once (seeded), then times every implementation together with
   :func:`.timing.time_interleaved`: round-robin rounds of calibrated samples, medians.
+* The data regime is a property of the inputs, not of the timer
+  (:func:`.impls.regime_cases`): ``cache`` times one working set of at most 1.5 MB,
+  reused; ``memory`` builds every implementation (the copies included) once per copy
+  of the inputs and times their rotation (:func:`.timing.rotating`), over more than
+  128 MiB, so every call starts from DRAM. Copies, ours and peers of a cell share the
+  regime and the rounds.
 * Bandwidth counts the floor of memory traffic: forward reads ``x`` and writes ``y``;
   backward reads ``grad_y`` and ``x`` and writes ``grad_x``. Statistics and parameter
   gradients are negligible and not counted.
@@ -26,14 +32,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from . import impls as impls_mod
-from .impls import COPY, FRESH, HEAP_REUSE, OURS, PEER, PREALLOC, Case, Impl
+from .impls import COPY, FRESH, HEAP_REUSE, MEMORY, OURS, PEER, PREALLOC, Case, Impl
 from .machine import installed
 from .settings import Settings
-from .timing import time_interleaved
+from .timing import rotating, time_interleaved
 
 # --------------------------------------------------------------------------- progress
 
@@ -94,13 +100,13 @@ def summarize(case: Case, impls: Sequence[Impl], timings: dict[str, dict[str, An
     best_copy, best_copy_gbps = None, 0.0
     for impl in impls:
         t = timings[impl.name]
-        if (impl.kind == COPY and impl.regime == PREALLOC and "median_s" in t
+        if (impl.kind == COPY and impl.output == PREALLOC and "median_s" in t
                 and impl.arrays == floor_arrays):
             gbps = impl.arrays * case.array_bytes / t["median_s"] / 1e9
             if gbps > best_copy_gbps:
                 best_copy, best_copy_gbps = impl.name, gbps
-    ours_by_regime = {
-        impl.regime: timings[impl.name].get("median_s")
+    ours_by_output = {
+        impl.output: timings[impl.name].get("median_s")
         for impl in impls if impl.kind == OURS and impl.name == "layernorm numba"
     }
     records = []
@@ -110,7 +116,9 @@ def summarize(case: Case, impls: Sequence[Impl], timings: dict[str, dict[str, An
         rec: dict[str, Any] = {
             "op": case.op, "direction": case.direction, "dtype": case.dtype,
             "shape": list(case.shape), "threads": threads, "phase": phase,
-            "impl": impl.name, "kind": impl.kind, "regime": impl.regime, "note": impl.note,
+            "regime": case.extras.get("regime", MEMORY), "sets": case.extras.get("sets", 1),
+            "working_set_bytes": case.working_set_bytes,
+            "impl": impl.name, "kind": impl.kind, "output": impl.output, "note": impl.note,
             "bytes": moved, "copy_impl": best_copy, "copy_gbps": best_copy_gbps or None,
         }
         if "error" in t:
@@ -119,7 +127,7 @@ def summarize(case: Case, impls: Sequence[Impl], timings: dict[str, dict[str, An
             continue
         median = t["median_s"]
         gbps = moved / median / 1e9
-        ours = ours_by_regime.get(impl.regime)
+        ours = ours_by_output.get(impl.output)
         rec.update(
             median_s=median, min_s=t["min_s"], p90_s=t.get("p90_s"), us=median * 1e6,
             samples_s=t["samples_s"],
@@ -135,8 +143,9 @@ def summarize(case: Case, impls: Sequence[Impl], timings: dict[str, dict[str, An
 # --------------------------------------------------------------------------- the run
 
 
-def _cases(settings: Settings) -> list[tuple[str, str, str, tuple[int, int]]]:
-    return [(op, direction, dtype, shape)
+def _cases(settings: Settings) -> list[tuple[str, str, str, str, tuple[int, int]]]:
+    return [(regime, op, direction, dtype, shape)
+            for regime in settings.regimes
             for direction in settings.directions for op in settings.ops
             for dtype in settings.dtypes for shape in settings.shapes]
 
@@ -156,9 +165,24 @@ def build_impls(case: Case, phase: str) -> list[Impl]:
     impls = impls_mod.copy_impls(case)
     if phase == FRESH:
         return impls + impls_mod.ours_impls(case, FRESH) + impls_mod.peer_impls(case)
-    impls = [i for i in impls if i.regime == PREALLOC]
-    ours = [i for i in impls_mod.ours_impls(case, HEAP_REUSE) if i.regime == HEAP_REUSE]
+    impls = [i for i in impls if i.output == PREALLOC]
+    ours = [i for i in impls_mod.ours_impls(case, HEAP_REUSE) if i.output == HEAP_REUSE]
     return impls + ours + impls_mod.torch_impls(case, HEAP_REUSE)
+
+
+def build_regime_impls(cases: Sequence[Case], phase: str) -> list[Impl]:
+    """:func:`build_impls` for each input set of a cell, each implementation's calls
+    rotating over the sets (one set: its implementations as they are)."""
+    per_set = [build_impls(case, phase) for case in cases]
+    if len(per_set) == 1:
+        return per_set[0]
+    names = [impl.name for impl in per_set[0]]
+    for impls in per_set[1:]:
+        if [impl.name for impl in impls] != names:
+            raise RuntimeError(f"input sets of one cell built different implementations: "
+                               f"{names} and {[impl.name for impl in impls]}")
+    return [replace(impl, fn=rotating([impls[i].fn for impls in per_set]))
+            for i, impl in enumerate(per_set[0])]
 
 
 def run(settings: Settings, progress: bool = True) -> dict[str, Any]:
@@ -177,14 +201,20 @@ def run(settings: Settings, progress: bool = True) -> dict[str, Any]:
                 break
             for threads in settings.threads:
                 set_threads(threads)
-                for op, direction, dtype, shape in cells:
-                    case = impls_mod.make_case(op, direction, dtype, shape)
-                    case.extras["threads"] = threads
-                    impls = build_impls(case, phase)
+                for regime, op, direction, dtype, shape in cells:
+                    label = f"{regime} {op} {direction} {dtype} {shape[0]}x{shape[1]} " \
+                            f"t={threads} {phase}"
+                    sets = impls_mod.regime_cases(op, direction, dtype, shape, regime)
+                    if not sets:
+                        bar.update(label)
+                        continue
+                    for case in sets:
+                        case.extras["threads"] = threads
+                    impls = build_regime_impls(sets, phase)
                     timings = time_cell(impls, settings.repeats, settings.target_s)
-                    results += summarize(case, impls, timings, threads, phase)
-                    bar.update(f"{case.title} {shape[0]}x{shape[1]} t={threads} {phase}")
-                    del case, impls, timings
+                    results += summarize(sets[0], impls, timings, threads, phase)
+                    bar.update(label)
+                    del sets, impls, timings
     finally:
         bar.close()
     return {"settings": asdict(settings), "phases": phases, "results": results}

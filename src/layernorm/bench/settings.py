@@ -14,6 +14,9 @@ from dataclasses import dataclass
 OPS = ("layer_norm", "rms_norm")
 DIRECTIONS = ("forward", "backward")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
+#: Where the inputs are when a call starts: one reused working set of at most 1.5 MB,
+#: or a rotation over more than 128 MiB (see :mod:`.impls`).
+REGIMES = ("cache", "memory")
 
 
 class UsageError(ValueError):
@@ -40,12 +43,29 @@ class Settings:
     repeats: int
     target_s: float
     heap_reuse: bool = True
+    regimes: tuple[str, ...] = REGIMES
 
 
 def _split(values: Iterable[str] | None) -> list[str]:
     out: list[str] = []
     for value in values or ():
         out += [v.strip() for v in value.split(",") if v.strip()]
+    return out
+
+
+def split_choices(values: Iterable[str] | None, choices: tuple[str, ...], flag: str
+                  ) -> tuple[str, ...]:
+    """Space- or comma-separated values of ``flag``, each one of ``choices``.
+
+    Examples
+    --------
+    >>> split_choices(["float32,float64", "float16"], DTYPES, "--dtype")
+    ('float32', 'float64', 'float16')
+    """
+    out = tuple(_split(values))
+    for value in out:
+        if value not in choices:
+            raise UsageError(f"{flag} must be among {', '.join(choices)}; got {value!r}")
     return out
 
 
@@ -75,14 +95,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
     shapes = tuple(parse_shape(s) for s in args.shape or ()) or (
         QUICK_SHAPES if args.quick else FULL_SHAPES)
-    dtypes = tuple(_split(args.dtype)) or ("float32",)
-    for dt in dtypes:
-        if dt not in DTYPES:
-            raise UsageError(f"--dtype must be among {', '.join(DTYPES)}; got {dt!r}")
-    ops = tuple(_split(args.op)) or OPS
-    for op in ops:
-        if op not in OPS:
-            raise UsageError(f"--op must be among {', '.join(OPS)}; got {op!r}")
+    dtypes = split_choices(args.dtype, DTYPES, "--dtype") or ("float32",)
+    ops = split_choices(args.op, OPS, "--op") or OPS
     available = numba.config.NUMBA_NUM_THREADS
     try:
         threads = tuple(int(t) for t in _split(args.threads)) or (numba.get_num_threads(),)
@@ -92,10 +106,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         if not 1 <= t <= available:
             raise UsageError(
                 f"--threads must be between 1 and {available} (NUMBA_NUM_THREADS); got {t}")
+    regimes = split_choices(getattr(args, "regime", None), REGIMES, "--regime") or REGIMES
+    regimes = tuple(r for r in REGIMES if r in regimes)  # each once, cache first
     repeats = args.repeats or (5 if args.quick else 11)
     if repeats < 1:
         raise UsageError(f"--repeats must be >= 1; got {repeats}")
     directions = ("forward", "backward") if args.backward else ("forward",)
     return Settings(ops, directions, dtypes, shapes, threads, repeats,
-                    target_s=0.002 if args.quick else 0.01)
+                    target_s=0.002 if args.quick else 0.01, regimes=regimes)
 
