@@ -284,5 +284,25 @@ def xp(library):
     return library.xp
 
 
+
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection
+def pytest_collection_modifyitems(session, config, items):
+    """Start the CUDA compile jobs in the background and run their tests last.
+
+    See the end of test_cuda_compile.py: minutes of single-threaded compiling overlap
+    with the rest of the suite instead of following it.
+    """
+    import sys
+
+    module = sys.modules.get("tests.test_cuda_compile")
+    if module is None or config.option.collectonly:
+        return
+    waiting = module.start_background(items)
+    if waiting:
+        config.add_cleanup(module.stop_background)
+        ids = {id(item) for item in waiting}
+        items[:] = [item for item in items if id(item) not in ids] + waiting
+
+
 __all__ = ["ATOL", "DTYPES", "STATS_RTOL", "Library", "acc_dtype", "asarray", "dtype_str",
            "importlib", "optional", "random_rows", "to_numpy"]
