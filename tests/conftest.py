@@ -130,7 +130,7 @@ class Library:
         return self._from_numpy(host)
 
     def to_numpy(self, a) -> np.ndarray:
-        """This library's array -> NumPy, same dtype (Dask computed, CuPy copied)."""
+        """This library's array -> a NumPy copy, same dtype (Dask computed, CuPy copied)."""
         return self._to_numpy(a)
 
     def is_array(self, a) -> bool:
@@ -188,8 +188,9 @@ def dtype_str(dtype) -> str:
 
 
 def _numpy_library() -> Library:
+    # to_numpy copies, as every other library's does: a saved result never aliases.
     return Library("numpy", np, dict(DTYPES), None, True, lambda a: a,
-                   lambda a: np.asarray(a), lambda a: type(a) is np.ndarray, lambda a: None)
+                   lambda a: np.array(a), lambda a: type(a) is np.ndarray, lambda a: None)
 
 
 def _strict_library() -> Library:

@@ -439,6 +439,7 @@ def test_inputs_are_never_modified(library):
     rng = np.random.default_rng(1)
     host = [random_rows(rng, shape, "float32") for shape in ((4, 130), (130,), (130,), (4, 130))]
     x, w, b, gy = (library.asarray(a) for a in host)
+    host = [a.copy() for a in host]  # NumPy's (and Dask's) arrays may be these very buffers
     _, mean, rstd = ln.layer_norm(x, weight=w, bias=b, return_stats=True)
     stats = [library.to_numpy(mean), library.to_numpy(rstd)]
     ln.layer_norm_backward(gy, x, mean, rstd, w)
@@ -503,3 +504,40 @@ def test_channels_first_equals_rows(library, dtype_name, n):
     y_pixel = ln.layer_norm(library.asarray(img[1:2, :, 2:3, 4:5]), axis=1, weight=ws)
     library.assert_equal(y_pixel, library.to_numpy(y)[1:2, :, 2:3, 4:5])
     library.assert_close(y, reference.layer_norm(img, (1,), w)[0], dtype=dtype_name)
+
+
+# --------------------------------------------------------------------------- layers
+
+
+@pytest.mark.parametrize("cls", ["LayerNorm", "RMSNorm"])
+def test_layer_classes_equal_the_functions(library, cls):
+    """The layer's parameters live in the library; its forward and backward are the
+    functions' (bit for bit: the same calls), and its backward is the exact gradient."""
+    rng = np.random.default_rng(0)
+    layer = getattr(ln, cls)((3, 16), xp=library.xp)
+    rms = cls == "RMSNorm"
+    library.assert_equal(layer.weight, np.ones((3, 16), np.float32))
+    w, b = _params(rng, (3, 16))
+    state = {"weight": library.asarray(w)} if rms else \
+        {"weight": library.asarray(w), "bias": library.asarray(b)}
+    layer.load_state_dict(state)
+    library.assert_equal(layer.weight, w)
+    x = library.asarray(random_rows(rng, (5, 3, 16), "float32", loc=1.0))
+    gy = library.asarray(random_rows(rng, (5, 3, 16), "float32"))
+    y = layer(x)
+    got = layer.backward(gy)
+    if rms:
+        want_y, rstd = ln.rms_norm(x, (3, 16), layer.weight, return_stats=True)
+        want = ln.rms_norm_backward(gy, x, rstd, layer.weight, (3, 16))
+        exact = reference.rms_norm_backward(library.to_numpy(gy), library.to_numpy(x), (1, 2), w)
+    else:
+        want_y, mean, rstd = ln.layer_norm(x, (3, 16), layer.weight, layer.bias,
+                                           return_stats=True)
+        want = ln.layer_norm_backward(gy, x, mean, rstd, layer.weight, (3, 16))
+        exact = reference.layer_norm_backward(library.to_numpy(gy), library.to_numpy(x),
+                                              (1, 2), w)
+    library.assert_equal(y, want_y)
+    for g, e in zip(got, want, strict=True):
+        library.assert_equal(g, e)
+    library.assert_close(got[0], exact[0], dtype="float32", atol=1e-4)
+    library.assert_close(got[1], exact[1], dtype="float32", atol=1e-4, rtol=1e-4)
