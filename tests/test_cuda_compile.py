@@ -652,11 +652,12 @@ def _check_emulated(reference, dtype, n):
 
 # ------------------------------------------------------------ in the background
 #
-# The NVRTC compiles (eight, 30-110 s each on two cores) and the host emulation (minutes
-# of std::threads) are pure CPU work in one thread, and pytest spends most of its time in
-# one thread too (Numba compiles one kernel at a time): on a 2-core machine one core idles.
+# The NVRTC compiles (eight, 30-110 s each on two cores, one thread each) and the host
+# emulation (a minute or more of std::threads taking turns at barriers) need no GPU and
+# nothing from the rest of the suite, and pytest spends most of its time in one thread
+# (Numba compiles one kernel at a time): on a 2-core machine one core idles.
 # So conftest.py's collection hook calls start_background(), which runs those jobs, in
-# order, in one low-priority process while the rest of the suite runs, and moves these
+# order, in one idle-priority process while the rest of the suite runs, and moves these
 # tests last. Each test then reads its job's result (the same values and assertions as
 # computing it in the test); a test whose job was not started computes it itself.
 
@@ -726,7 +727,13 @@ def background_result(job: str):
 
 def _background_main(workdir: str, jobs: list[str]) -> None:
     """Run ``jobs`` one by one, pickling ("ok" | "skip" | "error", value) per job."""
-    os.nice(5)  # the foreground tests first
+    # The foreground tests first: run only on CPU time they leave. (SCHED_IDLE, which the
+    # emulation's threads inherit: at nice 5 its hundreds of runnable threads, spinning at
+    # barriers, took most of both cores from the foreground.)
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
     out = Path(workdir)
     for job in jobs:
         try:
