@@ -427,8 +427,13 @@ def test_half_parameters_equal_their_float32_values(x_dtype, param_dtype):
         w = (1 + 0.5 * rng.standard_normal(d)).astype(param_dtype)
         b = rng.standard_normal(d).astype(param_dtype)
         w32, b32 = w.astype(np.float32), b.astype(np.float32)
-        for kw, kw32 in (({"weight": w, "bias": b}, {"weight": w32, "bias": b32}),
-                         ({"weight": w}, {"weight": w32}), ({"bias": b}, {"bias": b32})):
+        both = ({"weight": w, "bias": b}, {"weight": w32, "bias": b32})
+        # A weight or a bias alone (the other one is a float32 identity) is its own
+        # specialization of each kernel: check it on the serial rows path only, where the
+        # widening code is the same as in the column and parallel kernels (each of which
+        # has both parameters half above); the full grid compiled 12 more kernels.
+        alone = (({"weight": w}, {"weight": w32}), ({"bias": b}, {"bias": b32}))
+        for kw, kw32 in (both, *(alone if shape == (300, 24) else ())):
             assert np.array_equal(bits(ln.layer_norm(x, axis=axis, **kw)),
                                   bits(ln.layer_norm(x, axis=axis, **kw32)))
         assert np.array_equal(bits(ln.rms_norm(x, weight=w, axis=axis)),
