@@ -10,7 +10,7 @@ import pytest
 import layernorm as ln
 from tests import reference
 
-from .conftest import DTYPES, random_rows
+from .conftest import random_rows
 
 dask = pytest.importorskip("dask")
 da = pytest.importorskip("dask.array")
@@ -160,7 +160,7 @@ def test_rms_backward_channels_first_and_numpy_stats():
     assert gw.compute().shape == (8,)
 
 
-def test_dask_weights_and_mixed_libraries():
+def test_dask_and_numpy_weights_and_dask_only_errors():
     rng = np.random.default_rng(4)
     xn = random_rows(rng, (12, 10), "float32")
     wn = random_rows(rng, (10,), "float32")
@@ -168,15 +168,11 @@ def test_dask_weights_and_mixed_libraries():
     w = da.from_array(wn, chunks=3)
     np.testing.assert_array_equal(ln.layer_norm(x, weight=w).compute(),
                                   ln.layer_norm(xn, weight=wn))
-    torch = pytest.importorskip("torch")
-    with pytest.raises(TypeError, match=r"weight comes from torch.*x comes from dask"):
-        ln.layer_norm(x, weight=torch.ones(10))
+    # NumPy parameters are fine with a Dask x (other libraries: test_contract.py).
+    np.testing.assert_array_equal(ln.layer_norm(x, weight=wn).compute(),
+                                  ln.layer_norm(xn, weight=wn))
     with pytest.raises(TypeError, match="out="):
         ln.layer_norm(x, out=np.empty((12, 10), np.float32))
-    with pytest.raises(ValueError, match="weight"):
-        ln.layer_norm(x, weight=np.ones(9, np.float32))
-    with pytest.raises(TypeError, match="int64"):
-        ln.layer_norm(da.ones((3, 4), dtype=np.int64))
     with pytest.raises(ValueError, match="backend"):
         ln.layer_norm(x, backend="cupy")
     unknown = x[x[:, 0] > 0]
@@ -314,10 +310,3 @@ def test_distributed_cluster_returns_only_the_results():
     np.testing.assert_allclose(got_gb, rb, rtol=1e-4, atol=1e-3)
 
 
-def test_bfloat16_dask_arrays_keep_their_dtype():
-    rng = np.random.default_rng(8)
-    xn = random_rows(rng, (10, 16), "bfloat16")
-    x = da.from_array(xn, chunks=(3, 8))
-    y = ln.layer_norm(x)
-    assert y.dtype == DTYPES["bfloat16"]
-    np.testing.assert_array_equal(y.compute().view(np.uint16), ln.layer_norm(xn).view(np.uint16))

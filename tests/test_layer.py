@@ -7,8 +7,6 @@ import pytest
 
 import layernorm as ln
 
-from . import reference
-
 
 def test_layer_norm_defaults_and_repr():
     layer = ln.LayerNorm(768)
@@ -23,24 +21,6 @@ def test_layer_norm_defaults_and_repr():
     none = ln.LayerNorm(4, elementwise_affine=False)
     assert none.weight is None and none.bias is None and none.state_dict() == {}
     assert repr(ln.RMSNorm(8)) == "RMSNorm((8,), eps=None, elementwise_affine=True)"
-
-
-def test_forward_backward_match_functional():
-    rng = np.random.default_rng(0)
-    layer = ln.LayerNorm((3, 16))
-    layer.weight = rng.standard_normal((3, 16)).astype(np.float32)
-    layer.bias = rng.standard_normal((3, 16)).astype(np.float32)
-    x = rng.standard_normal((5, 3, 16)).astype(np.float32)
-    gy = rng.standard_normal((5, 3, 16)).astype(np.float32)
-    y = layer(x)
-    y_ref, mean, rstd = ln.layer_norm(x, (3, 16), layer.weight, layer.bias, return_stats=True)
-    np.testing.assert_array_equal(y, y_ref)
-    got = layer.backward(gy)
-    want = ln.layer_norm_backward(gy, x, mean, rstd, layer.weight, (3, 16))
-    for a, b in zip(got, want, strict=True):
-        np.testing.assert_array_equal(a, b)
-    exact = reference.layer_norm_backward(gy, x, (1, 2), layer.weight)
-    np.testing.assert_allclose(got[0], exact[0].astype(np.float64), atol=1e-4)
 
 
 def test_backward_without_affine_and_before_forward():
@@ -106,10 +86,7 @@ def test_layer_dtype_and_namespace():
     layer64 = ln.LayerNorm(4, dtype="float64")
     x = np.random.default_rng(4).standard_normal((3, 4))
     assert layer64(x).dtype == np.float64
-    xps = pytest.importorskip("array_api_strict")
-    strict = ln.LayerNorm(4, xp=xps)
-    y = strict(xps.asarray(x, dtype=xps.float32))
-    assert type(y).__module__.startswith("array_api_strict")
+    # Layers of every other library's namespace: test_contract.py.
 
 
 def test_invalid_constructor_arguments():

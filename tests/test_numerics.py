@@ -8,7 +8,7 @@ import pytest
 import layernorm as ln
 
 from . import reference
-from .conftest import DTYPES, asarray, to_numpy
+from .conftest import asarray, to_numpy
 
 
 @pytest.mark.parametrize("n", [64, 768, 1024, 4096])
@@ -38,50 +38,6 @@ def test_outlier_first_element():
     y = ln.layer_norm(x)
     y_ref, _, _ = reference.layer_norm(x, (1,))
     np.testing.assert_allclose(y, y_ref.astype(np.float64), atol=2e-5 * np.abs(y_ref).max())
-
-
-@pytest.mark.parametrize("n", [1, 5, 128, 300])
-def test_constant_row_gives_exactly_bias(native_xp, dtype_name, n):
-    rng = np.random.default_rng(n)
-    values = np.array([0.1, -3.7, 1e4, 1 / 3])
-    x = np.repeat(values[:, None], n, axis=1).astype(DTYPES[dtype_name])
-    b = rng.standard_normal(n).astype(np.float32)
-    w = rng.standard_normal(n).astype(np.float32)
-    y = ln.layer_norm(asarray(native_xp, x, dtype_name),
-                      weight=asarray(native_xp, w, "float32"),
-                      bias=asarray(native_xp, b, "float32"))
-    expected = np.broadcast_to(b.astype(DTYPES[dtype_name]).astype(np.float64), x.shape)
-    np.testing.assert_array_equal(to_numpy(y), expected)
-    y0 = to_numpy(ln.layer_norm(asarray(native_xp, x, dtype_name)))
-    np.testing.assert_array_equal(y0, np.zeros_like(y0))
-
-
-def test_constant_row_with_eps_zero_is_nan(native_xp):
-    x = np.full((2, 16), 2.5, np.float32)
-    x[1] = np.arange(16)
-    y = to_numpy(ln.layer_norm(asarray(native_xp, x, "float32"), eps=0.0))
-    assert np.isnan(y[0]).all()
-    assert np.isfinite(y[1]).all()
-
-
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_nan_and_inf_stay_in_their_row(native_xp, dtype_name, bad):
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((4, 200)).astype(DTYPES[dtype_name])
-    x[2, 57] = bad
-    clean = np.delete(x, 2, axis=0)
-    y = to_numpy(ln.layer_norm(asarray(native_xp, x, dtype_name)))
-    assert np.isnan(y[2]).all()
-    np.testing.assert_array_equal(np.delete(y, 2, axis=0),
-                                  to_numpy(ln.layer_norm(asarray(native_xp, clean, dtype_name))))
-    r = to_numpy(ln.rms_norm(asarray(native_xp, x, dtype_name)))
-    r_clean = to_numpy(ln.rms_norm(asarray(native_xp, clean, dtype_name)))
-    np.testing.assert_array_equal(np.delete(r, 2, axis=0), r_clean)
-    # RMSNorm follows torch: with an Inf, rstd = 1/sqrt(inf) = 0 and the row becomes x * 0
-    # (NaN where x is Inf, signed zeros elsewhere); with a NaN the whole row is NaN.
-    with np.errstate(invalid="ignore"):
-        expected_row = to_numpy(x[2]) * 0.0 if np.isinf(bad) else np.full(200, np.nan)
-    np.testing.assert_array_equal(r[2], expected_row)
 
 
 def test_rms_row_of_inf_matches_torch():

@@ -83,23 +83,13 @@ def test_rms_norm_matches_torch(dtype):
                                           else torch.float64).eps).to(tdt)
     np.testing.assert_allclose(_np64(y), _np64(expected), rtol=0, atol=2 * ATOL[dtype])
     assert torch.equal(y, ln.rms_norm(x, (3, 33), w, eps=None))
+    y6 = ln.rms_norm(x, (3, 33), w, eps=1e-6)
+    expected6 = F.rms_norm(x.double(), (3, 33), w.double(), eps=1e-6).to(tdt)
+    np.testing.assert_allclose(_np64(y6), _np64(expected6), rtol=0, atol=2 * ATOL[dtype])
     if dtype in ("float16", "bfloat16"):
         # torch's own low-precision rms_norm (eps=None) agrees too.
         direct = F.rms_norm(x, (3, 33), w)
         np.testing.assert_allclose(_np64(y), _np64(direct), rtol=0, atol=2 * ATOL[dtype])
-
-
-def test_stats_are_tensors_with_keepdims_and_accumulation_dtype():
-    x = _randn(4, 3, 5, seed=6, dtype=torch.bfloat16)
-    y, mean, rstd = ln.layer_norm(x, axis=1, return_stats=True)
-    assert mean.shape == rstd.shape == (4, 1, 5)
-    assert mean.dtype == rstd.dtype == torch.float32
-    ry, rmean, rrstd = reference.layer_norm(_np64(x), (1,))
-    np.testing.assert_allclose(mean.numpy(), rmean, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(rstd.numpy(), rrstd, rtol=1e-5)
-    np.testing.assert_allclose(_np64(y), ry, atol=ATOL["bfloat16"])
-    _, rstd2 = ln.rms_norm(x.double(), axis=(0, 2), return_stats=True)
-    assert rstd2.shape == (1, 3, 1) and rstd2.dtype == torch.float64
 
 
 @pytest.mark.parametrize(
@@ -233,6 +223,25 @@ def test_grads_match_torch_autograd_and_stats_are_not_differentiable():
     np.testing.assert_allclose(ours[2].numpy(), gb, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_low_precision_grads_match_torch_autograd(dtype):
+    tdt = TORCH_DTYPES[dtype]
+    x = _randn(16, 96, seed=42, dtype=tdt).requires_grad_()
+    w = (1 + 0.2 * _randn(96, seed=43)).to(tdt).requires_grad_()
+    b = _randn(96, seed=44, dtype=tdt).requires_grad_()
+    c = _randn(16, 96, seed=45, dtype=tdt)
+    ln.layer_norm(x, 96, w, b).backward(c)
+    ours = [t.grad.clone() for t in (x, w, b)]
+    for t in (x, w, b):
+        t.grad = None
+    F.layer_norm(x, (96,), w, b).backward(c)
+    tol = {"float32": 1e-4, "bfloat16": 0.25}[dtype]
+    assert all(g.dtype == tdt for g in ours)
+    np.testing.assert_allclose(_np64(ours[0]), _np64(x.grad), atol=tol)
+    for mine, theirs in zip(ours[1:], (w.grad, b.grad), strict=True):
+        np.testing.assert_allclose(_np64(mine), _np64(theirs), atol=tol * 40, rtol=2e-2)
+
+
 def test_only_parameters_require_grad_and_mixed_param_dtype():
     x = _randn(6, 32, seed=20, dtype=torch.bfloat16)
     w = _randn(32, seed=21, dtype=torch.float32).requires_grad_()
@@ -253,25 +262,6 @@ def test_no_grad_mode_gives_plain_tensor():
     with torch.no_grad():
         y = ln.layer_norm(x)
     assert y.grad_fn is None and not y.requires_grad
-
-
-def test_functional_backward_on_tensors():
-    x = _randn(4, 3, 10, seed=25, dtype=torch.float32)
-    w = _randn(3, seed=26, dtype=torch.float32)
-    gy = _randn(4, 3, 10, seed=27, dtype=torch.float32)
-    _, mean, rstd = ln.layer_norm(x, weight=w, axis=1, return_stats=True)
-    gx, gw, gb = ln.layer_norm_backward(gy, x, mean, rstd, w, axis=1)
-    assert all(type(g) is torch.Tensor for g in (gx, gw, gb))
-    assert gx.dtype == torch.float32 and gw.shape == gb.shape == (3,)
-    rgx, rgw, rgb = reference.layer_norm_backward(gy.numpy(), x.numpy(), (1,), w.numpy())
-    np.testing.assert_allclose(gx.numpy(), rgx, atol=1e-4)
-    np.testing.assert_allclose(gw.numpy(), rgw, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(gb.numpy(), rgb, rtol=1e-4, atol=1e-4)
-    _, rstd = ln.rms_norm(x, weight=w, axis=1, return_stats=True)
-    gx, gw = ln.rms_norm_backward(gy, x, rstd, w, axis=1)
-    rgx, rgw = reference.rms_norm_backward(gy.numpy(), x.numpy(), (1,), w.numpy())
-    np.testing.assert_allclose(gx.numpy(), rgx, atol=1e-4)
-    np.testing.assert_allclose(gw.numpy(), rgw, rtol=1e-4, atol=1e-4)
 
 
 # --------------------------------------------------------------------------- routes
@@ -351,35 +341,12 @@ def test_interface_driver_matches_the_numpy_route(dtype, kw):
 # --------------------------------------------------------------------------- mixed inputs
 
 
-def test_numpy_weight_with_torch_x_is_a_type_error():
-    x = _randn(2, 4, seed=34)
-    with pytest.raises(TypeError, match=r"weight.*numpy.*torch"):
-        ln.layer_norm(x, 4, np.ones(4))
-    with pytest.raises(TypeError, match=r"bias.*numpy.*torch"):
-        ln.layer_norm(x, 4, torch.ones(4, dtype=torch.float64), np.zeros(4))
-    with pytest.raises(TypeError, match=r"weight.*numpy.*torch"):
-        ln.rms_norm(x, 4, np.ones(4))
-    _, mean, rstd = ln.layer_norm(x, return_stats=True)
-    with pytest.raises(TypeError, match=r"grad_y.*numpy.*torch"):
-        ln.layer_norm_backward(np.ones((2, 4)), x, mean, rstd)
-
-
-def test_torch_weight_with_numpy_x_is_a_type_error():
-    with pytest.raises(TypeError, match=r"weight.*torch.*numpy"):
-        ln.layer_norm(np.ones((2, 4)), 4, torch.ones(4, dtype=torch.float64))
-
-
 def test_tensors_on_different_devices_are_a_type_error():
     x = _randn(2, 4, seed=35)
     with pytest.raises(TypeError, match=r"weight is on device meta but x is on device cpu"):
         ln.layer_norm(x, 4, torch.ones(4, device="meta", dtype=torch.float64))
     with pytest.raises(TypeError, match=r"rstd is on device meta"):
         ln.rms_norm_backward(x, x, torch.ones(2, 1, device="meta", dtype=torch.float64))
-
-
-def test_unsupported_tensor_dtype_is_named():
-    with pytest.raises(TypeError, match="int64"):
-        ln.layer_norm(torch.arange(6).reshape(2, 3))
 
 
 # --------------------------------------------------------------------------- drop-in modules
