@@ -44,6 +44,18 @@ def _row_scale(xp: Any, d: Any, axes: tuple[int, ...], acc_name: str) -> Any:
     return xp.where(huge, xp.pow(2.0, -xp.floor(xp.log2(safe))), xp.ones_like(amax))
 
 
+def _empty_rows(xp: Any, x: Any, axes: tuple[int, ...], acc: Any) -> tuple[Any, Any]:
+    """Statistics of rows of zero elements, as torch gives them: mean 0, rstd NaN."""
+    shape = tuple(1 if i in axes else s for i, s in enumerate(x.shape))
+    zeros = xp.zeros(shape, dtype=acc, device=x.device)
+    return zeros, zeros + float("nan")
+
+
+def _is_empty_row(x: Any, axes: tuple[int, ...]) -> bool:
+    # Shapes are static (also under jax.jit): this is no data-dependent control flow.
+    return any(x.shape[a] == 0 for a in axes)
+
+
 def _first_of_rows(x: Any, axes: tuple[int, ...]) -> Any:
     index = tuple(slice(0, 1) if i in axes else slice(None) for i in range(x.ndim))
     return x[index]
@@ -55,6 +67,9 @@ def layer_norm(
 ) -> tuple[Any, Any, Any]:
     """LayerNorm over ``axes``; returns ``(y, mean, rstd)`` (stats keep dims)."""
     acc = _acc(xp, acc_name)
+    if _is_empty_row(x, axes):
+        mean, rstd = _empty_rows(xp, x, axes, acc)
+        return xp.astype(x, x.dtype, copy=True), mean, rstd
     xa = xp.astype(x, acc)
     shift = _first_of_rows(xa, axes)
     scale = _row_scale(xp, xa - shift, axes, acc_name)
@@ -80,6 +95,8 @@ def rms_norm(
 ) -> tuple[Any, Any]:
     """RMSNorm over ``axes``; returns ``(y, rstd)``."""
     acc = _acc(xp, acc_name)
+    if _is_empty_row(x, axes):
+        return xp.astype(x, x.dtype, copy=True), _empty_rows(xp, x, axes, acc)[1]
     xa = xp.astype(x, acc)
     scale = _row_scale(xp, xa, axes, acc_name)
     xs = xa * scale
