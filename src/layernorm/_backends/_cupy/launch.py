@@ -315,7 +315,7 @@ class CupyNvrtc:
                 nv.addNameExpression(prog, expr)
             try:
                 nv.compileProgram(prog, list(opts))
-            except nv.NVRTCError:
+            except Exception:  # NVRTCError: the log says why
                 return Compiled(False, nv.getProgramLog(prog), {}, b"")
             log = nv.getProgramLog(prog)
             lowered = {expr: nv.getLoweredName(prog, expr) for expr in exprs}
