@@ -116,3 +116,18 @@ def test_dry_run(gpu_check, capsys):
     assert code == 0, "\n".join(out[-30:])
     assert out[-1] == "VERDICT: all sections passed or skipped"
     assert any("strided" in line and "ln_bwd" in line for line in out)
+
+
+@pytest.mark.slow
+def test_device_checks_logic_on_numba(gpu_check):
+    """The device sections' own logic (layouts, bit comparisons, the probe's cases) on
+    NumPy arrays and the Numba backend, which has the CUDA backend's interface."""
+    import numpy as np
+
+    from layernorm._backends import _numba
+
+    assert gpu_check.probe(np, _numba, sms=1) == 0
+    status, detail = gpu_check.check_invariance(np, _numba, dtypes=("bfloat16",), max_n=70)
+    assert status == "PASS", detail
+    status, detail = gpu_check.check_subnormal(np, _numba)
+    assert status == "PASS", detail
