@@ -384,8 +384,12 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, dtype, n):
 # blocks one after another) and launched through launch.py's real forward/backward code
 # on NumPy memory. This checks the algorithm without a GPU: results against the float64
 # reference, and the bitwise guarantees across layouts, alignment and batch position.
-# (The GPU's rsqrt and float16 conversions may differ from the host's in the last bit,
-# so these results are compared with each other, never with the GPU's.)
+# (The GPU's approximate sqrt/division (--prec-sqrt=false --prec-div=false) and float16
+# conversions may differ from the host's exact ones in the last bit, so these results
+# are compared with each other, never with the GPU's: every bitwise guarantee here is
+# "same inputs, same instruction sequence", which holds for any deterministic sqrt.
+# Flush-to-zero needs no model: the kernels are compiled with --ftz=false, and the
+# host's default arithmetic is IEEE with subnormals, the same policy.)
 
 _EMULATION_PRELUDE = r"""
 // Host emulation of the few CUDA features the kernels use: one std::thread per CUDA
