@@ -397,9 +397,10 @@ __device__ __forceinline__ Mom<A> chunk_moments(int CNT, F get, B between) {
 // blocks per SM, i.e. at most 65536 / LNK_THREADS_PER_SM registers per thread. Without
 // it the 16-bit LayerNorm kernels took 109-122 registers, one 512-thread block per SM
 // (25% occupancy), too few loads in flight to cover DRAM latency.
-// The backward holds twice the data (dy and x) and asks for LNK_BWD_THREADS_PER_SM,
-// except with four vectors per thread of 16- or 64-bit data, which spill (150-270 bytes)
-// below about 110 registers: those keep one 512-thread block (or four of 128) per SM.
+// The backward holds twice the data (dy and x) and asks for LNK_BWD_THREADS_PER_SM
+// (one vector per thread fits the forward's budget), except with four vectors per thread
+// of 16- or 64-bit data, which spill (150-270 bytes) below about 110 registers: those
+// keep one 512-thread block (or four of 128) per SM.
 template <int G, int PER_SM> struct RowLaunch {
   static constexpr int threads = G > 32 ? G : 128;
   static constexpr int min_blocks = PER_SM / threads > 0 ? PER_SM / threads : 1;
@@ -413,7 +414,9 @@ template <typename T, int G, int MAXC> struct FwdPerSm {
       sizeof(T) != 4 && G <= 32 && MAXC > 2 ? 768 : LNK_THREADS_PER_SM;
 };
 template <typename T, int MAXC> struct BwdPerSm {
-  static constexpr int value = sizeof(T) != 4 && MAXC > 2 ? 512 : LNK_BWD_THREADS_PER_SM;
+  static constexpr int value = MAXC == 1                    ? LNK_THREADS_PER_SM
+                               : sizeof(T) != 4 && MAXC > 2 ? 512
+                                                            : LNK_BWD_THREADS_PER_SM;
 };
 static_assert(LNK_MAX_G <= 1024, "a row group is at most one block");
 //
