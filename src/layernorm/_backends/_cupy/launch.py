@@ -56,8 +56,10 @@ SUM_FAN = 16
 #: minimum blocks = this / block size): at most 64 registers per thread, 50% occupancy.
 THREADS_PER_SM = 1024
 
-#: The same for the backward row kernels, which hold dy and x: 768 threads (85 registers
-#: for blocks of 128 and 256 threads; a 512-thread block has one block per SM either way).
+#: The same for the backward row kernels with two or four vectors per thread, which hold
+#: dy and x: 768 threads (80 registers). (The source keeps the forward's budget for one
+#: vector per thread, and 512 threads for four 16- or 64-bit vectors, which spill below
+#: about 110 registers: see ``BwdPerSm`` in the CUDA source.)
 BWD_THREADS_PER_SM = 768
 
 #: Threads per block of the elementwise-style kernels (parameter gradients, sums).
