@@ -1,10 +1,23 @@
-"""One-call GPU check for the CuPy backend: the whole GPU test suite, then a benchmark table.
+"""One-call GPU check for the CuPy backend: tests, sanitizers, bit checks, torch, benchmark.
 
 Run from the repository root on a machine with a CUDA GPU::
 
-    python benchmarks/gpu_check.py            # tests, then the table (about 5 minutes)
-    python benchmarks/gpu_check.py --no-tests # the table only
+    bash benchmarks/gpu_check.sh              # everything (under 8 minutes on an H200)
+    python benchmarks/gpu_check.py --no-tests # skip the pytest runs
+    python benchmarks/gpu_check.py --sections invariance,torch   # a subset
     python benchmarks/gpu_check.py --dry-run  # no GPU: host arrays, Numba kernels, same code
+
+Sections, each guarded (a failure or crash is a row of the final table, never the end of
+the run): ``compile`` (every kernel, in parallel, into the on-disk kernel cache),
+``tests`` (the CUDA tests, then every cupy-parametrized test), ``sanitizer``
+(``compute-sanitizer`` memcheck, racecheck and synccheck on ``--probe``, a small workload
+that launches every kernel family: row and cols kernels, vector and scalar paths, strided
+rows, the tile loop, several parameter-gradient tree levels), ``invariance`` (bit checks
+on the real binary: layouts, a row alone, and grids capped to 1 block against the
+default), ``subnormal`` (``eps=0`` rows with subnormal squared deviations stay finite:
+no flush-to-zero), ``torch`` (values against ``torch.nn.functional`` on the same
+device) and ``bench`` (GB/s against a device copy, forward and backward, contiguous and
+strided rows, float32 and bfloat16). The last thing printed is the table of sections.
 
 Nothing is downloaded: the script uses what is importable (CuPy is required for the GPU
 part; PyTorch only for the comparison columns, which are left empty without it) and
@@ -26,6 +39,7 @@ import importlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -36,10 +50,18 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 
 OPS = ("ln_fwd", "rms_fwd", "ln_bwd", "rms_bwd")
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "bfloat16")
+LAYOUTS = ("contig", "strided")
 ROWS = 8192
 WIDTHS = (64, 768, 1024, 1000, 4096, 8192, 16384, 65536)
 EPS = 1e-5
+#: In run order: the quick bit checks first, then the suites, the benchmark last (its
+#: budget shrinks to what is left of --budget).
+SECTIONS = ("compile", "invariance", "subnormal", "torch", "tests", "sanitizer", "bench")
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
+#: Kernels are compiled once into this cache and reused by every later process (tests,
+#: sanitizer runs), so no sanitizer run pays for NVRTC.
+KERNEL_CACHE = "/tmp/layernorm-gpu-check-cache"
 
 
 def log(msg: str) -> None:
@@ -66,6 +88,55 @@ def ensure_paths() -> None:
         sys.path.insert(0, str(SRC))
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)
+    os.environ.setdefault("LAYERNORM_CUDA_CACHE", KERNEL_CACHE)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class Check:
+    """One section's outcome: PASS, FAIL, SKIP or ERROR (it raised), with a detail."""
+
+    name: str
+    status: str
+    seconds: float = 0.0
+    detail: str = ""
+
+
+def guarded(results: list[Check], name: str, fn, *args) -> Check:
+    """Run one section; whatever it raises becomes an ERROR row, never the end of the run.
+
+    ``fn`` returns ``(status, detail)`` or a list of :class:`Check` (several rows).
+    """
+    log(f"== {name}")
+    t0 = time.monotonic()
+    try:
+        out = fn(*args)
+    except BaseException as exc:  # SystemExit too: a section must not end the run
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        out = ("ERROR", f"{type(exc).__name__}: {exc}")
+    if isinstance(out, list):
+        results.extend(out)
+        return out[-1] if out else Check(name, "SKIP")
+    status, detail = out
+    check = Check(name, status, time.monotonic() - t0, detail)
+    results.append(check)
+    log(f"  -> {status} {detail}")
+    return check
+
+
+def summary_table(results: list[Check]) -> str:
+    """The final table: one row per section; the verdict line is last."""
+    lines = [f"{'section':<24}{'status':<8}{'seconds':>9}  detail"]
+    for c in results:
+        detail = " ".join(c.detail.split())
+        lines.append(f"{c.name:<24}{c.status:<8}{c.seconds:9.1f}  {detail[:110]}")
+    bad = [c.name for c in results if c.status in ("FAIL", "ERROR")]
+    lines.append("VERDICT: " + ("FAILED (" + ", ".join(bad) + ")" if bad else
+                                "all sections passed or skipped"))
+    return "\n".join(lines)
 
 
 def environment() -> dict:
@@ -130,27 +201,36 @@ def precompile(workers: int) -> bool:
 # --------------------------------------------------------------------------- tests
 
 
-def run_tests(timeout: int, workers: int) -> bool:
+def _pytest_summary(text: str) -> str:
+    """pytest's last "N passed, M failed ..." line, or the last line."""
+    lines = [ln.strip("= ") for ln in text.strip().splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if re.search(r"\d+ (passed|failed|error|skipped|deselected)", line):
+            return line
+    return lines[-1] if lines else "no output"
+
+
+def run_tests(timeout: int, workers: int) -> list[Check]:
     """The GPU test suite: our two files, then every cupy-parametrized test elsewhere."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     have_xdist = importlib.util.find_spec("xdist") is not None
     par = ["-n", str(workers)] if have_xdist and workers > 1 else []
     runs = [
-        ("gpu-suite", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                       *par, "tests/test_cupy_backend.py", "tests/test_cuda_compile.py",
-                       "-k", "not numpy and not emulation"]),
-        ("cupy-params", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                         *par, "--continue-on-collection-errors",
-                         "tests", "-k", "cupy and not test_cupy_backend",
-                         "--ignore=tests/test_cupy_backend.py",
-                         "--ignore=tests/test_cuda_compile.py"]),
+        ("tests: cuda", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                         *par, "tests/test_cupy_backend.py", "tests/test_cuda_compile.py",
+                         "-k", "not numpy and not emulation"]),
+        ("tests: cupy params", [sys.executable, "-m", "pytest", "-q", "-rs", "-p",
+                                "no:cacheprovider", *par, "--continue-on-collection-errors",
+                                "tests", "-k", "cupy and not test_cupy_backend",
+                                "--ignore=tests/test_cupy_backend.py",
+                                "--ignore=tests/test_cuda_compile.py"]),
     ]
-    ok = True
+    checks = []
     deadline = time.monotonic() + timeout
     for name, cmd in runs:
         left = max(30, int(deadline - time.monotonic()))
         log(f"$ {' '.join(cmd)}   (timeout {left} s)")
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                                   timeout=left)
@@ -160,13 +240,337 @@ def run_tests(timeout: int, workers: int) -> bool:
                 exc.stdout, bytes) else (exc.stdout or "")
             text += "\nTIMEOUT"
             code = -1
-        (out_dir() / f"pytest-{name}.log").write_text(text)
-        tail = "\n".join(text.strip().splitlines()[-25:])
-        log(tail)
-        log(f"  [{name}] exit {code} in {time.perf_counter() - t0:.0f} s")
+        (out_dir() / f"pytest-{name.split()[-1]}.log").write_text(text)
+        log("\n".join(text.strip().splitlines()[-25:]))
         # pytest exit 5: nothing collected (e.g. no cupy params elsewhere): not a failure.
-        ok = ok and code in (0, 5)
-    return ok
+        status = "PASS" if code in (0, 5) else "FAIL"
+        detail = ("TIMEOUT; " if code == -1 else "") + f"exit {code}: {_pytest_summary(text)}"
+        checks.append(Check(name, status, time.monotonic() - t0, detail))
+        log(f"  -> {status} {detail}")
+    return checks
+
+
+# ----------------------------------------------------------------- device checks
+
+
+def _host(a):
+    return a.get() if hasattr(a, "get") else a
+
+
+def _bits(a):
+    import numpy as np
+
+    h = np.ascontiguousarray(_host(a))
+    return h.view(f"u{h.dtype.itemsize}")
+
+
+def _device_inputs(cp, dtype: str, rows: int, n: int, seed: int):
+    """x, dy (raw bits for 16-bit types, as the backend takes them), w, b on the device."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = 0.5 + 2 * rng.standard_normal((rows, n))
+    x[::5] += 300
+    gy = rng.standard_normal((rows, n))
+    acc = "float64" if dtype == "float64" else "float32"
+    w = (1 + 0.3 * rng.standard_normal(n)).astype(acc)
+    b = (0.5 * rng.standard_normal(n)).astype(acc)
+    return (cp.asarray(_encode(x, dtype)), cp.asarray(_encode(gy, dtype)), cp.asarray(w),
+            cp.asarray(b))
+
+
+def _encode(a, dtype: str):
+    """Host float64 values in the backend's storage: uint16 bits for bfloat16."""
+    import numpy as np
+
+    if dtype == "bfloat16":
+        bits = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.astype(np.uint16)
+    return a.astype(dtype)
+
+
+def _decode(a, dtype: str):
+    import numpy as np
+
+    a = np.ascontiguousarray(_host(a))
+    if dtype == "bfloat16":
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def _run_all(cp, backend, dtype: str, x3, gy3, w, b):
+    """Forward and backward, LayerNorm and RMSNorm, of one (outer, n, inner) layout."""
+    outer, _, inner = x3.shape
+    acc = "float64" if dtype == "float64" else "float32"
+    rows = outer * inner
+    out = {}
+    y = cp.empty(x3.shape, x3.dtype)
+    mean, rstd = cp.empty(rows, acc), cp.empty(rows, acc)
+    backend.layer_norm_forward(x3, w, b, EPS, y, mean, rstd, dtype)
+    gx = cp.empty(x3.shape, x3.dtype)
+    gw, gb = backend.layer_norm_backward(gy3, x3, mean, rstd, w, gx, dtype)
+    out.update(y=y, mean=mean, rstd=rstd, gx=gx, gw=gw, gb=gb)
+    yr, rs = cp.empty(x3.shape, x3.dtype), cp.empty(rows, acc)
+    backend.rms_norm_forward(x3, w, EPS, yr, rs, dtype)
+    rgx = cp.empty(x3.shape, x3.dtype)
+    rgw = backend.rms_norm_backward(gy3, x3, rs, w, rgx, dtype)
+    out.update(rms_y=yr, rms_rstd=rs, rms_gx=rgx, rms_gw=rgw)
+    return out
+
+
+def _layouts(cp, x, gy):
+    """(name, x3, gy3, to_rows) views of the same (rows, n) values in several layouts."""
+    rows, n = x.shape
+
+    def misaligned(a):
+        buf = cp.zeros((rows * n + 1,), a.dtype)
+        view = buf[1:].reshape(rows, n)
+        view[...] = a
+        return view[:, :, None]
+
+    def strided(a):
+        buf = cp.zeros((rows, 2 * n), a.dtype)
+        buf[:, ::2] = a
+        return buf[:, ::2][:, :, None]
+
+    def fortran(a):
+        return cp.asfortranarray(a)[:, :, None]
+
+    def channels_first(a):
+        return cp.ascontiguousarray(a.T)[None]
+
+    def rows_back(a):
+        return a[:, :, 0]
+
+    def cf_back(a):
+        return a[0].T
+
+    yield "contiguous", x[:, :, None], gy[:, :, None], rows_back
+    yield "misaligned", misaligned(x), misaligned(gy), rows_back
+    yield "strided", strided(x), strided(gy), rows_back
+    yield "fortran", fortran(x), fortran(gy), rows_back
+    yield "channels-first", channels_first(x), channels_first(gy), cf_back
+
+
+def _device_modules(cp=None, backend=None):
+    """(array module, backend): CuPy and the CUDA backend unless given (the tests pass
+    NumPy and the Numba backend, which share the interface, to run the checks' logic)."""
+    if cp is None:
+        import cupy as cp
+    if backend is None:
+        from layernorm._backends import _cupy as backend
+    return cp, backend
+
+
+def _sync(cp) -> None:
+    if hasattr(cp, "cuda"):
+        cp.cuda.Device().synchronize()
+
+
+def probe(cp=None, backend=None, sms: int | None = None) -> int:
+    """A small workload that launches every kernel family (the sanitizers' target)."""
+    from layernorm._backends._cupy import launch
+
+    cp, backend = _device_modules(cp, backend)
+
+    cases = [("float32", 37, 5), ("float32", 37, 100), ("float32", 5, 3000),
+             ("float32", 3, 8193), ("bfloat16", 37, 1000), ("bfloat16", 3, 16392),
+             ("float16", 37, 1021), ("float64", 37, 254),
+             # several gradient blocks and two tree levels
+             ("float32", launch.GRAD_ROW_BLOCK * (launch.SUM_FAN + 2) + 5, 7)]
+    for dtype, rows, n in cases:
+        x, gy, w, b = _device_inputs(cp, dtype, rows, n, n)
+        for name, x3, gy3, _ in _layouts(cp, x, gy):
+            _run_all(cp, backend, dtype, x3, gy3, w, b)
+            log(f"probe {dtype} {rows}x{n} {name}: ok")
+    # Fortran order with enough rows for the cols kernels (32 rows per SM)
+    sms = launch._sm_count(0) if sms is None else sms
+    x, gy, w, b = _device_inputs(cp, "float32", 32 * sms + 3, 6, 1)
+    _run_all(cp, backend, "float32", cp.asfortranarray(x)[:, :, None],
+             cp.asfortranarray(gy)[:, :, None], w, b)
+    _sync(cp)
+    log("probe: done")
+    return 0
+
+
+def find_sanitizer() -> str | None:
+    import shutil
+
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and os.path.isfile(os.path.join(root, "bin", "compute-sanitizer")):
+            return os.path.join(root, "bin", "compute-sanitizer")
+    return None
+
+
+def run_sanitizers(tools, timeout: int) -> list[Check]:
+    """compute-sanitizer on ``--probe``, once per tool; a row per tool."""
+    exe = find_sanitizer()
+    if exe is None:
+        return [Check(f"sanitizer: {t}", "SKIP", 0.0, "compute-sanitizer not found")
+                for t in tools]
+    checks = []
+    for tool in tools:
+        cmd = [exe, "--tool", tool, "--error-exitcode", "86", "--print-limit", "20",
+               sys.executable, str(Path(__file__).resolve()), "--probe"]
+        if tool == "racecheck":
+            cmd[3:3] = ["--racecheck-report", "all"]
+        log(f"$ {' '.join(cmd)}")
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=timeout)
+            text, code = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired:
+            text, code = "TIMEOUT", -1
+        (out_dir() / f"sanitizer-{tool}.log").write_text(text)
+        summary = [ln for ln in text.splitlines() if "ERROR SUMMARY" in ln or
+                   "RACECHECK SUMMARY" in ln]
+        probe_ok = "probe: done" in text
+        ok = code == 0 and probe_ok and all(" 0 error" in ln or " 0 hazard" in ln
+                                            for ln in summary)
+        detail = (f"exit {code}; " + ("; ".join(summary) or "no summary line")
+                  + ("" if probe_ok else "; probe did not finish"))
+        checks.append(Check(f"sanitizer: {tool}", "PASS" if ok else "FAIL",
+                            time.monotonic() - t0, detail))
+        log(f"  -> {checks[-1].status} {detail}")
+    return checks
+
+
+def check_invariance(cp=None, backend=None, dtypes=("float32", "bfloat16", "float16",
+                                                    "float64"), max_n: int | None = None
+                     ) -> tuple[str, str]:
+    """Bits of the real binary: every configuration, five layouts, a row alone, and
+    every grid capped to one block (grid-stride loops) against the default grids."""
+    from layernorm._backends._cupy import launch
+
+    cp, backend = _device_modules(cp, backend)
+    bad, cases = [], 0
+    for dtype in dtypes:
+        vec = launch.vector_width(dtype)
+        # per configuration a full tile (16-byte vector path) and a scalar tail
+        lengths = sorted({g * m * vec for g, m in launch.CONFIGS}
+                         | {g * m * vec - 3 for g, m in launch.CONFIGS if g * m * vec > 3}
+                         | {2048 * vec + 1})
+        for n in [n for n in lengths if max_n is None or n <= max_n]:
+            rows = 37
+            x, gy, w, b = _device_inputs(cp, dtype, rows, n, n)
+            ref = _run_all(cp, backend, dtype, x[:, :, None], gy[:, :, None], w, b)
+            for name, x3, gy3, back in _layouts(cp, x, gy):
+                got = _run_all(cp, backend, dtype, x3, gy3, w, b)
+                for key, val in got.items():
+                    v = back(val) if val.ndim == 3 else val
+                    r = ref[key][:, :, 0] if ref[key].ndim == 3 else ref[key]
+                    cases += 1
+                    if not (_bits(v) == _bits(r)).all():
+                        bad.append(f"{dtype} n={n} {name} {key}")
+            alone = _run_all(cp, backend, dtype, x[rows - 1:, :, None], gy[rows - 1:, :, None],
+                             w, b)
+            cases += 1
+            if not (_bits(alone["y"][0]) == _bits(ref["y"][rows - 1])).all():
+                bad.append(f"{dtype} n={n} row alone")
+            grid = launch._grid
+            launch._grid = lambda *args: 1
+            try:
+                small = _run_all(cp, backend, dtype, x[:, :, None], gy[:, :, None], w, b)
+            finally:
+                launch._grid = grid
+            for key, val in small.items():
+                cases += 1
+                if not (_bits(val) == _bits(ref[key])).all():
+                    bad.append(f"{dtype} n={n} grid=1 {key}")
+    # several gradient blocks: the tree's bits under any grid
+    rows = launch.GRAD_ROW_BLOCK * (2 * launch.SUM_FAN + 1) + 5
+    x, gy, w, b = _device_inputs(cp, "float32", rows, 33, 5)
+    ref = _run_all(cp, backend, "float32", x[:, :, None], gy[:, :, None], w, b)
+    grid = launch._grid
+    for cap in (1, 3):
+        launch._grid = lambda *args, cap=cap: min(grid(*args), cap)
+        try:
+            got = _run_all(cp, backend, "float32", x[:, :, None], gy[:, :, None], w, b)
+        finally:
+            launch._grid = grid
+        for key in ("gw", "gb", "rms_gw"):
+            cases += 1
+            if not (_bits(got[key]) == _bits(ref[key])).all():
+                bad.append(f"{rows} rows grid<={cap} {key}")
+    if bad:
+        return "FAIL", f"{len(bad)}/{cases} differ: " + ", ".join(bad[:6])
+    return "PASS", f"{cases} comparisons bit-identical"
+
+
+def check_subnormal(cp=None, backend=None) -> tuple[str, str]:
+    """eps=0, squared deviations below 1e-38: finite rstd and normalized rows (no FTZ)."""
+    import numpy as np
+
+    cp, backend = _device_modules(cp, backend)
+
+    rng = np.random.default_rng(3)
+    problems = []
+    for dtype in ("float32", "bfloat16"):
+        xh = 3e-21 * rng.standard_normal((4, 256))
+        x = cp.asarray(_encode(xh, dtype))
+        y, mean, rstd = cp.empty_like(x), cp.empty(4, "float32"), cp.empty(4, "float32")
+        backend.layer_norm_forward(x[:, :, None], None, None, 0.0, y[:, :, None], mean, rstd,
+                                   dtype)
+        xv = _decode(x, dtype)
+        ref = (xv - xv.mean(1, keepdims=True)) / xv.std(1, keepdims=True)
+        got = _decode(y, dtype)
+        err = float(np.nanmax(np.abs(got - ref))) if np.isfinite(got).all() else float("inf")
+        if not (np.isfinite(_host(rstd)).all() and err < 0.05):
+            problems.append(f"{dtype}: max error {err:.3g}, rstd {_host(rstd)[:2]}")
+    return ("FAIL", "; ".join(problems)) if problems else ("PASS", "float32, bfloat16 ok")
+
+
+def check_torch() -> tuple[str, str]:
+    """Forward and backward values against torch.nn.functional on the same device."""
+    import cupy as cp
+    import numpy as np
+
+    from layernorm._backends import _cupy as backend
+
+    torch = try_import("torch")
+    if torch is None or not torch.cuda.is_available():
+        return "SKIP", "torch with CUDA not available"
+    F = torch.nn.functional
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    tol = {"float32": 1e-4, "bfloat16": 6e-2, "float16": 8e-3}
+    worst = []
+    for dtype in ("float32", "bfloat16", "float16"):
+        for rows, n in ((64, 768), (8, 4096), (3, 65537), (300, 5)):
+            x, gy, w, b = _device_inputs(cp, dtype, rows, n, n)
+            ours = _run_all(cp, backend, dtype, x[:, :, None], gy[:, :, None], w, b)
+            tx = torch.tensor(_decode(x, dtype), device="cuda").to(tdt[dtype])
+            tg = torch.tensor(_decode(gy, dtype), device="cuda").to(tdt[dtype])
+            tw = torch.from_dlpack(w).clone().requires_grad_(True)
+            tb = torch.from_dlpack(b).clone().requires_grad_(True)
+            txr = tx.clone().requires_grad_(True)
+            ty = F.layer_norm(txr, (n,), tw.to(tx.dtype), tb.to(tx.dtype), EPS)
+            tgx, tgw, tgb = torch.autograd.grad(ty, (txr, tw, tb), tg)
+            pairs = {"y": ty, "gx": tgx, "gw": tgw, "gb": tgb}
+            if hasattr(F, "rms_norm"):  # torch >= 2.4
+                txr2 = tx.clone().requires_grad_(True)
+                tyr = F.rms_norm(txr2, (n,), tw.to(tx.dtype), EPS)
+                rgx, rgw = torch.autograd.grad(tyr, (txr2, tw), tg)
+                pairs.update(rms_y=tyr, rms_gx=rgx, rms_gw=rgw)
+            for key, tval in pairs.items():
+                t = tval.detach().double().cpu().numpy()
+                o = _decode(ours[key], dtype) if ours[key].ndim == 3 else _host(
+                    ours[key]).astype(np.float64)
+                o = o[:, :, 0] if o.ndim == 3 else o
+                scale = max(1.0, float(np.abs(t).max()))
+                # parameter gradients sum over rows: allow for the row count
+                k = tol[dtype] * (np.sqrt(rows) if key.endswith("gw") or key == "gb" else 1)
+                err = float(np.abs(o - t).max()) / scale
+                worst.append((err / k, f"{dtype} {rows}x{n} {key} err {err:.2e}"))
+    worst.sort(reverse=True)
+    bad = [w for r, w in worst if r > 1]
+    if bad:
+        return "FAIL", f"{len(bad)} beyond tolerance: " + "; ".join(bad[:4])
+    return "PASS", f"{len(worst)} comparisons; closest to tolerance: {worst[0][1]}"
 
 
 # --------------------------------------------------------------------------- bench
@@ -184,6 +588,7 @@ class Row:
     copy_us: float | None = None
     error: str = ""
     extra: dict = field(default_factory=dict)
+    layout: str = "contig"
 
     @property
     def gbps(self) -> float | None:
@@ -246,14 +651,22 @@ def copy_bytes(dst, src) -> None:
         dst[...] = src
 
 
-def bench_case(cp, backend, torch, timer, op: str, dtype: str, n: int, rows: int) -> Row:
+def bench_case(cp, backend, torch, timer, op: str, dtype: str, n: int, rows: int,
+               layout: str = "contig") -> Row:
+    """Time one case. ``layout="strided"``: x and dy are ``[:, ::2]`` views of rows twice
+    as wide (element stride 2, the row kernels' strided path); GB/s still counts only the
+    elements used."""
     itemsize = 4 if dtype == "float32" else 2
-    row = Row(op, dtype, n, rows, moved_bytes(op, rows, n, itemsize))
+    row = Row(op, dtype, n, rows, moved_bytes(op, rows, n, itemsize), layout=layout)
     sets = _buffers(rows * n * itemsize * (2 if op.endswith("fwd") else 3))
     rng = cp.random.default_rng(n)
 
     def make(shift: float):
-        data = rng.standard_normal((rows, n), dtype=cp.float32) * 2.0 + shift
+        width = 2 * n if layout == "strided" else n
+        data = rng.standard_normal((rows, width), dtype=cp.float32) * 2.0 + shift
+        return encode(data)[:, ::2] if layout == "strided" else encode(data)
+
+    def encode(data):
         if dtype == "float32":
             return data
         if dtype == "float16":
@@ -267,12 +680,12 @@ def bench_case(cp, backend, torch, timer, op: str, dtype: str, n: int, rows: int
     gys = [make(0.0) for _ in range(sets)] if op.endswith("bwd") else []
     w = cp.asarray(rng.standard_normal(n, dtype=cp.float32) * 0.1 + 1.0)
     b = cp.asarray(rng.standard_normal(n, dtype=cp.float32) * 0.1)
-    ys = [cp.empty_like(x) for x in xs]
+    ys = [cp.empty((rows, n), dtype=x.dtype) for x in xs]
     mean = cp.empty(rows, dtype=cp.float32)
     rstd = cp.empty(rows, dtype=cp.float32)
-    x3 = [x.reshape(rows, n, 1) for x in xs]
-    y3 = [y.reshape(rows, n, 1) for y in ys]
-    gy3 = [g.reshape(rows, n, 1) for g in gys]
+    x3 = [x[:, :, None] for x in xs]
+    y3 = [y[:, :, None] for y in ys]
+    gy3 = [g[:, :, None] for g in gys]
 
     if op == "ln_fwd":
         fns = [lambda k=k: backend.layer_norm_forward(x3[k], w, b, EPS, y3[k], mean, rstd, dtype)
@@ -338,15 +751,16 @@ def fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 def table(rows: list[Row], header: str) -> str:
     lines = [header,
-             f"{'op':<8}{'dtype':<10}{'rows x n':>14}{'ours us':>11}{'GB/s':>9}"
+             f"{'op':<8}{'dtype':<10}{'layout':<9}{'rows x n':>14}{'ours us':>11}{'GB/s':>9}"
              f"{'% copy':>8}{'torch us':>11}{'speed-up':>10}{'copy us':>10}"]
     for r in rows:
         shape = f"{r.rows}x{r.n}"
+        head = f"{r.op:<8}{r.dtype:<10}{r.layout:<9}{shape:>14}"
         if r.error:
-            lines.append(f"{r.op:<8}{r.dtype:<10}{shape:>14}  ERROR {r.error[:60]}")
+            lines.append(f"{head}  ERROR {r.error[:60]}")
             continue
         lines.append(
-            f"{r.op:<8}{r.dtype:<10}{shape:>14}{fmt(r.ours_us, '11.1f')}"
+            f"{head}{fmt(r.ours_us, '11.1f')}"
             f"{fmt(r.gbps, '9.0f')}{fmt(r.pct_copy, '7.0f', '%')}{fmt(r.torch_us, '11.1f')}"
             f"{fmt(r.speedup, '9.2f', 'x')}{fmt(r.copy_us, '10.1f')}")
     lines.append("GB/s counts each input read once and each output written once; % copy is "
@@ -359,15 +773,15 @@ def save(rows: list[Row], info: dict, name: str = "bench") -> None:
     records = [dict(asdict(r), gbps=r.gbps, pct_copy=r.pct_copy, speedup=r.speedup)
                for r in rows]
     (out / f"{name}.json").write_text(json.dumps({"env": info, "rows": records}, indent=1))
-    keys = ["op", "dtype", "rows", "n", "bytes", "ours_us", "gbps", "pct_copy", "torch_us",
-            "speedup", "copy_us", "error"]
+    keys = ["op", "dtype", "layout", "rows", "n", "bytes", "ours_us", "gbps", "pct_copy",
+            "torch_us", "speedup", "copy_us", "error"]
     csv = [",".join(keys)] + [",".join("" if rec[k] is None else str(rec[k]) for k in keys)
                               for rec in records]
     (out / f"{name}.csv").write_text("\n".join(csv) + "\n")
 
 
-def run_bench(rows_n: int, widths, dtypes, ops, budget_s: float, dry: bool = False
-              ) -> list[Row]:
+def run_bench(rows_n: int, widths, dtypes, ops, budget_s: float, dry: bool = False,
+              layouts=LAYOUTS) -> list[Row]:
     if dry:
         from layernorm._backends import _numba as backend
 
@@ -384,23 +798,25 @@ def run_bench(rows_n: int, widths, dtypes, ops, budget_s: float, dry: bool = Fal
     timer = Timer(cupy)
     rows: list[Row] = []
     t_end = time.monotonic() + budget_s
-    for op in ops:
-        for dtype in dtypes:
-            for n in widths:
-                if time.monotonic() > t_end:
-                    rows.append(Row(op, dtype, n, rows_n, 0, error="skipped: time budget"))
-                    continue
-                try:
-                    row = bench_case(cupy, backend, torch, timer, op, dtype, n, rows_n)
-                except Exception as exc:  # keep going: one failure must not hide the rest
-                    row = Row(op, dtype, n, rows_n, 0, error=f"{type(exc).__name__}: {exc}")
-                rows.append(row)
-                log(f"  {op} {dtype} {rows_n}x{n}: ours {fmt(row.ours_us, '.1f')} us, "
-                    f"torch {fmt(row.torch_us, '.1f')} us, copy {fmt(row.copy_us, '.1f')} us"
-                    + (f" [{row.error}]" if row.error else ""))
-                cupy.get_default_memory_pool().free_all_blocks()
-                if torch is not None:
-                    torch.cuda.empty_cache()
+    cases = [(op, dtype, layout, n) for op in ops for dtype in dtypes for layout in layouts
+             for n in widths]
+    for op, dtype, layout, n in cases:
+        if time.monotonic() > t_end:
+            rows.append(Row(op, dtype, n, rows_n, 0, error="skipped: time budget",
+                            layout=layout))
+            continue
+        try:
+            row = bench_case(cupy, backend, torch, timer, op, dtype, n, rows_n, layout)
+        except Exception as exc:  # keep going: one failure must not hide the rest
+            row = Row(op, dtype, n, rows_n, 0, error=f"{type(exc).__name__}: {exc}",
+                      layout=layout)
+        rows.append(row)
+        log(f"  {op} {dtype} {layout} {rows_n}x{n}: ours {fmt(row.ours_us, '.1f')} us, "
+            f"torch {fmt(row.torch_us, '.1f')} us, copy {fmt(row.copy_us, '.1f')} us"
+            + (f" [{row.error}]" if row.error else ""))
+        cupy.get_default_memory_pool().free_all_blocks()
+        if torch is not None:
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -438,14 +854,25 @@ class FakeCupy:
         self.get_default_memory_pool = lambda: pool
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (also used by the tests, which have no GPU)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: fake timings through the table and file code paths")
+    parser.add_argument("--probe", action="store_true",
+                        help="only the small every-kernel workload (the sanitizers' target)")
+    parser.add_argument("--sections", type=lambda s: [v for v in s.split(",") if v],
+                        default=list(SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--no-tests", action="store_true", help="skip the pytest runs")
     parser.add_argument("--no-bench", action="store_true", help="skip the benchmark")
-    parser.add_argument("--test-timeout", type=int, default=300)
-    parser.add_argument("--bench-budget", type=float, default=150.0,
+    parser.add_argument("--budget", type=float, default=450.0,
+                        help="seconds for the whole run: later sections get what is left, "
+                             "and are skipped (a SKIP row) when it is spent")
+    parser.add_argument("--test-timeout", type=int, default=200)
+    parser.add_argument("--sanitizer-timeout", type=int, default=90,
+                        help="seconds per compute-sanitizer tool")
+    parser.add_argument("--bench-budget", type=float, default=100.0,
                         help="seconds after which remaining benchmark cases are skipped")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--rows", type=int, default=ROWS)
@@ -453,51 +880,107 @@ def main(argv: list[str] | None = None) -> int:
                         default=list(WIDTHS))
     parser.add_argument("--dtypes", type=lambda s: s.split(","), default=list(DTYPES))
     parser.add_argument("--ops", type=lambda s: s.split(","), default=list(OPS))
+    parser.add_argument("--layouts", type=lambda s: s.split(","), default=list(LAYOUTS))
     args = parser.parse_args(argv)
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"--sections: unknown {sorted(unknown)}; choose from {SECTIONS}")
+    if args.no_tests:
+        args.sections = [s for s in args.sections if s != "tests"]
+    if args.no_bench:
+        args.sections = [s for s in args.sections if s != "bench"]
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     t_start = time.monotonic()
     ensure_paths()
+    if args.probe:
+        return probe()
     log("== environment")
     info = environment()
     for key, value in info.items():
         log(f"  {key}: {value}")
     (out_dir() / "env.json").write_text(json.dumps(info, indent=1, default=str))
+    results: list[Check] = []
 
     if args.dry_run:
         # Host arrays and the Numba kernels through the same benchmark code; small sizes.
         rows_n = min(args.rows, 64)
         widths = [n for n in args.widths if n <= 4096]
         log("== DRY RUN: host arrays, Numba kernels, host clock")
-        rows = run_bench(rows_n, widths, args.dtypes, args.ops, args.bench_budget, dry=True)
-        save(rows, info, "bench-dry-run")
+        rows: list[Row] = []
+
+        def bench_dry():
+            rows.extend(run_bench(rows_n, widths, args.dtypes, args.ops, args.bench_budget,
+                                  dry=True, layouts=args.layouts))
+            save(rows, info, "bench-dry-run")
+            errors = [r for r in rows if r.error]
+            return ("FAIL" if errors else "PASS"), f"{len(rows)} cases, {len(errors)} errors"
+
+        for name in args.sections:
+            if name == "bench":
+                guarded(results, "bench (dry run)", bench_dry)
+            else:
+                results.append(Check(name, "SKIP", 0.0, "dry run: needs a GPU"))
         log("")
         log(table(rows, f"== DRY RUN (CPU, not GPU numbers), {rows_n} rows"))
-        return 0 if not any(r.error for r in rows) else 1
+        log("")
+        log(summary_table(results))
+        return 0 if all(c.status in ("PASS", "SKIP") for c in results) else 1
 
     if not str(info.get("gpu", "none")).strip() or str(info.get("gpu", "none")).startswith(
             "none") or info.get("cupy", "").startswith("MISSING"):
         log("no usable CuPy + GPU: nothing to check (try --dry-run)")
+        log(summary_table([Check("gpu", "ERROR", 0.0, f"no usable CuPy + GPU: "
+                                                     f"{info.get('gpu')}")]))
         return 2
 
-    ok = True
-    if not args.no_tests or not args.no_bench:
-        log("== compile")
-        ok = precompile(max(1, min(16, os.cpu_count() or 1))) and ok
-    if not args.no_tests:
-        log("== tests")
-        ok = run_tests(args.test_timeout, args.workers) and ok
-    rows: list[Row] = []
-    if not args.no_bench:
-        log("== benchmark")
-        rows = run_bench(args.rows, args.widths, args.dtypes, args.ops, args.bench_budget)
-        save(rows, info)
-    log(f"== total {time.monotonic() - t_start:.0f} s; tests "
-        f"{'skipped' if args.no_tests else ('PASSED' if ok else 'FAILED')}")
+    rows = []
+    deadline = t_start + args.budget
+    order = [name for name in SECTIONS if name in args.sections]
+    for name in order:
+        left = int(deadline - time.monotonic())
+        if left < 20:
+            results.append(Check(name, "SKIP", 0.0, f"--budget {args.budget:.0f} s spent"))
+            continue
+        if name == "compile":
+            guarded(results, "compile", lambda: (
+                ("PASS", "every kernel") if precompile(max(1, min(16, os.cpu_count() or 1)))
+                else ("FAIL", "see the log")))
+        elif name == "tests":
+            guarded(results, "tests", run_tests, min(args.test_timeout, left - 10),
+                    args.workers)
+        elif name == "sanitizer":
+            guarded(results, "sanitizer", run_sanitizers, SANITIZER_TOOLS,
+                    max(20, min(args.sanitizer_timeout, (left - 10) // len(SANITIZER_TOOLS))))
+        elif name == "invariance":
+            guarded(results, "invariance (bits)", check_invariance)
+        elif name == "subnormal":
+            guarded(results, "subnormal (no FTZ)", check_subnormal)
+        elif name == "torch":
+            guarded(results, "torch agreement", check_torch)
+        elif name == "bench":
+            def bench(left=left):
+                budget = max(5.0, min(args.bench_budget, left - 15.0))
+                rows.extend(run_bench(args.rows, args.widths, args.dtypes, args.ops, budget,
+                                      layouts=args.layouts))
+                save(rows, info)
+                errors = [r for r in rows if r.error]
+                return ("FAIL" if errors else "PASS"), (
+                    f"{len(rows)} cases, {len(errors)} errors"
+                    + (f" (first: {errors[0].error[:60]})" if errors else ""))
+            guarded(results, "bench", bench)
+    log(f"== total {time.monotonic() - t_start:.0f} s")
     if rows:
         gpu = info.get("gpu", "?")
         log("")
         log(table(rows, f"== LayerNorm/RMSNorm on {gpu}, {args.rows} rows, CUDA-event medians"))
-    return 0 if ok else 1
+    log("")
+    log(summary_table(results))
+    (out_dir() / "checks.json").write_text(json.dumps([asdict(c) for c in results], indent=1))
+    return 0 if all(c.status in ("PASS", "SKIP") for c in results) else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# One call on a machine with a CUDA GPU, from the repository root: the GPU test suite,
-# then the benchmark table (printed last). Logs and results go to $OUT when it is set.
-# Nothing is installed: it uses the python3 found on PATH and the packages it has.
+# One call on a machine with a CUDA GPU, from anywhere: every section of gpu_check.py
+# (compile, bit checks, torch agreement, the CUDA tests, compute-sanitizer memcheck /
+# racecheck / synccheck, the GB/s table), within --budget (450 s by default, under 8
+# minutes with start-up). The table of sections is printed last; the exit status is 0
+# only when no section failed. Logs and results go to $OUT when it is set (else
+# artifacts/gpu_check). Nothing is installed: it uses the python3 on PATH.
 set -o pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-artifacts/gpu_check}"

@@ -1,9 +1,11 @@
 """The CUDA kernels compile, for every instantiation the CuPy backend can launch, with no spills.
 
-No GPU is needed: NVRTC (from ``cuda-bindings``) compiles the shipped source exactly as
-:class:`cupy.RawModule` does (same options, same name expressions) into cubins for
-sm_80 (A100) and sm_90 (H100/H200), and ptxas' ``-v`` report, which NVRTC returns in its
-log, shows every kernel's registers and local-memory spills.
+No GPU is needed: NVRTC (from ``cuda-bindings``) compiles the shipped source through
+:func:`launch.compile_kernels`, the function the backend itself compiles with (same
+source, options, ``-D`` defines, name expressions and header fallback; only the Python
+binding of NVRTC differs: the backend uses CuPy's), into cubins for sm_80 (A100) and
+sm_90 (H100/H200), and ptxas' ``-v`` report, which NVRTC returns in its log, shows every
+kernel's registers and local-memory spills.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import types
@@ -41,60 +44,22 @@ def _nvrtc():
     return pytest.importorskip("cuda.bindings.nvrtc")
 
 
-def _include_dirs() -> list[str]:
-    dirs = launch.cuda_include_dirs()
-    if not dirs:
-        pytest.skip("no CUDA headers (cuda_fp16.h) found: set CUDA_PATH or put nvcc on PATH")
-    return dirs
-
-
-def _check(nvrtc, result):
-    """The value of a cuda-bindings NVRTC call's ``(err, value)`` result."""
-    err, *rest = result
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise RuntimeError(f"NVRTC call failed: {err}")
-    return rest[0] if rest else None
-
-
-def _log(nvrtc, prog) -> str:
-    size = _check(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog))
-    buf = b" " * size
-    _check(nvrtc, nvrtc.nvrtcGetProgramLog(prog, buf))
-    return buf.decode(errors="replace").rstrip("\x00 ")
+def _bindings() -> launch.BindingsNvrtc:
+    _nvrtc()
+    return launch.BindingsNvrtc()
 
 
 @functools.cache
-def _compile(dtype: str, arch: int) -> tuple[bool, str, dict[str, str], bytes]:
-    """(success, log, {expression: lowered name}, cubin) for all kernels of ``dtype``."""
+def _compile(dtype: str, arch: int) -> launch.Compiled:
+    """The backend's compile of every kernel of ``dtype`` for ``sm_<arch>``, with ptxas -v
+    (from the background job started at collection, when there is one)."""
     done = background_result(f"nvrtc-{dtype}-{arch}")
     return done if done is not None else _compile_here(dtype, arch)
 
 
-def _compile_here(dtype: str, arch: int) -> tuple[bool, str, dict[str, str], bytes]:
-    nvrtc = _nvrtc()
-    exprs = launch.all_expressions(dtype)
-    prog = _check(nvrtc, nvrtc.nvrtcCreateProgram(launch.source().encode(), b"layernorm.cu",
-                                                 0, [], []))
-    try:
-        for expr in exprs:
-            _check(nvrtc, nvrtc.nvrtcAddNameExpression(prog, expr.encode()))
-        opts = [f"--gpu-architecture=sm_{arch}", *launch.OPTIONS, "-Xptxas=-v"]
-        opts += [f"-I{d}" for d in _include_dirs()[:1]]
-        opts_b = [o.encode() for o in opts]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts_b), opts_b)
-        log = _log(nvrtc, prog)
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            return False, log, {}, b""
-        lowered = {}
-        for expr in exprs:
-            name = _check(nvrtc, nvrtc.nvrtcGetLoweredName(prog, expr.encode()))
-            lowered[expr] = name.decode() if isinstance(name, bytes) else str(name)
-        size = _check(nvrtc, nvrtc.nvrtcGetCUBINSize(prog))
-        cubin = b" " * size
-        _check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin))
-        return True, log, lowered, cubin
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+def _compile_here(dtype: str, arch: int) -> launch.Compiled:
+    return launch.compile_kernels(_bindings(), launch.all_expressions(dtype), f"sm_{arch}",
+                                  ("-Xptxas=-v",))
 
 
 def _ptxas_report(log: str) -> dict[str, tuple[int, int, int]]:
@@ -150,30 +115,81 @@ def test_no_local_memory_spills(dtype, arch):
 
 
 def _ptxas_binary_report(dtype: str, arch: int) -> dict[str, tuple[int, int, int]]:
-    """Fallback when NVRTC's log has no ptxas lines: run ptxas on NVRTC's PTX."""
+    """Fallback when NVRTC's log has no ptxas lines: run ptxas on the backend's PTX."""
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         pytest.skip("NVRTC printed no ptxas report and ptxas is not on PATH")
-    nvrtc = _nvrtc()
-    prog = _check(nvrtc, nvrtc.nvrtcCreateProgram(launch.source().encode(), b"layernorm.cu",
-                                                 0, [], []))
-    try:
-        for expr in launch.all_expressions(dtype):
-            _check(nvrtc, nvrtc.nvrtcAddNameExpression(prog, expr.encode()))
-        opts = [f"--gpu-architecture=compute_{arch}", *launch.OPTIONS]
-        opts += [f"-I{d}" for d in _include_dirs()[:1]]
-        opts_b = [o.encode() for o in opts]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts_b), opts_b)
-        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, _log(nvrtc, prog)
-        size = _check(nvrtc, nvrtc.nvrtcGetPTXSize(prog))
-        ptx = b" " * size
-        _check(nvrtc, nvrtc.nvrtcGetPTX(prog, ptx))
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    result = launch.compile_kernels(_bindings(), launch.all_expressions(dtype),
+                                    f"compute_{arch}")
+    assert result.ok, result.log
     proc = subprocess.run([ptxas, f"-arch=sm_{arch}", "-v", "-o", "/dev/null", "-"],
-                          input=ptx.rstrip(b"\x00 "), capture_output=True, timeout=900)
+                          input=result.binary, capture_output=True, timeout=900)
     assert proc.returncode == 0, proc.stderr.decode()
     return _ptxas_report(proc.stderr.decode() + proc.stdout.decode())
+
+
+# ------------------------------------------------------- compile policy (FTZ, defines)
+
+
+def test_compile_options_keep_ieee_subnormals():
+    """The backend's options ask for no flush-to-zero, and nothing later overrides it."""
+    opts = launch.nvrtc_options("sm_90")
+    ftz = [o for o in opts if "ftz" in o]
+    assert ftz == ["--ftz=false"], opts
+    for name, value in launch.DEFINES.items():
+        assert f"-D{name}={value}" in opts
+
+
+def test_ptx_has_no_flush_to_zero_instructions():
+    """What NVRTC emits for the backend's options: no ``.ftz`` float instruction at all."""
+    exprs = [launch.expression("fwd_rows", "bfloat16", (32, 1), rms=False),
+             launch.expression("fwd_cols", "float32", rms=True),
+             launch.expression("sum_partials", "float32")]
+    result = launch.compile_kernels(_bindings(), exprs, "compute_90")
+    assert result.ok, result.log
+    ptx = result.binary.decode()
+    assert "sqrt.approx.f32" in ptx or "sqrt.rn.f32" in ptx  # the rstd is in there
+    assert ".ftz." not in ptx, [ln for ln in ptx.splitlines() if ".ftz." in ln][:5]
+
+
+def test_shared_constants_have_one_definition():
+    """The CUDA source takes GRAD_ROW_BLOCK, COL_MAX_RY, ... from launch.py, never a copy."""
+    src = launch.source()
+    for name in launch.DEFINES:
+        assert name in src
+        assert not re.search(rf"#define\s+{name}\b", src), name
+    for copy in ("COL_MAX_RY = ", "GRAD_ROW_BLOCK = ", "block_rows,"):
+        assert copy not in src, copy
+    # Without the defines the source refuses to compile (instead of using stale values).
+    bare = launch.BindingsNvrtc().compile(src, [launch.expression("sum_partials", "float32")],
+                                          ["--gpu-architecture=compute_90", *launch.OPTIONS])
+    assert not bare.ok and "LNK_" in bare.log
+
+
+def test_larger_configuration_fails_the_tree_stack_guard(monkeypatch):
+    """A 1024-thread configuration would overflow the cols kernels' MAX_LOG stack."""
+    _bindings()
+    monkeypatch.setitem(launch.DEFINES, "LNK_MAX_G", 1024)
+    result = launch.compile_kernels(_bindings(), [launch.expression("fwd_cols", "float32")],
+                                    "compute_90")
+    assert not result.ok and "MAX_LOG" in result.log
+
+
+def test_header_fallback_covers_both_half_headers(monkeypatch):
+    """A log naming cuda_bf16.h (not only cuda_fp16.h) triggers the include retry."""
+    calls = []
+
+    class Fake:
+        def compile(self, src, exprs, opts):
+            calls.append(opts)
+            if any(o.startswith("-I") for o in opts):
+                return launch.Compiled(True, "", {e: "_Z" for e in exprs}, b"bin")
+            return launch.Compiled(False, 'cannot open source file "cuda_bf16.h"', {}, b"")
+
+    monkeypatch.setattr(launch, "cuda_include_dirs", lambda: ["/opt/cuda/include"])
+    result = launch.compile_kernels(Fake(), ["lnk::x"], "sm_90")
+    assert result.ok and len(calls) == 2 and calls[1][-1] == "-I/opt/cuda/include"
+    assert calls[0] == launch.nvrtc_options("sm_90")
 
 
 def test_configurations_cover_every_row_length():
@@ -300,7 +316,24 @@ def _layouts(n, dtype):
     yield "contiguous", base[:, :n].copy().reshape(6, n, 1), "rows"
     yield "misaligned", base[:, 1:].reshape(6, n, 1), "rows"
     yield "channels-first", np.ascontiguousarray(base[:, :n].T)[None], "cols"
-    yield "fortran", np.asfortranarray(base[:, :n]).reshape(6, n, 1), "cols"
+    # Strided rows take the row kernels with an element stride (few rows: cols would
+    # leave most SMs idle), as does every-other-element slicing.
+    yield "fortran", np.asfortranarray(base[:, :n]).reshape(6, n, 1), "rows"
+    wide = rng.standard_normal((6, 2 * n)).astype(npdt)
+    yield "strided", wide[:, ::2].reshape(6, n, 1), "rows"
+
+
+def test_strided_rows_family(monkeypatch):
+    """Fortran-order rows take the cols kernels only when they fill every SM."""
+    monkeypatch.setattr(launch, "_sm_count", lambda device_id: 132)
+    x = np.asfortranarray(np.zeros((4096, 300), np.float32)).reshape(4096, 300, 1)
+    assert launch._family(_FakeArray(x), 0) == "rows"  # 4096 < 32 rows * 132 SMs
+    monkeypatch.setattr(launch, "_sm_count", lambda device_id: 8)
+    assert launch._family(_FakeArray(x), 0) == "cols"  # 4096 >= 32 rows * 8 SMs
+    assert launch._family(_FakeArray(x[:100]), 0) == "rows"
+    strided = np.zeros((4096, 600), np.float32)[:, ::2].reshape(4096, 300, 1)
+    assert launch._family(_FakeArray(strided), 0) == "rows"  # elements closer than rows
+    assert launch._family(_FakeArray(np.zeros((2, 300, 7), np.float32)), 0) == "cols"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -345,6 +378,8 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, dtype, n):
         assert [int(v) for v in fwd_args[8:11]] == [rows, n, x.shape[2]]
         assert float(fwd_args[11]) == 1.0 / x.shape[2]
         assert [int(v) for v in fwd_args[12:15]] == strides
+        if name == "strided":
+            assert [int(v) for v in fwd_args[12:14]] == [2 * n, 2]
         if family == "rows":
             aligned = name == "contiguous" and (n * x.itemsize) % 16 == 0
             assert int(fwd_args[-1]) == int(aligned), name
@@ -361,8 +396,12 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, dtype, n):
 # blocks one after another) and launched through launch.py's real forward/backward code
 # on NumPy memory. This checks the algorithm without a GPU: results against the float64
 # reference, and the bitwise guarantees across layouts, alignment and batch position.
-# (The GPU's rsqrt and float16 conversions may differ from the host's in the last bit,
-# so these results are compared with each other, never with the GPU's.)
+# (The GPU's approximate sqrt/division (--prec-sqrt=false --prec-div=false) and float16
+# conversions may differ from the host's exact ones in the last bit, so these results
+# are compared with each other, never with the GPU's: every bitwise guarantee here is
+# "same inputs, same instruction sequence", which holds for any deterministic sqrt.
+# Flush-to-zero needs no model: the kernels are compiled with --ftz=false, and the
+# host's default arithmetic is IEEE with subnormals, the same policy.)
 
 _EMULATION_PRELUDE = r"""
 // Host emulation of the few CUDA features the kernels use: one std::thread per CUDA
@@ -480,9 +519,12 @@ def _emulated_library(exprs, workdir):
     src = workdir / "emulation.cpp"
     src.write_text("\n".join(lines))
     lib = workdir / "emulation.so"
+    # The same -D defines as the GPU compile (launch.DEFINES: the one definition).
+    defines = [f"-D{k}={v}" for k, v in launch.DEFINES.items()]
     proc = subprocess.run(["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-shared",
-                           "-fPIC", "-pthread", f"-I{workdir}", f"-I{kdir}", str(src), "-o",
-                           str(lib)], capture_output=True, text=True, timeout=900)
+                           "-ffp-contract=off", "-fPIC", "-pthread", *defines, f"-I{workdir}",
+                           f"-I{kdir}", str(src), "-o", str(lib)],
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return ctypes.CDLL(str(lib)), names
 
@@ -494,60 +536,24 @@ def _pack(arg) -> int:
     return int(arg.view(np.uint32 if arg.dtype.itemsize == 4 else np.uint64))
 
 
-def _emulation_lengths(dtype):
+def _config_lengths(dtype):
+    """{(G, MAXC): row lengths}: per configuration, a length whose rows take the 16-byte
+    vector path with some lanes past the row end where the configuration allows (a
+    multiple of the vector width), and one with a scalar tail (not a multiple); for the
+    largest configuration also two and three tiles (the tile loop)."""
     vec = launch.vector_width(dtype)
-    # a few lanes per row, a warp with several vectors, a 4-warp block, two 512-thread tiles
-    return [5, 16 * vec - 3, 32 * 4 * vec, 128 * 2 * vec - 3, 2048 * vec + 1]
+    out = {}
+    for g, maxc in launch.CONFIGS:
+        tile = g * maxc * vec
 
+        def first(candidates, g=g, maxc=maxc):
+            return next(n for n in candidates
+                        if n > 0 and launch.row_config(n, dtype)[:2] == (g, maxc))
 
-@pytest.mark.slow
-def test_kernels_on_host_emulation(monkeypatch, tmp_path):
-    done = background_result("emulation")
-    if done is None:
-        done = run_emulation(tmp_path, monkeypatch.setitem, monkeypatch.setattr)
-    if done != "passed":
-        pytest.fail(done, pytrace=False)
-
-
-def run_emulation(workdir, setitem, setattr_) -> str:
-    """Build the emulation, run every check; "passed" or the failure's traceback."""
-    import ctypes
-
-    from . import reference
-
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is needed for the host emulation")
-    exprs = set()
-    for dtype in DTYPES:
-        for n in _emulation_lengths(dtype):
-            cfg = launch.row_config(n, dtype)
-            for rms in (False, True):
-                exprs |= {launch.expression(k, dtype, cfg[:2], rms) for k in ("fwd_rows",
-                                                                             "bwd_rows")}
-                exprs |= {launch.expression(k, dtype, rms=rms)
-                          for k in ("fwd_cols", "bwd_cols", "param_partials")}
-    exprs |= {launch.expression("sum_partials", d) for d in ("float32", "float64")}
-    lib, names = _emulated_library(sorted(exprs), workdir)
-
-    def kernel(device_id, expr):
-        fn = getattr(lib, names[expr])
-
-        def run(grid, block, args):
-            packed = (ctypes.c_uint64 * len(args))(*[_pack(a) for a in args])
-            fn(ctypes.c_uint(int(grid[0])), ctypes.c_uint(int(block[0])),
-               ctypes.c_uint(int(block[1]) if len(block) > 1 else 1), packed)
-        return run
-
-    setitem(sys.modules, "cupy", _fake_cupy())
-    setattr_(launch, "_kernel", kernel)
-    setattr_(launch, "_sm_count", lambda device_id: 1)  # small grids: loops
-    try:
-        for dtype in DTYPES:
-            for n in _emulation_lengths(dtype):
-                _check_emulated(reference, dtype, n)
-    except AssertionError:
-        return traceback.format_exc()
-    return "passed"
+        out[(g, maxc)] = [first((tile - vec, tile)),
+                          first(n for n in (tile - 3, tile - 1) if n % vec)]
+    out[launch.CONFIGS[-1]] += [2048 * vec + vec, 3 * 2048 * vec - 5]
+    return out
 
 
 _NP = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
@@ -556,13 +562,71 @@ _ATOL = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 2e-5, "float64": 1e-12}
 _GATOL = {"float16": 2e-2, "bfloat16": 1.5e-1, "float32": 5e-5, "float64": 1e-11}
 
 
-def _emu_forward(x3, dtype, rms, w, b):
+class _Emulator:
+    """launch.py's real forward/backward on NumPy memory, kernels run by the emulation.
+
+    ``cap`` limits every grid (None: launch.py's own grid), standing in for a GPU with
+    very few SMs: with a cap of 1 every kernel runs its grid-stride loop.
+    """
+
+    def __init__(self, lib, names) -> None:
+        self.lib, self.names, self.cap = lib, names, 1
+
+    def kernel(self, device_id, expr):
+        import ctypes
+
+        fn = getattr(self.lib, self.names[expr])
+
+        def run(grid, block, args):
+            packed = (ctypes.c_uint64 * len(args))(*[_pack(a) for a in args])
+            fn(ctypes.c_uint(int(grid[0])), ctypes.c_uint(int(block[0])),
+               ctypes.c_uint(int(block[1]) if len(block) > 1 else 1), packed)
+        return run
+
+    def install(self, monkeypatch) -> None:
+        grid = launch._grid
+
+        def capped(device_id, units, per_block, threads):
+            g = grid(device_id, units, per_block, threads)
+            return g if self.cap is None else min(g, self.cap)
+
+        monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+        monkeypatch.setattr(launch, "_kernel", self.kernel)
+        monkeypatch.setattr(launch, "_sm_count", lambda device_id: 132)
+        monkeypatch.setattr(launch, "_grid", capped)
+
+
+def _all_emulated_expressions() -> list[str]:
+    exprs = set()
+    for dtype in DTYPES:
+        for cfg in launch.CONFIGS:
+            for rms in (False, True):
+                exprs |= {launch.expression(k, dtype, cfg, rms) for k in ("fwd_rows",
+                                                                          "bwd_rows")}
+        for rms in (False, True):
+            exprs |= {launch.expression(k, dtype, rms=rms)
+                      for k in ("fwd_cols", "bwd_cols", "param_partials")}
+    exprs |= {launch.expression("sum_partials", d) for d in ("float32", "float64")}
+    return sorted(exprs)
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    """Every kernel instantiation compiled once for the host (g++), shared by the tests."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed for the host emulation")
+    lib, names = _emulated_library(_all_emulated_expressions(),
+                                   tmp_path_factory.mktemp("emulation"))
+    return _Emulator(lib, names)
+
+
+def _emu_forward(x3, dtype, rms, w, b, eps=1e-5):
     acc = "float64" if dtype == "float64" else "float32"
     rows = x3.shape[0] * x3.shape[2]
     y3 = np.full(x3.shape, np.nan, dtype=x3.dtype)  # poisoned: every element is written
     mean, rstd = np.full(rows, np.nan, acc), np.full(rows, np.nan, acc)
     launch.forward(_FakeArray(x3), None if w is None else _FakeArray(w),
-                   None if b is None else _FakeArray(b), 1e-5, _FakeArray(y3),
+                   None if b is None else _FakeArray(b), eps, _FakeArray(y3),
                    None if rms else _FakeArray(mean), _FakeArray(rstd), dtype, rms)
     return y3, mean, rstd
 
@@ -571,7 +635,7 @@ def _emu_backward(gy3, x3, mean, rstd, w, dtype, rms):
     gx3 = np.full(x3.shape, np.nan, dtype=x3.dtype)
     gw, gb = launch.backward(_FakeArray(gy3), _FakeArray(x3),
                              None if rms else _FakeArray(mean), _FakeArray(rstd),
-                             _FakeArray(w), _FakeArray(gx3), dtype, rms)
+                             None if w is None else _FakeArray(w), _FakeArray(gx3), dtype, rms)
     return gx3, gw.arr, (None if gb is None else gb.arr)
 
 
@@ -581,8 +645,29 @@ def _same_bits(a, b, what):
     assert np.array_equal(ua, ub), f"{what}: {int((ua != ub).sum())} elements differ"
 
 
-def _check_emulated(reference, dtype, n):
-    rows = 37 if n <= 4096 else 5
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulation_every_configuration(emulator, monkeypatch, dtype):
+    """Every (G, MAXC) configuration, through launch.py, with grid-stride loops (grids of
+    one block): against the reference, and bit for bit across the 16-byte vector
+    path, the scalar path (misaligned view), strided rows (row kernels with an element
+    stride), channels-first (cols kernels) and a row alone."""
+    from . import reference
+
+    emulator.install(monkeypatch)
+    emulator.cap = 1
+    for (g, _maxc), lengths in _config_lengths(dtype).items():
+        for k, n in enumerate(lengths):
+            per_block = 1 if g > 32 else 128 // g
+            # One block: its grid-stride loop covers the rows (a last partial group);
+            # the vector-path length meets the row-kernel layouts, the tail length the
+            # cols kernels (both compared with the same contiguous run).
+            _check_emulated(reference, dtype, n, rows=per_block + 3,
+                            layouts=("misaligned", "strided") if k == 0 else
+                            ("channels-first",))
+
+
+def _check_emulated(reference, dtype, n, rows, layouts):
     rng = np.random.default_rng(n)
     x = (0.5 + 2 * rng.standard_normal((rows, n))).astype(_NP[dtype])
     x[::5] = (300 + 20 * rng.standard_normal((len(x[::5]), n))).astype(_NP[dtype])
@@ -594,17 +679,21 @@ def _check_emulated(reference, dtype, n):
     big[1:, 1:] = x
     gbig = np.zeros((rows + 1, n + 1), x.dtype)
     gbig[1:, 1:] = gy
-    layouts = {  # name: (x3, gy3, back-to-(rows, n))
+    wide, gwide = np.zeros((rows, 2 * n), x.dtype), np.zeros((rows, 2 * n), x.dtype)
+    wide[:, ::2], gwide[:, ::2] = x, gy
+    views = {  # name: (x3, gy3, back-to-(rows, n))
         "channels-first": (np.ascontiguousarray(x.T)[None], np.ascontiguousarray(gy.T)[None],
                            lambda a: a[0].T),
-        "fortran": (np.asfortranarray(x).reshape(rows, n, 1),
-                    np.asfortranarray(gy).reshape(rows, n, 1), lambda a: a[:, :, 0]),
         "misaligned": (big[1:, 1:].reshape(rows, n, 1), gbig[1:, 1:].reshape(rows, n, 1),
                        lambda a: a[:, :, 0]),
+        "strided": (wide[:, ::2].reshape(rows, n, 1), gwide[:, ::2].reshape(rows, n, 1),
+                    lambda a: a[:, :, 0]),
     }
+    x3 = x.reshape(rows, n, 1)
+    vec = launch.vector_width(dtype)
+    assert launch._aligned(_FakeArray(x3), vec) == (n % vec == 0)  # which path is tested
     for rms in (False, True):
-        tag = f"{dtype} n={n} {'rms' if rms else 'layer'}_norm"
-        x3 = x.reshape(rows, n, 1)
+        tag = f"{dtype} n={n} rows={rows} {'rms' if rms else 'layer'}_norm"
         y, mean, rstd = _emu_forward(x3, dtype, rms, w, None if rms else b)
         if rms:
             y_ref, rstd_ref = reference.rms_norm(x, (1,), w, eps=1e-5)
@@ -630,7 +719,8 @@ def _check_emulated(reference, dtype, n):
                                    err_msg=tag)
         np.testing.assert_allclose(gw, gw_ref.astype(np.float64), rtol=1e-3,
                                    atol=tol * 40 * max(1, np.abs(gw_ref).max()), err_msg=tag)
-        for name, (xv, gv, back) in layouts.items():
+        for name in layouts:
+            xv, gv, back = views[name]
             yv, mv, sv = _emu_forward(xv, dtype, rms, w, None if rms else b)
             _same_bits(back(yv), y[:, :, 0], f"{tag} y, {name}")
             _same_bits(sv, rstd, f"{tag} rstd, {name}")
@@ -640,26 +730,228 @@ def _check_emulated(reference, dtype, n):
             if not rms:
                 _same_bits(mv, mean, f"{tag} mean, {name}")
                 _same_bits(gbv, gb, f"{tag} grad_bias, {name}")
-        for r in (0, rows - 1):
-            alone, _, _ = _emu_forward(x[r:r + 1].reshape(1, n, 1).copy(), dtype, rms, w,
-                                       None if rms else b)
-            _same_bits(alone[0, :, 0], y[r, :, 0], f"{tag} row {r} alone")
+        r = rows - 1
+        alone, _, _ = _emu_forward(x[r:r + 1].reshape(1, n, 1).copy(), dtype, rms, w,
+                                   None if rms else b)
+        _same_bits(alone[0, :, 0], y[r, :, 0], f"{tag} row {r} alone")
     constant = np.full((3, n), 1e4 / 3).astype(_NP[dtype])
     yc, _, _ = _emu_forward(constant.reshape(3, n, 1), dtype, False, w, b)
     _same_bits(yc[:, :, 0], np.broadcast_to(b.astype(_NP[dtype]), (3, n)),
                f"{dtype} n={n} constant rows give exactly bias")
 
 
+def _tree_model(parts):
+    """The kernel's tree over row blocks, written as levels of SUM_FAN (as launched)."""
+    fan = launch.SUM_FAN
+    while parts.shape[0] > 1:
+        out = []
+        for j in range(0, parts.shape[0], fan):
+            v = list(parts[j:j + fan])
+            w = 1
+            while w < fan:
+                for k in range(0, fan - w, 2 * w):
+                    if k + w < len(v):
+                        v[k] = v[k] + v[k + w]
+                w *= 2
+            out.append(v[0])
+        parts = np.stack(out)
+    return parts[0]
+
+
+def _binary_tree(parts):
+    """Neighbour pairs, level by level, an odd last one carried up: one binary tree."""
+    parts = list(parts)
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i]
+                 for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_emulation_parameter_gradient_tree(emulator, monkeypatch, dtype):
+    """Several gradient blocks and two tree levels: the bits are those of the binary tree
+    over fixed 64-row blocks, the same for any grid (1, 3 blocks or launch.py's own)."""
+    emulator.install(monkeypatch)
+    rows, n = launch.GRAD_ROW_BLOCK * (launch.SUM_FAN + 2) + 5, 7  # 19 blocks, 2 levels
+    rng = np.random.default_rng(7)
+    x = (1 + rng.standard_normal((rows, n))).astype(_NP[dtype])
+    gy = rng.standard_normal((rows, n)).astype(_NP[dtype])
+    acc = np.float64 if dtype == "float64" else np.float32
+    w = (1 + 0.3 * rng.standard_normal(n)).astype(acc)
+    x3, gy3 = x.reshape(rows, n, 1), gy.reshape(rows, n, 1)
+    emulator.cap = None
+    _, mean, rstd = _emu_forward(x3, dtype, False, w, None)
+    results = {}
+    for cap in (None, 1, 3):
+        emulator.cap = cap
+        results[cap] = _emu_backward(gy3, x3, mean, rstd, w, dtype, rms=False)
+        fortran = np.asfortranarray(x), np.asfortranarray(gy)
+        results[f"{cap}-fortran"] = _emu_backward(fortran[1].reshape(rows, n, 1),
+                                                  fortran[0].reshape(rows, n, 1), mean, rstd,
+                                                  w, dtype, rms=False)
+    for key, (_, gw, gb) in results.items():
+        _same_bits(gw, results[None][1], f"grad_weight, grid cap {key}")
+        _same_bits(gb, results[None][2], f"grad_bias, grid cap {key}")
+    # The partials as param_partials computes them (rows in order within a block) ...
+    xa, ga = x.astype(acc), gy.astype(acc)
+    sw, sb = [], []
+    for r0 in range(0, rows, launch.GRAD_ROW_BLOCK):
+        a, b = np.zeros(n, acc), np.zeros(n, acc)
+        for r in range(r0, min(rows, r0 + launch.GRAD_ROW_BLOCK)):
+            xh = (xa[r] - mean[r]) * rstd[r]
+            a = a + ga[r] * xh
+            b = b + ga[r]
+        sw.append(a)
+        sb.append(b)
+    sw, sb = np.stack(sw), np.stack(sb)
+    # ... summed in the one binary tree: exactly the kernels' bits.
+    _same_bits(_tree_model(sw), _binary_tree(sw), "tree levels nest into one binary tree")
+    _same_bits(results[None][1], _binary_tree(sw), "grad_weight vs the binary-tree model")
+    _same_bits(results[None][2], _binary_tree(sb), "grad_bias vs the binary-tree model")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_emulation_subnormal_variance_is_normalized(emulator, monkeypatch, dtype):
+    """eps=0 and squared deviations below float32's normal range (~1e-38): the kernels
+    are compiled without flush-to-zero (launch.OPTIONS), which the host's IEEE arithmetic
+    models, so the row is normalized as on the CPU, not turned into inf/NaN."""
+    from . import reference
+
+    emulator.install(monkeypatch)
+    rng = np.random.default_rng(3)
+    n = 256
+    x = (3e-21 * rng.standard_normal((4, n))).astype(_NP[dtype])
+    y, _, rstd = _emu_forward(x.reshape(4, n, 1), dtype, False, None, None, eps=0.0)
+    assert np.all(np.isfinite(rstd)) and np.all(np.isfinite(y.astype(np.float64)))
+    y_ref, _, _ = reference.layer_norm(x, (1,), None, None, eps=0.0)
+    np.testing.assert_allclose(y[:, :, 0].astype(np.float64), y_ref.astype(np.float64),
+                               atol=0.05 if dtype == "bfloat16" else 2e-3)
+
+
+# ------------------------------------------ the backend's own compile-and-load path
+
+
+class _CupyNvrtcShim:
+    """CuPy's NVRTC binding API (``cupy_backends.cuda.libs.nvrtc``) on cuda-bindings."""
+
+    class NVRTCError(RuntimeError):
+        pass
+
+    def __init__(self) -> None:
+        from cuda.bindings import nvrtc
+
+        self.nv = nvrtc
+
+    def _ok(self, result):
+        err, *rest = result
+        if err != self.nv.nvrtcResult.NVRTC_SUCCESS:
+            raise self.NVRTCError(str(err))
+        return rest[0] if rest else None
+
+    def getVersion(self):  # CuPy's names, camelCase
+        _, major, minor = self.nv.nvrtcVersion()
+        return (major, minor)
+
+    def getSupportedArchs(self):
+        return (75, 80, 86, 89, 90)
+
+    def createProgram(self, src, name, headers, include_names):
+        return self._ok(self.nv.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], []))
+
+    def addNameExpression(self, prog, name):
+        self._ok(self.nv.nvrtcAddNameExpression(prog, name.encode()))
+
+    def compileProgram(self, prog, options):
+        opts = [o.encode() for o in options]
+        self._ok(self.nv.nvrtcCompileProgram(prog, len(opts), opts))
+
+    def getProgramLog(self, prog):
+        size = self._ok(self.nv.nvrtcGetProgramLogSize(prog))
+        buf = b" " * size
+        self._ok(self.nv.nvrtcGetProgramLog(prog, buf))
+        return buf.decode().rstrip("\x00 ")
+
+    def getLoweredName(self, prog, name):
+        return self._ok(self.nv.nvrtcGetLoweredName(prog, name.encode())).decode()
+
+    def getCUBIN(self, prog):
+        size = self._ok(self.nv.nvrtcGetCUBINSize(prog))
+        buf = b" " * size
+        self._ok(self.nv.nvrtcGetCUBIN(prog, buf))
+        return buf[:-1]
+
+    def getPTX(self, prog):
+        size = self._ok(self.nv.nvrtcGetPTXSize(prog))
+        buf = b" " * size
+        self._ok(self.nv.nvrtcGetPTX(prog, buf))
+        return buf[:-1]
+
+    def destroyProgram(self, prog):
+        self.nv.nvrtcDestroyProgram(prog)
+
+
+def test_kernel_compiles_caches_and_loads_through_cupy(monkeypatch, tmp_path):
+    """launch._kernel: CuPy's NVRTC binding (shimmed), a cubin on disk, RawModule(path=)."""
+    _nvrtc()
+    shim = _CupyNvrtcShim()
+    libs = types.ModuleType("cupy_backends.cuda.libs")
+    libs.nvrtc = shim
+    loaded = []
+
+    class RawModule:
+        def __init__(self, path):
+            self.path = path
+
+        def get_function(self, name):
+            with open(self.path, "rb") as fh:
+                loaded.append((self.path, name, fh.read(4)))
+            return name
+
+    cupy_ns = _fake_cupy()
+    cupy_ns.RawModule = RawModule
+
+    class Device:
+        compute_capability = "90"
+
+        def __init__(self, *args) -> None:
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+    cupy_ns.cuda = types.SimpleNamespace(Device=Device)
+    for name, mod in (("cupy", cupy_ns), ("cupy_backends", types.ModuleType("cupy_backends")),
+                      ("cupy_backends.cuda", types.ModuleType("cupy_backends.cuda")),
+                      ("cupy_backends.cuda.libs", libs)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setenv("LAYERNORM_CUDA_CACHE", str(tmp_path))
+    expr = launch.expression("fwd_rows", "bfloat16", (4, 1), rms=True)
+    launch._kernel.cache_clear()
+    try:
+        name = launch._kernel(0, expr)
+        assert name.startswith("_Z") and loaded[-1][2] == b"\x7fELF"  # a cubin
+        assert loaded[-1][0].startswith(str(tmp_path)) and loaded[-1][0].endswith(".cubin")
+        launch._kernel.cache_clear()
+        monkeypatch.setattr(shim, "compileProgram", None)  # a second process: from disk
+        assert launch._kernel(0, expr) == name
+    finally:
+        launch._kernel.cache_clear()
+
+
 # ------------------------------------------------------------ in the background
 #
-# The NVRTC compiles (eight, 30-110 s each on two cores, one thread each) and the host
-# emulation (a minute or more of std::threads taking turns at barriers) need no GPU and
+# The NVRTC compiles (eight, 30-110 s each on two cores, one thread each) need no GPU and
 # nothing from the rest of the suite, and pytest spends most of its time in one thread
-# (Numba compiles one kernel at a time): on a 2-core machine one core idles.
-# So conftest.py's collection hook calls start_background(), which runs those jobs, in
-# order, in one idle-priority process while the rest of the suite runs, and moves these
+# (Numba compiles one kernel at a time): on a 2-core machine one core idles. So
+# conftest.py's collection hook calls start_background(), which runs those compiles, in
+# order, in one idle-priority process while the rest of the suite runs, and moves their
 # tests last. Each test then reads its job's result (the same values and assertions as
-# computing it in the test); a test whose job was not started computes it itself.
+# compiling in the test); a test whose job was not started compiles itself.
 
 _BACKGROUND: dict[str, object] = {}
 
@@ -667,7 +959,6 @@ _BACKGROUND: dict[str, object] = {}
 _JOBS = {
     "test_every_instantiation_compiles": lambda p: [f"nvrtc-{p['dtype']}-{p['arch']}"],
     "test_no_local_memory_spills": lambda p: [f"nvrtc-{p['dtype']}-{p['arch']}"],
-    "test_kernels_on_host_emulation": lambda p: ["emulation"],
 }
 
 
@@ -681,11 +972,9 @@ def start_background(items) -> list:
         waiting.append(item)
         params = item.callspec.params if hasattr(item, "callspec") else {}
         jobs += [job for job in make(params) if job not in jobs]
-    # The emulation first: it is the longest job and needs no CUDA headers.
-    jobs.sort(key=lambda job: job != "emulation")
     if not jobs:
         return []
-    workdir = Path(__import__("tempfile").mkdtemp(prefix="layernorm-cuda-tests-"))
+    workdir = Path(tempfile.mkdtemp(prefix="layernorm-cuda-tests-"))
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(
         [sys.executable, "-c",
@@ -697,6 +986,7 @@ def start_background(items) -> list:
 
 
 def stop_background() -> None:
+    """Stop the background process (if still running) and remove its results."""
     proc = _BACKGROUND.get("proc")
     if proc is not None and proc.poll() is None:
         proc.kill()
@@ -727,9 +1017,7 @@ def background_result(job: str):
 
 def _background_main(workdir: str, jobs: list[str]) -> None:
     """Run ``jobs`` one by one, pickling ("ok" | "skip" | "error", value) per job."""
-    # The foreground tests first: run only on CPU time they leave. (SCHED_IDLE, which the
-    # emulation's threads inherit: at nice 5 its hundreds of runnable threads, spinning at
-    # barriers, took most of both cores from the foreground.)
+    # The foreground tests first: run only on CPU time they leave.
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
@@ -737,14 +1025,8 @@ def _background_main(workdir: str, jobs: list[str]) -> None:
     out = Path(workdir)
     for job in jobs:
         try:
-            if job == "emulation":
-                emu = out / "emulation"
-                emu.mkdir()
-                value = ("ok", run_emulation(emu, lambda d, k, v: d.__setitem__(k, v),
-                                             setattr))
-            else:
-                _, dtype, arch = job.split("-")
-                value = ("ok", _compile_here(dtype, int(arch)))
+            _, dtype, arch = job.split("-")
+            value = ("ok", _compile_here(dtype, int(arch)))
         except pytest.skip.Exception as exc:
             value = ("skip", str(exc))
         except Exception:

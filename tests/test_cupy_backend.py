@@ -327,7 +327,52 @@ def test_constant_rows_and_nan_rows_in_every_family(native_xp):
             assert np.isnan(y[2]).all() and np.isnan(y[4]).all()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_subnormal_deviations_with_eps_zero(native_xp, dtype):
+    """eps=0 and squared deviations below 1e-38 (subnormal in float32): the row is still
+    normalized. (The CUDA kernels are compiled without flush-to-zero for this.)"""
+    xp = native_xp
+    rng = np.random.default_rng(11)
+    for n in (64, 3000):  # short rows (a few lanes) and a block per row
+        x = random_rows(rng, (3, n), dtype, scale=3e-21)
+        y, _, rstd = ln.layer_norm(asarray(xp, x, dtype), eps=0.0, return_stats=True)
+        assert np.isfinite(to_numpy(rstd)).all()
+        y_ref, _, _ = reference.layer_norm(x, (1,), eps=0.0)
+        np.testing.assert_allclose(to_numpy(y), y_ref.astype(np.float64), rtol=0,
+                                   atol=5e-2 if dtype == "bfloat16" else 2e-3)
+
+
 # ------------------------------------------------------------------ CuPy only
+
+
+def test_strided_rows_take_the_row_kernels(cp):
+    """x[:, ::2] and few Fortran-order rows: row kernels with an element stride; many
+    Fortran-order rows: the cols kernels. Every one gives the contiguous bits."""
+    sms = launch._sm_count(cp.cuda.Device().id)
+    for rows, n in ((37, 1000), (32 * sms + 5, 40), (5, 20000)):
+        _, (xs, gys, ws, bs) = _inputs(cp, "float32", rows, n, rows + n)
+        ref = _all_outputs(xs, gys, ws, bs)
+        wide = cp.zeros((rows, 2 * n), cp.float32)
+        wide[:, ::2] = xs
+        gwide = cp.zeros((rows, 2 * n), cp.float32)
+        gwide[:, ::2] = gys
+        for xv, gv in ((wide[:, ::2], gwide[:, ::2]),  # element stride 2
+                       (cp.asfortranarray(xs), cp.asfortranarray(gys))):
+            got = _all_outputs(xv, gv, ws, bs)
+            for key in ref:
+                assert_same_bits(got[key], ref[key])
+
+
+def test_parameter_gradient_tree_is_grid_independent(cp, monkeypatch):
+    """Many row blocks (three tree levels): the same bits with grids of 1 block."""
+    rows = launch.GRAD_ROW_BLOCK * launch.SUM_FAN ** 2 + 7
+    (_, _, _, _), (xs, gys, ws, bs) = _inputs(cp, "float32", rows, 48, 9)
+    ref = _all_outputs(xs, gys, ws, bs)
+    grid = launch._grid
+    monkeypatch.setattr(launch, "_grid", lambda *args: min(grid(*args), 1))
+    got = _all_outputs(xs, gys, ws, bs)
+    for key in ("gw", "gb", "rms_gw", "gx", "y"):
+        assert_same_bits(got[key], ref[key])
 
 
 def test_bfloat16_as_uint16_bits(cp):

@@ -1,11 +1,22 @@
 """Kernel selection and launch: which template instantiation, with which grid, on which device.
 
 The CUDA source (``kernels/layernorm.cu``) is read once with :mod:`importlib.resources`
-and compiled lazily by :class:`cupy.RawModule`, one module per device and kernel
-instantiation, so a first call compiles only what it runs (CuPy keeps the compiled
-binaries in its on-disk cache). Only the supported ``(T, Acc)`` pairs are instantiated:
+and compiled lazily, one module per device and kernel instantiation, so a first call
+compiles only what it runs. Only the supported ``(T, Acc)`` pairs are instantiated:
 ``(__half, float)``, ``(__nv_bfloat16, float)``, ``(float, float)`` and
 ``(double, double)``.
+
+Compilation: NVRTC directly, then :class:`cupy.RawModule` loads the binary
+---------------------------------------------------------------------------
+:class:`cupy.RawModule` compiling from source appends ``-ftz=true`` after the caller's
+options, and NVRTC honours the last occurrence. Flush-to-zero would turn a float32 or
+bfloat16 row whose squared deviations are subnormal into ``var = 0`` (``rstd = inf``
+with ``eps=0``), where the CPU backend, IEEE throughout, normalizes it. So the kernels
+are compiled by :func:`compile_kernels` with exactly :func:`nvrtc_options` (IEEE
+subnormals, ``--ftz=false``), through CuPy's own NVRTC binding, into a cubin (or PTX when
+NVRTC does not know the device) cached on disk under :func:`cache_dir`, and loaded with
+``RawModule(path=...)``. The compile tests call the same :func:`compile_kernels` through
+``cuda-bindings``: same source, options, defines and name expressions.
 
 The configuration of a kernel (threads per row ``G`` and vectors per thread and tile
 ``MAXC``) is a function of the row length and the element size only, never of the
@@ -25,15 +36,31 @@ import numpy as np
 
 from ..._dtypes import ACCUMULATION, CPP_TYPES
 
-#: Extra NVRTC options. ``--fmad=false`` keeps every rounding step as written, so two
-#: kernels that compute the same row give the same bits. Approximate (2 ulp, inline)
-#: float division and square root keep subroutine calls, whose register saves spill to
-#: local memory, out of the kernels; they are as deterministic as the exact ones.
+#: NVRTC options besides the architecture and the defines. ``--fmad=false`` keeps every
+#: rounding step as written, so two kernels that compute the same row give the same bits.
+#: Approximate (2 ulp, inline) float division and square root keep subroutine calls,
+#: whose register saves spill to local memory, out of the kernels; they are as
+#: deterministic as the exact ones. ``--ftz=false``: IEEE subnormals (see above).
 OPTIONS: tuple[str, ...] = ("--std=c++17", "--fmad=false", "--prec-div=false",
-                             "--prec-sqrt=false")
+                             "--prec-sqrt=false", "--ftz=false")
 
 #: Rows per block of the parameter-gradient reduction (fixed: bitwise reproducible).
+#: (The Numba backend has its own equal constant; the two need not agree bitwise.)
 GRAD_ROW_BLOCK = 64
+
+#: Partials summed by one thread of each level of the parameter-gradient tree
+#: (a power of two: the levels nest into one binary tree over the row blocks).
+SUM_FAN = 16
+
+#: Resident threads per SM the row kernels are compiled for (``__launch_bounds__``
+#: minimum blocks = this / block size): at most 64 registers per thread, 50% occupancy.
+THREADS_PER_SM = 1024
+
+#: The same for the backward row kernels with two or four vectors per thread, which hold
+#: dy and x: 768 threads (80 registers). (The source keeps the forward's budget for one
+#: vector per thread, and 512 threads for four 16- or 64-bit vectors, which spill below
+#: about 110 registers: see ``BwdPerSm`` in the CUDA source.)
+BWD_THREADS_PER_SM = 768
 
 #: Threads per block of the elementwise-style kernels (parameter gradients, sums).
 FLAT_THREADS = 256
@@ -51,6 +78,17 @@ CONFIGS: tuple[tuple[int, int], ...] = (
     (32, 2), (32, 4),
     (128, 2), (128, 4), (256, 4), (512, 4),
 )
+
+#: The constants the CUDA source takes from here (``-D`` defines; it has no copies).
+DEFINES: dict[str, int] = {
+    "LNK_GRAD_ROW_BLOCK": GRAD_ROW_BLOCK,
+    "LNK_COL_ROWS": COL_ROWS,
+    "LNK_COL_MAX_RY": COL_MAX_RY,
+    "LNK_SUM_FAN": SUM_FAN,
+    "LNK_MAX_G": max(g for g, _ in CONFIGS),
+    "LNK_THREADS_PER_SM": THREADS_PER_SM,
+    "LNK_BWD_THREADS_PER_SM": BWD_THREADS_PER_SM,
+}
 
 
 class Config(NamedTuple):
@@ -153,8 +191,8 @@ def source() -> str:
 def cuda_include_dirs() -> list[str]:
     """Folders holding ``cuda_fp16.h`` (CUDA_PATH, CUDA_HOME, next to nvcc, the wheels).
 
-    CuPy normally finds the CUDA headers itself; these are the fallback when it does not
-    (and what the compile tests use with NVRTC directly).
+    CuPy's own compiles add such a folder; the backend's :func:`compile_kernels` retries
+    with the first of these when NVRTC cannot find the headers by itself.
     """
     import os
     import shutil
@@ -179,23 +217,203 @@ def cuda_include_dirs() -> list[str]:
     return seen
 
 
+def nvrtc_options(arch: str) -> list[str]:
+    """Every NVRTC option of one compile but the include folder.
+
+    ``arch`` is ``"sm_90"`` (a cubin) or ``"compute_90"`` (PTX).
+
+    Examples
+    --------
+    >>> opts = nvrtc_options("sm_90")
+    >>> opts[0], "--ftz=false" in opts, "-DLNK_GRAD_ROW_BLOCK=64" in opts
+    ('--gpu-architecture=sm_90', True, True)
+    """
+    return [f"--gpu-architecture={arch}", *OPTIONS,
+            *(f"-D{name}={value}" for name, value in DEFINES.items())]
+
+
+def missing_header(log: str) -> bool:
+    """Whether an NVRTC log says a CUDA half-precision header was not found.
+
+    Examples
+    --------
+    >>> missing_header('catastrophic error: cannot open source file "cuda_bf16.h"')
+    True
+    >>> missing_header("error: identifier x is undefined")
+    False
+    """
+    return "cuda_fp16.h" in log or "cuda_bf16.h" in log
+
+
+class Compiled(NamedTuple):
+    """One NVRTC compile: success, log, lowered kernel names and the cubin or PTX."""
+
+    ok: bool
+    log: str
+    lowered: dict[str, str]
+    binary: bytes
+
+
+class BindingsNvrtc:
+    """NVRTC through ``cuda-bindings`` (``cuda.bindings.nvrtc``); used by the tests."""
+
+    def __init__(self) -> None:
+        from cuda.bindings import nvrtc
+
+        self.nvrtc = nvrtc
+
+    def _check(self, result: tuple[Any, ...]) -> Any:
+        err, *rest = result
+        if err != self.nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC call failed: {err}")
+        return rest[0] if rest else None
+
+    def compile(self, src: str, exprs: list[str], opts: list[str]) -> Compiled:
+        """Compile ``src`` for the name expressions ``exprs`` with ``opts``."""
+        nv = self.nvrtc
+        prog = self._check(nv.nvrtcCreateProgram(src.encode(), b"layernorm.cu", 0, [], []))
+        try:
+            for expr in exprs:
+                self._check(nv.nvrtcAddNameExpression(prog, expr.encode()))
+            opts_b = [o.encode() for o in opts]
+            (err,) = nv.nvrtcCompileProgram(prog, len(opts_b), opts_b)
+            size = self._check(nv.nvrtcGetProgramLogSize(prog))
+            buf = b" " * size
+            self._check(nv.nvrtcGetProgramLog(prog, buf))
+            log = buf.decode(errors="replace").rstrip("\x00 ")
+            if err != nv.nvrtcResult.NVRTC_SUCCESS:
+                return Compiled(False, log, {}, b"")
+            lowered = {}
+            for expr in exprs:
+                name = self._check(nv.nvrtcGetLoweredName(prog, expr.encode()))
+                lowered[expr] = name.decode() if isinstance(name, bytes) else str(name)
+            cubin = any(o.startswith("--gpu-architecture=sm_") for o in opts)
+            get_size, get = ((nv.nvrtcGetCUBINSize, nv.nvrtcGetCUBIN) if cubin
+                             else (nv.nvrtcGetPTXSize, nv.nvrtcGetPTX))
+            size = self._check(get_size(prog))
+            binary = b" " * size
+            self._check(get(prog, binary))
+            return Compiled(True, log, lowered, binary.rstrip(b"\x00"))
+        finally:
+            nv.nvrtcDestroyProgram(prog)
+
+
+class CupyNvrtc:
+    """NVRTC through CuPy's own binding (what a CuPy installation always has)."""
+
+    def __init__(self) -> None:
+        try:
+            from cupy_backends.cuda.libs import nvrtc
+        except ImportError:  # older CuPy
+            from cupy.cuda import nvrtc
+        self.nvrtc = nvrtc
+
+    def compile(self, src: str, exprs: list[str], opts: list[str]) -> Compiled:
+        """Compile ``src`` for the name expressions ``exprs`` with ``opts``."""
+        nv = self.nvrtc
+        prog = nv.createProgram(src, "layernorm.cu", (), ())
+        try:
+            for expr in exprs:
+                nv.addNameExpression(prog, expr)
+            try:
+                nv.compileProgram(prog, list(opts))
+            except Exception:  # NVRTCError: the log says why
+                return Compiled(False, nv.getProgramLog(prog), {}, b"")
+            log = nv.getProgramLog(prog)
+            lowered = {expr: nv.getLoweredName(prog, expr) for expr in exprs}
+            cubin = any(o.startswith("--gpu-architecture=sm_") for o in opts)
+            binary = nv.getCUBIN(prog) if cubin else nv.getPTX(prog)
+            return Compiled(True, log, lowered, binary)
+        finally:
+            nv.destroyProgram(prog)
+
+
+def compile_kernels(nvrtc: Any, exprs: list[str], arch: str,
+                    extra: tuple[str, ...] = ()) -> Compiled:
+    """Compile the kernel instantiations ``exprs`` for ``arch`` as the backend does.
+
+    ``nvrtc`` is a :class:`CupyNvrtc` or :class:`BindingsNvrtc`; ``extra`` options (e.g.
+    ``-Xptxas=-v`` in the tests) go last. When NVRTC cannot find ``cuda_fp16.h`` or
+    ``cuda_bf16.h`` (an NVRTC without built-in headers) the compile is retried with the
+    first folder of :func:`cuda_include_dirs`.
+    """
+    opts = [*nvrtc_options(arch), *extra]
+    result = nvrtc.compile(source(), list(exprs), opts)
+    if not result.ok and missing_header(result.log):
+        dirs = cuda_include_dirs()
+        if dirs:
+            result = nvrtc.compile(source(), list(exprs), [*opts, f"-I{dirs[0]}"])
+    return result
+
+
+def cache_dir() -> str:
+    """Where compiled kernels are kept (``$LAYERNORM_CUDA_CACHE``, else ``~/.cache``)."""
+    import os
+
+    return os.environ.get("LAYERNORM_CUDA_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "layernorm", "cuda")
+
+
+def _device_arch(nvrtc: Any, device_id: int) -> str:
+    """``sm_XY`` when NVRTC can build a cubin for the device, else the newest PTX it can."""
+    import cupy
+
+    cc = int(cupy.cuda.Device(device_id).compute_capability)
+    try:
+        supported = [int(a) for a in nvrtc.nvrtc.getSupportedArchs()]
+    except Exception:  # an NVRTC without the query: assume it knows the device
+        return f"sm_{cc}"
+    if cc in supported:
+        return f"sm_{cc}"
+    older = [a for a in supported if a <= cc]
+    return f"compute_{max(older) if older else cc}"
+
+
+def _binary_path(expr: str, arch: str, version: str) -> str:
+    """Cache file of one instantiation, keyed by everything that shapes the binary."""
+    import hashlib
+    import os
+
+    key = hashlib.sha256("\n".join([source(), expr, version, *nvrtc_options(arch)]).encode())
+    ext = "cubin" if arch.startswith("sm_") else "ptx"
+    return os.path.join(cache_dir(), f"{key.hexdigest()[:40]}.{ext}")
+
+
 @functools.cache
 def _kernel(device_id: int, expr: str) -> Any:
+    import os
+    import tempfile
+
     import cupy
 
     with cupy.cuda.Device(device_id):
-        module = cupy.RawModule(code=source(), options=OPTIONS, name_expressions=[expr])
-        try:
-            return module.get_function(expr)
-        except cupy.cuda.compiler.CompileException as exc:
-            # CuPy did not find the CUDA headers (e.g. only the NVRTC wheel is installed):
-            # retry with the toolkit's include folder if there is one.
-            dirs = cuda_include_dirs()
-            if "cuda_fp16.h" not in str(exc) or not dirs:
-                raise
-        module = cupy.RawModule(code=source(), options=(*OPTIONS, f"-I{dirs[0]}"),
-                                name_expressions=[expr])
-        return module.get_function(expr)
+        nvrtc = CupyNvrtc()
+        arch = _device_arch(nvrtc, device_id)
+        path = _binary_path(expr, arch, str(nvrtc.nvrtc.getVersion()))
+        name_path = path + ".name"
+        if not (os.path.isfile(path) and os.path.isfile(name_path)):
+            result = compile_kernels(nvrtc, [expr], arch)
+            if not result.ok:
+                raise RuntimeError(f"NVRTC could not compile {expr} for {arch}:\n"
+                                   f"{result.log}")
+            folder = os.path.dirname(path)
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except OSError:  # a read-only home: a private folder for this process
+                folder = tempfile.mkdtemp(prefix="layernorm-cuda-")
+                path = os.path.join(folder, os.path.basename(path))
+                name_path = path + ".name"
+            # Written to a temporary name and renamed: another process loading the same
+            # kernel never sees half a file.
+            for target, data in ((path, result.binary),
+                                 (name_path, result.lowered[expr].encode())):
+                fd, tmp = tempfile.mkstemp(dir=folder)
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(data)
+                os.replace(tmp, target)
+        with open(name_path, encoding="utf-8") as fh:
+            lowered = fh.read()
+        return cupy.RawModule(path=path).get_function(lowered)
 
 
 @functools.cache
@@ -228,10 +446,25 @@ def _aligned(arr: Any, vec: int) -> bool:
     )
 
 
-def _family(x3: Any) -> str:
-    """"rows" when the normalized axis is contiguous, else the strided "cols" kernels."""
-    n = x3.shape[1]
-    return "rows" if n == 1 or _strides(x3)[1] == 1 else "cols"
+def _family(x3: Any, device_id: int) -> str:
+    """Which kernels read ``x3``: "rows" (a group of threads per row) or "cols".
+
+    Contiguous rows, and strided rows (``inner == 1``, e.g. ``x[:, ::2]``) unless
+    neighbouring rows are closer in memory than neighbouring elements and there are
+    enough of them to give every SM a block of 32: then (Fortran order with many rows)
+    the cols kernels' one-thread-per-row loads coalesce across rows. Channels-first
+    views (``inner > 1``) always take the cols kernels. Both families give the same
+    bits (see the CUDA source), so this is a speed choice only.
+    """
+    _, n, inner = x3.shape
+    s0, s1, _ = _strides(x3)
+    if n == 1 or s1 == 1:
+        return "rows"
+    if inner > 1:
+        return "cols"
+    rows = x3.shape[0]
+    interleaved = abs(s0) < abs(s1)
+    return "cols" if interleaved and rows >= COL_ROWS * _sm_count(device_id) else "rows"
 
 
 def _scalar(value: float, dtype: str) -> Any:
@@ -256,7 +489,7 @@ def _launch(kind: str, dtype: str, rms: bool, n: int, rows: int, device_id: int,
     """
     cfg = row_config(n, dtype)
     # The layout of x decides: arrays is (x3, y3) forward and (gy3, x3, gx3) backward.
-    family = _family(arrays[1] if kind == "bwd" else arrays[0])
+    family = _family(arrays[1] if kind == "bwd" else arrays[0], device_id)
     kernel = _kernel(device_id, expression(f"{kind}_{family}", dtype, cfg[:2], rms))
     if family == "rows":
         vec = vector_width(dtype)
@@ -318,11 +551,27 @@ def backward(gy3: Any, x3: Any, mean: Any, rstd: Any, weight: Any, gx3: Any, dty
         grid = _grid(device_id, blocks * n, FLAT_THREADS, FLAT_THREADS)
         pkernel((grid,), (FLAT_THREADS,),
                 (gy3, x3, _ptr_or_null(mean), rstd, part, *_i64(rows, n, inner), inv_inner,
-                 *_i64(*_strides(gy3), *_strides(x3), GRAD_ROW_BLOCK, blocks),
-                 np.float64(1.0 / n)))
-        sums = cupy.empty((count, n), dtype=acc)
-        skernel = _kernel(device_id, expression("sum_partials", acc))
-        grid = _grid(device_id, count * n, FLAT_THREADS, FLAT_THREADS)
+                 *_i64(*_strides(gy3), *_strides(x3), blocks), np.float64(1.0 / n)))
+        return _sum_partials(part, count, blocks, n, acc, device_id)
+
+
+def _sum_partials(part: Any, count: int, blocks: int, n: int, acc: str,
+                  device_id: int) -> tuple[Any, Any]:
+    """Reduce ``part`` (``(count, blocks, n)``) over blocks, ``SUM_FAN`` to one per level.
+
+    Each level is one launch in which every output is one thread's fixed tree over
+    ``SUM_FAN`` inputs; ``ceil(log_SUM_FAN(blocks))`` levels (4 for a million rows).
+    """
+    import cupy
+
+    skernel = _kernel(device_id, expression("sum_partials", acc))
+    while True:
+        out_blocks = -(-blocks // SUM_FAN)
+        out = cupy.empty((count, out_blocks, n), dtype=acc)
+        grid = _grid(device_id, count * out_blocks * n, FLAT_THREADS, FLAT_THREADS)
         skernel((grid,), (FLAT_THREADS,),
-                (part, sums, *_i64(count, blocks, n), np.float64(1.0 / n)))
-        return sums[0], (None if rms else sums[1])
+                (part, out, *_i64(count, blocks, n, out_blocks), np.float64(1.0 / n),
+                 np.float64(1.0 / out_blocks)))
+        part, blocks = out, out_blocks
+        if blocks == 1:
+            return part[0, 0], (None if count == 1 else part[1, 0])

@@ -1,9 +1,12 @@
 // LayerNorm / RMSNorm CUDA kernels for the CuPy backend.
 //
-// Compiled with NVRTC through cupy.RawModule (see ../launch.py), one template
-// instantiation per name expression, with --fmad=false so that every rounding step
-// is exactly the one written here (no FMA contraction that could differ between two
-// kernels inlining the same expression).
+// Compiled with NVRTC by ../launch.py (compile_kernels: its own NVRTC call, then
+// cupy.RawModule loads the binary), one template instantiation per name expression,
+// with --fmad=false so that every rounding step is exactly the one written here (no FMA
+// contraction that could differ between two kernels inlining the same expression), and
+// --ftz=false: subnormals are IEEE, as on the CPU backend. (RawModule compiling from
+// source would append -ftz=true, and a row whose squared deviations are subnormal
+// would get var = 0, rstd = inf with eps = 0.) The LNK_* constants come from launch.py.
 //
 // Every array is seen as a 3-D (outer, n, inner) view with element strides
 // (s0, s1, s2); row r is x[r / inner, :, r % inner]. All index math is 64-bit.
@@ -30,8 +33,17 @@
 // way. The output is y = ((x - K) - mean_shift) * rstd * w + b, so a constant row gives
 // exactly 0 (exactly b) and a large common offset costs no accuracy.
 
+// Constants shared with the host come from launch.py as -D defines (one definition, in
+// Python): a copy here could drift from the grid and buffer sizes the host computes.
+#if !defined(LNK_GRAD_ROW_BLOCK) || !defined(LNK_COL_ROWS) || !defined(LNK_COL_MAX_RY) || \
+    !defined(LNK_SUM_FAN) || !defined(LNK_MAX_G) || !defined(LNK_THREADS_PER_SM) || \
+    !defined(LNK_BWD_THREADS_PER_SM)
+#error "compile through layernorm._backends._cupy.launch, which defines the LNK_* constants"
+#endif
+
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+
 
 namespace lnk {
 
@@ -107,6 +119,21 @@ __device__ __forceinline__ void load_pack(const T* base, i64 s1, int off, i64 re
       p.v[k] = (off + k < rem) ? base[(i64)(off + k) * s1] : Elem<T>::from(0);
     }
   }
+}
+
+// Hides a pack's value from the optimizer (an empty asm that "changes" its registers):
+// values derived from it before this point cannot be reused after it, so they are
+// recomputed from the pack (a conversion and a subtraction) instead of being kept in
+// registers across the row reduction. Keeping them raised the 16-bit kernels to 109-122
+// registers; the arithmetic, and so the bits, are unchanged.
+template <typename T>
+__device__ __forceinline__ void opaque(Pack<T>& p) {
+#ifdef __CUDA_ARCH__
+  static_assert(sizeof(Pack<T>) == 16, "a pack is one 16-byte vector");
+  unsigned* words = reinterpret_cast<unsigned*>(&p);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(words[i]));
+#endif
 }
 
 template <typename T>
@@ -294,6 +321,13 @@ __device__ __forceinline__ typename Op::S group_reduce(typename Op::S s) {
 // right neighbour.
 constexpr int MAX_LOG = 6;
 
+// The largest tree a cols kernel builds has G / RY lanes (G up to LNK_MAX_G, RY up to
+// LNK_COL_MAX_RY threads per row) or blockDim.y <= LNK_COL_MAX_RY states; a larger
+// configuration (1024 threads) would write past the stack, so it must not compile.
+static_assert(LNK_MAX_G / LNK_COL_MAX_RY <= (1 << MAX_LOG), "cols lane tree exceeds MAX_LOG");
+static_assert(LNK_COL_MAX_RY <= (1 << MAX_LOG), "cols thread tree exceeds MAX_LOG");
+static_assert(LNK_COL_ROWS == 32, "cols kernels map threadIdx.x to 32 rows (one warp)");
+
 template <typename Op, typename F>
 __device__ __forceinline__ typename Op::S sequential_tree(int count, F state) {
   typedef typename Op::S S;
@@ -322,9 +356,11 @@ __device__ __forceinline__ typename Op::S sequential_tree(int count, F state) {
 // --------------------------------------------------------- per-lane accumulation
 
 // Shifted two-pass moments of the CNT values get(k, v) (get returns false for the
-// positions past the end of the row, which are skipped).
-template <typename A, typename F>
-__device__ __forceinline__ Mom<A> chunk_moments(int CNT, F get) {
+// positions past the end of the row, which are skipped). between() runs between the two
+// passes: the row kernels hide their packs there (opaque), so the second pass converts
+// the values again instead of holding all CNT of them in registers.
+template <typename A, typename F, typename B>
+__device__ __forceinline__ Mom<A> chunk_moments(int CNT, F get, B between) {
   A s = A(0);
   u64 cnt = 0;
 #pragma unroll
@@ -341,6 +377,7 @@ __device__ __forceinline__ Mom<A> chunk_moments(int CNT, F get) {
   m.m2 = A(0);
   if (cnt == 0) return m;
   m.mean = ratio(s, cnt);
+  between();
   A q = A(0);
 #pragma unroll
   for (int k = 0; k < CNT; ++k) {
@@ -356,13 +393,41 @@ __device__ __forceinline__ Mom<A> chunk_moments(int CNT, F get) {
 
 // ================================================================== forward, rows
 //
+// Occupancy: a row kernel of B threads asks ptxas for LNK_THREADS_PER_SM / B resident
+// blocks per SM, i.e. at most 65536 / LNK_THREADS_PER_SM registers per thread. Without
+// it the 16-bit LayerNorm kernels took 109-122 registers, one 512-thread block per SM
+// (25% occupancy), too few loads in flight to cover DRAM latency.
+// The backward holds twice the data (dy and x) and asks for LNK_BWD_THREADS_PER_SM
+// (one vector per thread fits the forward's budget), except with four vectors per thread
+// of 16- or 64-bit data, which spill (150-270 bytes) below about 110 registers: those
+// keep one 512-thread block (or four of 128) per SM.
+template <int G, int PER_SM> struct RowLaunch {
+  static constexpr int threads = G > 32 ? G : 128;
+  static constexpr int min_blocks = PER_SM / threads > 0 ? PER_SM / threads : 1;
+};
+// A warp per row with four vectors of 16- or 64-bit data spills a little (30-60 bytes)
+// at 64 registers on sm_90: 768 threads (80 registers) there. (sm_80's ptxas leaves
+// 16-60 bytes of spill in some forward kernels at either budget, within SPILL_LIMIT of
+// the compile tests.)
+template <typename T, int G, int MAXC> struct FwdPerSm {
+  static constexpr int value =
+      sizeof(T) != 4 && G <= 32 && MAXC > 2 ? 768 : LNK_THREADS_PER_SM;
+};
+template <typename T, int MAXC> struct BwdPerSm {
+  static constexpr int value = MAXC == 1                    ? LNK_THREADS_PER_SM
+                               : sizeof(T) != 4 && MAXC > 2 ? 512
+                                                            : LNK_BWD_THREADS_PER_SM;
+};
+static_assert(LNK_MAX_G <= 1024, "a row group is at most one block");
+//
 // inv_n = A(1) / A(n) comes from the host (an IEEE division), which keeps a division
 // slow-path call, and its register saves, out of the kernels.
 
 // One group of G threads per row (G <= 32: 128 / G rows per block; G > 32: one row
 // per block of G threads). The row stays in registers when it fits in one tile.
 template <typename T, typename A, int G, int MAXC, bool RMS>
-__global__ void __launch_bounds__(G > 32 ? G : 128)
+__global__ void __launch_bounds__(RowLaunch<G, FwdPerSm<T, G, MAXC>::value>::threads,
+                                  RowLaunch<G, FwdPerSm<T, G, MAXC>::value>::min_blocks)
 fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
          A* rstd_out,
          i64 rows, i64 n, i64 inner, double inv_inner, i64 xs0, i64 xs1, i64 xs2,
@@ -413,6 +478,9 @@ fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
             const int k = idx % V;
             v = to_acc(p[c].v[k]) - K;
             return c * G * V + k < rem;
+          }, [&] {
+#pragma unroll
+            for (int c = 0; c < MAXC; ++c) opaque(p[c]);
           }));
         }
       }
@@ -443,6 +511,9 @@ fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
         if (tiles > 1) {
 #pragma unroll
           for (int c = 0; c < MAXC; ++c) load_pack(xt, xs1, c * G * V, rem, vec, p[c]);
+        } else {
+#pragma unroll
+          for (int c = 0; c < MAXC; ++c) opaque(p[c]);
         }
 #pragma unroll
         for (int c = 0; c < MAXC; ++c) {
@@ -472,8 +543,6 @@ fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
 
 // ================================================================== forward, cols
 
-constexpr int COL_MAX_RY = 8;
-
 // A block of 32 x RY threads (RY = min(G, 8)) normalizes 32 rows; threadIdx.x picks the
 // row (adjacent rows are adjacent in memory for channels-first and Fortran-order inputs,
 // so loads coalesce), threadIdx.y runs L = G / RY consecutive virtual lanes of that row.
@@ -491,11 +560,12 @@ fwd_cols(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
   const int L = G / (int)blockDim.y;
   typedef typename Select<RMS, SumOp<A>, MomOp<A>>::type Op;
   typedef typename Op::S S;
-  __shared__ S part[COL_MAX_RY][32];
+  __shared__ S part[LNK_COL_MAX_RY][LNK_COL_ROWS];
   const int tx = threadIdx.x;
   const int ty = threadIdx.y;
 
-  for (i64 base = (i64)blockIdx.x * 32; base < rows; base += (i64)gridDim.x * 32) {
+  for (i64 base = (i64)blockIdx.x * LNK_COL_ROWS; base < rows;
+       base += (i64)gridDim.x * LNK_COL_ROWS) {
     const i64 row = base + tx;
     const bool active = row < rows;
     const T* xr = x + (active ? row_offset(row, inner, inv_inner, xs0, xs2) : 0);
@@ -528,7 +598,7 @@ fwd_cols(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
               const i64 e = t0 + (i64)(c * G + l) * V + k;
               v = (e < n ? to_acc(xr[e * xs1]) : K) - K;
               return e < n;
-            }));
+            }, [] {}));
           }
         }
         return ls;
@@ -587,7 +657,8 @@ fwd_cols(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
 // grad_x = ((g - mean(g)) - xhat * mean(g * xhat)) * rstd, g = dy * w,
 // xhat = (x - mean) * rstd (RMSNorm: no mean(g) term, xhat = x * rstd).
 template <typename T, typename A, int G, int MAXC, bool RMS>
-__global__ void __launch_bounds__(G > 32 ? G : 128)
+__global__ void __launch_bounds__(RowLaunch<G, BwdPerSm<T, MAXC>::value>::threads,
+                                  RowLaunch<G, BwdPerSm<T, MAXC>::value>::min_blocks)
 bwd_rows(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* gx, A inv_n,
          i64 rows, i64 n, i64 inner, double inv_inner, i64 gs0, i64 gs1, i64 gs2,
          i64 xs0, i64 xs1, i64 xs2,
@@ -657,6 +728,12 @@ bwd_rows(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* g
             load_pack(gt, gs1, c * G * V, rem, vec, pg[c]);
             load_pack(xt, xs1, c * G * V, rem, vec, px[c]);
           }
+        } else {
+#pragma unroll
+          for (int c = 0; c < MAXC; ++c) {
+            opaque(pg[c]);
+            opaque(px[c]);
+          }
         }
 #pragma unroll
         for (int c = 0; c < MAXC; ++c) {
@@ -697,11 +774,12 @@ bwd_cols(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* g
   const int L = G / (int)blockDim.y;
   typedef Sum2Op<A> Op;
   typedef typename Op::S S;
-  __shared__ S part[COL_MAX_RY][32];
+  __shared__ S part[LNK_COL_MAX_RY][LNK_COL_ROWS];
   const int tx = threadIdx.x;
   const int ty = threadIdx.y;
 
-  for (i64 base = (i64)blockIdx.x * 32; base < rows; base += (i64)gridDim.x * 32) {
+  for (i64 base = (i64)blockIdx.x * LNK_COL_ROWS; base < rows;
+       base += (i64)gridDim.x * LNK_COL_ROWS) {
     const i64 row = base + tx;
     const bool active = row < rows;
     const T* gr = gy + (active ? row_offset(row, inner, inv_inner, gs0, gs2) : 0);
@@ -771,15 +849,16 @@ bwd_cols(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* g
 
 // ====================================================== parameter gradients
 
-// part[(c * blocks + blk) * n + i] = sum over the rows r of row block blk, in
-// increasing r, of dy * xhat (c = 0) and dy (c = 1, LayerNorm only). Row blocks have
-// a fixed size chosen by the host, so the result never depends on the grid.
+// part[(c * blocks + blk) * n + i] = sum over the rows r of row block blk (the
+// LNK_GRAD_ROW_BLOCK rows from blk * LNK_GRAD_ROW_BLOCK on), in increasing r, of
+// dy * xhat (c = 0) and dy (c = 1, LayerNorm only). The block size is fixed, so the
+// partials never depend on the grid.
 template <typename T, typename A, bool RMS>
 __global__ void __launch_bounds__(256)
 param_partials(const T* gy, const T* x, const A* mean, const A* rstd, A* part,
                i64 rows, i64 n, i64 inner, double inv_inner, i64 gs0, i64 gs1, i64 gs2,
-         i64 xs0, i64 xs1, i64 xs2,
-               i64 block_rows, i64 blocks, double inv_n) {
+               i64 xs0, i64 xs1, i64 xs2, i64 blocks, double inv_n) {
+  constexpr i64 block_rows = LNK_GRAD_ROW_BLOCK;
   const i64 total = blocks * n;
   for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
        idx += (i64)gridDim.x * blockDim.x) {
@@ -812,19 +891,42 @@ param_partials(const T* gy, const T* x, const A* mean, const A* rstd, A* part,
   }
 }
 
-// out[c * n + i] = sum over blk, in increasing blk, of part[(c * blocks + blk) * n + i].
+// One level of the parameter-gradient tree. out[(c * out_blocks + j) * n + i] is the sum
+// of the LNK_SUM_FAN partials in[(c * blocks + j * LNK_SUM_FAN + k) * n + i] (those with
+// j * LNK_SUM_FAN + k < blocks) in a complete binary tree that pairs neighbours. The host
+// repeats this level until one block is left, and LNK_SUM_FAN is a power of two, so the
+// levels together are the complete binary tree over all row blocks (absent trailing
+// leaves skipped): the bits depend on the number of rows only, never on the grid or the
+// number of SMs. Each output is one thread's, and consecutive threads take consecutive
+// columns, so loads coalesce; a level moves 1 / LNK_SUM_FAN of the previous one's data.
+static_assert((LNK_SUM_FAN & (LNK_SUM_FAN - 1)) == 0 && LNK_SUM_FAN >= 2,
+              "the tree levels must nest: LNK_SUM_FAN is a power of two");
+
 template <typename A>
 __global__ void __launch_bounds__(256)
-sum_partials(const A* part, A* out, i64 count, i64 blocks, i64 n, double inv_n) {
-  const i64 total = count * n;
+sum_partials(const A* in, A* out, i64 count, i64 blocks, i64 n, i64 out_blocks,
+             double inv_n, double inv_out_blocks) {
+  const i64 total = count * out_blocks * n;
   for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
        idx += (i64)gridDim.x * blockDim.x) {
-    const i64 c = div_fast(idx, n, inv_n);
-    const i64 i = idx - c * n;
-    const A* p = part + c * blocks * n + i;
-    A s = A(0);
-    for (i64 blk = 0; blk < blocks; ++blk) s = s + p[blk * n];
-    out[idx] = s;
+    const i64 cj = div_fast(idx, n, inv_n);
+    const i64 i = idx - cj * n;
+    const i64 c = div_fast(cj, out_blocks, inv_out_blocks);
+    const i64 j = cj - c * out_blocks;
+    const i64 first = j * LNK_SUM_FAN;
+    const int cnt = (int)(blocks - first < LNK_SUM_FAN ? blocks - first : LNK_SUM_FAN);
+    const A* p = in + (c * blocks + first) * n + i;
+    A v[LNK_SUM_FAN];
+#pragma unroll
+    for (int k = 0; k < LNK_SUM_FAN; ++k) v[k] = k < cnt ? p[(i64)k * n] : A(0);
+#pragma unroll
+    for (int w = 1; w < LNK_SUM_FAN; w <<= 1) {
+#pragma unroll
+      for (int k = 0; k + w < LNK_SUM_FAN; k += 2 * w) {
+        if (k + w < cnt) v[k] = v[k] + v[k + w];
+      }
+    }
+    out[idx] = v[0];
   }
 }
 

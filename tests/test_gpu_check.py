@@ -1,0 +1,133 @@
+"""The GPU check script's own logic, without a GPU: arguments, guarding, the final table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def gpu_check(monkeypatch, tmp_path):
+    """benchmarks/gpu_check.py as a module, writing into a temporary $OUT."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_check
+
+    return gpu_check
+
+
+def test_help_lists_every_section():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for word in ("--sections", "--probe", "--dry-run", "--sanitizer-timeout", "--layouts"):
+        assert word in proc.stdout
+
+
+def test_arguments(gpu_check):
+    args = gpu_check.parse_args([])
+    assert args.sections == list(gpu_check.SECTIONS)
+    assert set(args.dtypes) == {"float32", "bfloat16"} and set(args.layouts) == {"contig",
+                                                                                "strided"}
+    args = gpu_check.parse_args(["--no-tests", "--no-bench", "--widths", "64,768"])
+    assert "tests" not in args.sections and "bench" not in args.sections
+    assert args.widths == [64, 768]
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--sections", "tests,nonsense"])
+
+
+def test_a_failing_section_is_a_row_not_a_crash(gpu_check):
+    results = []
+
+    def boom():
+        raise RuntimeError("device lost")
+
+    gpu_check.guarded(results, "invariance (bits)", boom)
+    gpu_check.guarded(results, "torch agreement", lambda: ("PASS", "fine"))
+    gpu_check.guarded(results, "tests", lambda: [gpu_check.Check("tests: cuda", "FAIL", 1.0,
+                                                                 "exit 1: 2 failed")])
+    assert [c.status for c in results] == ["ERROR", "PASS", "FAIL"]
+    text = gpu_check.summary_table(results)
+    lines = text.splitlines()
+    assert lines[0].startswith("section") and "RuntimeError: device lost" in lines[1]
+    assert lines[-1] == "VERDICT: FAILED (invariance (bits), tests: cuda)"
+    ok = gpu_check.summary_table([gpu_check.Check("bench", "PASS"),
+                                  gpu_check.Check("torch", "SKIP")])
+    assert ok.splitlines()[-1] == "VERDICT: all sections passed or skipped"
+
+
+def test_pytest_summary_line(gpu_check):
+    text = "....F\n=== 1 failed, 4 passed, 3 skipped in 2.0s ===\n"
+    assert gpu_check._pytest_summary(text) == "1 failed, 4 passed, 3 skipped in 2.0s"
+    assert gpu_check._pytest_summary("") == "no output"
+
+
+def test_sanitizer_missing_is_skipped(gpu_check, monkeypatch):
+    monkeypatch.setattr(gpu_check, "find_sanitizer", lambda: None)
+    checks = gpu_check.run_sanitizers(gpu_check.SANITIZER_TOOLS, 10)
+    assert [c.name for c in checks] == ["sanitizer: memcheck", "sanitizer: racecheck",
+                                        "sanitizer: synccheck"]
+    assert {c.status for c in checks} == {"SKIP"}
+
+
+def test_sanitizer_verdict_reads_the_summary(gpu_check, monkeypatch, tmp_path):
+    """A clean exit without "0 errors" (or without the probe finishing) is a failure."""
+    script = tmp_path / "fake-sanitizer"
+    script.write_text("#!/bin/sh\necho 'probe: done'\necho '========= ERROR SUMMARY: 2 errors'\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(gpu_check, "find_sanitizer", lambda: str(script))
+    (check,) = gpu_check.run_sanitizers(["memcheck"], 10)
+    assert check.status == "FAIL" and "2 errors" in check.detail
+    script.write_text("#!/bin/sh\necho 'probe: done'\necho '========= ERROR SUMMARY: 0 errors'\n")
+    (check,) = gpu_check.run_sanitizers(["memcheck"], 10)
+    assert check.status == "PASS"
+
+
+def test_without_gpu_the_table_still_comes_last(gpu_check, capsys):
+    """No CuPy here: exit 2, and the last lines printed are the table with the reason."""
+    code = gpu_check.main(["--sections", "invariance"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 2
+    assert out[-1].startswith("VERDICT: FAILED") and out[-2].startswith("gpu")
+
+
+def test_bench_table_has_layout_column(gpu_check):
+    rows = [gpu_check.Row("ln_fwd", "bfloat16", 768, 8192, 2 * 8192 * 768 * 2, ours_us=10.0,
+                          copy_us=8.0, layout="strided"),
+            gpu_check.Row("ln_bwd", "float32", 64, 8192, 0, error="skipped: time budget")]
+    text = gpu_check.table(rows, "== header")
+    assert "layout" in text.splitlines()[1]
+    assert "strided" in text.splitlines()[2] and "80%" in text.splitlines()[2]
+    assert "ERROR skipped" in text.splitlines()[3]
+
+
+@pytest.mark.slow
+def test_dry_run(gpu_check, capsys):
+    """The benchmark code path on host arrays (Numba kernels), both layouts."""
+    code = gpu_check.main(["--dry-run", "--sections", "bench,torch", "--rows", "8",
+                           "--widths", "64", "--ops", "ln_fwd,ln_bwd", "--dtypes", "float32",
+                           "--layouts", "contig,strided"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0, "\n".join(out[-30:])
+    assert out[-1] == "VERDICT: all sections passed or skipped"
+    assert any("strided" in line and "ln_bwd" in line for line in out)
+
+
+@pytest.mark.slow
+def test_device_checks_logic_on_numba(gpu_check):
+    """The device sections' own logic (layouts, bit comparisons, the probe's cases) on
+    NumPy arrays and the Numba backend, which has the CUDA backend's interface."""
+    import numpy as np
+
+    from layernorm._backends import _numba
+
+    assert gpu_check.probe(np, _numba, sms=1) == 0
+    status, detail = gpu_check.check_invariance(np, _numba, dtypes=("bfloat16",), max_n=70)
+    assert status == "PASS", detail
+    status, detail = gpu_check.check_subnormal(np, _numba)
+    assert status == "PASS", detail
