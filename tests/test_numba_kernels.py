@@ -229,7 +229,7 @@ def test_serial_and_parallel_kernels_agree():
         rstd = np.empty(rows, np.float32)
         # Through the library's entry points: the specializations every other call uses
         # (calling the dispatcher directly would compile C-layout ones just for this test).
-        backend._entry.call(fn, backend.LN_FORWARD_WRITES, x, w, b, eps, y, mean, rstd, False)
+        backend.entry.call(fn, backend.LN_FORWARD_WRITES, x, w, b, eps, y, mean, rstd, False)
         results.append((y, mean, rstd))
     for a, e in zip(*results, strict=False):
         _same_bits(a, e)
@@ -239,7 +239,7 @@ def test_serial_and_parallel_kernels_agree():
     for fn in (k.ln_backward_serial, k.ln_backward_parallel):
         gx = np.empty_like(x)
         partials = np.zeros((2, -(-rows // backend.GRAD_ROW_BLOCK), n), np.float32)
-        backend._entry.call(fn, backend.LN_BACKWARD_WRITES, gy, x, mean, rstd, w, gx,
+        backend.entry.call(fn, backend.LN_BACKWARD_WRITES, gy, x, mean, rstd, w, gx,
                             partials, backend.GRAD_ROW_BLOCK)
         grads.append((gx, partials))
     for a, e in zip(*grads, strict=False):
