@@ -417,6 +417,7 @@ _EMULATION_PRELUDE = r"""
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __noinline__
 #define __launch_bounds__(...)
 #define __shared__ static
 
