@@ -417,6 +417,7 @@ _EMULATION_PRELUDE = r"""
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __noinline__
 #define __launch_bounds__(...)
 #define __shared__ static
 
@@ -828,6 +829,99 @@ def test_emulation_subnormal_variance_is_normalized(emulator, monkeypatch, dtype
     y_ref, _, _ = reference.layer_norm(x, (1,), None, None, eps=0.0)
     np.testing.assert_allclose(y[:, :, 0].astype(np.float64), y_ref.astype(np.float64),
                                atol=0.05 if dtype == "bfloat16" else 2e-3)
+
+
+def _rescaled_reference(x, w, b, rms, eps):
+    """Float64 LayerNorm/RMSNorm of finite rows of any magnitude: each row scaled by the
+    power of two that brings max|x| into [0.5, 1) (scale invariance), as the contract
+    says; returns y and the unscaled row's mean and rstd."""
+    x = x.astype(np.float64)
+    e = np.frexp(np.abs(x).max(axis=1, keepdims=True))[1]
+    xs = np.ldexp(x, -e)
+    s2 = np.ldexp(1.0, -2 * e)
+    mean = np.zeros_like(xs[:, :1]) if rms else xs.mean(axis=1, keepdims=True)
+    rstd = 1 / np.sqrt(((xs - mean) ** 2).mean(axis=1, keepdims=True) + eps * s2)
+    y = (xs - mean) * rstd * w.astype(np.float64)
+    if not rms:
+        y = y + b.astype(np.float64)
+    return y, np.ldexp(mean, e).ravel(), np.ldexp(rstd, -e).ravel()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_emulation_rows_whose_squares_overflow(emulator, monkeypatch, dtype):
+    """Rows scaled by 1e30 (float64: 1e300), whose sums of squares overflow the
+    accumulation dtype, are normalized as if scaled by a power of two first (API.md,
+    Arithmetic), through the row kernels (contiguous: a few lanes per row, and a block
+    per row), the strided-row kernels and the cols kernels; an ordinary row among them
+    keeps the bits it has alone, and big rows holding a NaN or an infinity keep their
+    rules (LayerNorm NaN, RMSNorm x * 0)."""
+    emulator.install(monkeypatch)
+    emulator.cap = 1  # grid-stride loops: the rescaled rows are followed by others
+    big = 1e300 if dtype == "float64" else 1e30
+    acc = np.float64 if dtype == "float64" else np.float32
+    eps = 1e-5
+    for n in (40, 1000):  # float32: 8 lanes per row (16 rows a block); 128 threads per row
+        rng = np.random.default_rng(n)
+        x = (0.5 + 2 * rng.standard_normal((8, n)))
+        x[1] *= big
+        x[2] = big * (3 + rng.standard_normal(n))  # a large offset too
+        x[3] = big * rng.standard_normal(n)
+        x[3, 5] = np.nan
+        x[4] = big * rng.standard_normal(n)
+        x[4, 7] = np.inf
+        x[6] = -big * np.abs(rng.standard_normal(n))
+        x[7] = big * rng.standard_normal(n)
+        x = x.astype(_NP[dtype])
+        finite = [0, 1, 2, 5, 6, 7]
+        w = (1 + 0.3 * rng.standard_normal(n)).astype(acc)
+        b = (0.5 * rng.standard_normal(n)).astype(acc)
+        wide = np.zeros((8, 2 * n), x.dtype)
+        wide[:, ::2] = x
+        layouts = {  # name: (x3, back-to-(rows, n))
+            "rows": (x.reshape(8, n, 1), lambda a: a[:, :, 0]),
+            "strided": (wide[:, ::2].reshape(8, n, 1), lambda a: a[:, :, 0]),
+            "cols": (np.ascontiguousarray(x.T)[None], lambda a: a[0].T),
+        }
+        for rms in (False, True):
+            tag = f"{dtype} n={n} {'rms' if rms else 'layer'}_norm"
+            y_ref, mean_ref, rstd_ref = _rescaled_reference(x[finite], w, b, rms, eps)
+            first = None
+            for name, (x3, back) in layouts.items():
+                what = f"{tag} {name}"
+                y, mean, rstd = _emu_forward(x3, dtype, rms, w, None if rms else b, eps)
+                y = back(y)
+                yf = y[finite].astype(np.float64)
+                np.testing.assert_allclose(yf, y_ref, rtol=0, err_msg=what,
+                                           atol=_ATOL[dtype] * max(1, np.abs(y_ref).max()))
+                tol = 1e-11 if dtype == "float64" else 2e-5
+                np.testing.assert_allclose(rstd[finite], rstd_ref, rtol=tol, err_msg=what)
+                assert np.all(rstd[[1, 2, 6, 7]] > 0), what  # not the overflowed 0
+                if not rms:
+                    np.testing.assert_allclose(mean[finite], mean_ref, rtol=tol,
+                                               atol=tol * np.abs(x[0]).max(), err_msg=what)
+                # NaN / infinity rows: the ordinary rules, not the rescaled path.
+                if rms:
+                    assert np.all(np.isnan(y[3].astype(np.float64))), what
+                    y4 = y[4].astype(np.float64)
+                    assert np.isnan(y4[7]) and np.all(np.delete(y4, 7) == 0), what
+                    assert rstd[4] == 0, what
+                else:
+                    assert np.all(np.isnan(y[3:5].astype(np.float64))), what
+                    assert np.all(np.isnan(rstd[3:5])), what
+                # The ordinary row has the bits it has alone, in this layout.
+                alone, _, _ = _emu_forward(x3[:1] if name != "cols" else x3[:, :, :1],
+                                           dtype, rms, w, None if rms else b, eps)
+                _same_bits(back(alone)[0], y[0], f"{what} ordinary row alone")
+                # The rescaled rows are a function of the row alone: the same bits in
+                # every layout (a single sequential loop, whichever threads run it).
+                if first is None:
+                    first = (y, mean, rstd)
+                else:
+                    _same_bits(y[finite], first[0][finite], f"{what} y vs rows")
+                    _same_bits(rstd[finite], first[2][finite], f"{what} rstd vs rows")
+                    if not rms:
+                        _same_bits(mean[finite], first[1][finite], f"{what} mean vs rows")
 
 
 # ------------------------------------------ the backend's own compile-and-load path

@@ -59,17 +59,24 @@ __device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162flo
 __device__ __forceinline__ float to_acc(float v) { return v; }
 __device__ __forceinline__ double to_acc(double v) { return v; }
 
+// can_overflow: whether a finite row of T can overflow its accumulation dtype's sums of
+// squares (float16's largest value squared, 4.3e9, cannot reach float32's 3.4e38 in any
+// row that fits in memory), i.e. whether the forward kernels need the rescaled slow path.
 template <typename T> struct Elem;
 template <> struct Elem<__half> {
+  static constexpr bool can_overflow = false;
   static __device__ __forceinline__ __half from(float v) { return __float2half_rn(v); }
 };
 template <> struct Elem<__nv_bfloat16> {
+  static constexpr bool can_overflow = true;
   static __device__ __forceinline__ __nv_bfloat16 from(float v) { return __float2bfloat16_rn(v); }
 };
 template <> struct Elem<float> {
+  static constexpr bool can_overflow = true;
   static __device__ __forceinline__ float from(float v) { return v; }
 };
 template <> struct Elem<double> {
+  static constexpr bool can_overflow = true;
   static __device__ __forceinline__ double from(double v) { return v; }
 };
 
@@ -391,6 +398,74 @@ __device__ __forceinline__ Mom<A> chunk_moments(int CNT, F get, B between) {
   return m;
 }
 
+// ================================================== forward, rows whose squares overflow
+//
+// A finite row with a spread near 1e19 (float32 accumulation; float64: 1e154) has a sum
+// of squares beyond the largest float: the kernels' arithmetic ends with rstd = 0 (or
+// NaN, when a partial sum or a Chan delta overflows first). Normalization is scale
+// invariant, so such a row is normalized as if scaled by a power of two first, as on the
+// CPU backend (_numba/rescale.py). The forward kernels compare each row's rstd with 0
+// (one comparison; rows that pass keep their bits) and every thread of a failing row
+// calls rescaled_row, which is a scalar loop over the whole row (a rare path: each of
+// the row's threads computes the same statistics, in the same order, so no collective
+// is needed and the result depends on the row alone) and
+//  * returns false, writing nothing, if the row holds a NaN or an infinity: the fast
+//    path's result stands (LayerNorm NaN, RMSNorm x * 0);
+//  * else scales the row by s = 2^-e with max|x| * s in [0.5, 1) (exact: only exponents
+//    change), computes two-pass statistics of the scaled row in double, writes the
+//    elements i = part, part + parts, ... of y through the same affine step and rounding
+//    as the fast path, lets part 0 store the unscaled row's statistics (mean / s,
+//    rstd * s), and returns true.
+// __noinline__ keeps its registers out of the fast path's budget.
+
+// 2^k for -1074 <= k <= 1023 (a subnormal below -1022), exactly.
+__device__ __forceinline__ double pow2(int k) {
+  return k >= -1022 ? __longlong_as_double((long long)(k + 1023) << 52)
+                    : __longlong_as_double(1LL << (k + 1074));
+}
+
+template <typename T, typename A, bool RMS>
+__device__ __noinline__ bool rescaled_row(const T* xr, i64 xs1, T* yr, i64 ys1, i64 n, A eps,
+                                          const A* w, const A* b, A* mean_out, A* rstd_out,
+                                          i64 row, int part, int parts) {
+  double amax = 0.0;
+  for (i64 i = 0; i < n; ++i) {
+    const double a = fabs((double)to_acc(xr[i * xs1]));
+    if (!(a <= 1.7976931348623157e308)) return false;  // NaN or infinity
+    amax = a > amax ? a : amax;
+  }
+  // Zeros or subnormals only: no overflow to undo (such a row never gets here).
+  if (!(amax >= 2.2250738585072014e-308)) return false;
+  const int e = (int)((__double_as_longlong(amax) >> 52) & 0x7ff) - 1022;  // -1021..1024
+  const double s = pow2(-e);
+  double mean = 0.0;
+  if constexpr (!RMS) {
+    double total = 0.0;
+    for (i64 i = 0; i < n; ++i) total = total + (double)to_acc(xr[i * xs1]) * s;
+    mean = ratio(total, (u64)n);
+  }
+  double m2 = 0.0;
+  for (i64 i = 0; i < n; ++i) {
+    const double d = (double)to_acc(xr[i * xs1]) * s - mean;
+    m2 = m2 + d * d;
+  }
+  const double rstd = inv_sqrt(ratio(m2, (u64)n) + (double)eps * s * s);
+  for (i64 i = part; i < n; i += parts) {
+    const double d = (double)to_acc(xr[i * xs1]) * s - mean;
+    A v = A(d * rstd);
+    v = v * param_or(w, i, A(1));
+    if constexpr (!RMS) v = v + param_or(b, i, A(0));
+    yr[i * ys1] = Elem<T>::from(v);
+  }
+  if (part == 0) {
+    // mean / s as two exact power-of-two steps (2^e alone overflows at e = 1024); the
+    // first is exact since |mean| < 1, so only the second rounds, like one division.
+    if constexpr (!RMS) mean_out[row] = A(mean * pow2(e / 2) * pow2(e - e / 2));
+    rstd_out[row] = A(rstd * s);
+  }
+  return true;
+}
+
 // ================================================================== forward, rows
 //
 // Occupancy: a row kernel of B threads asks ptxas for LNK_THREADS_PER_SM / B resident
@@ -496,6 +571,16 @@ fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
       shift_mean = st.mean;
       rstd = inv_sqrt(st.m2 * inv_n + eps);
     }
+    bool reload = false;
+    if constexpr (Elem<T>::can_overflow) {
+      if (active && !(rstd > A(0))) {  // overflowed squares, or a NaN / infinity
+        if (rescaled_row<T, A, RMS>(xr, xs1, yr, ys1, n, eps, w, b, mean_out, rstd_out, row,
+                                    lane, G)) {
+          continue;
+        }
+        reload = true;  // the packs are not kept across the call: load them again
+      }
+    }
     if (active) {
       if (lane == 0) {
         if constexpr (!RMS) mean_out[row] = K + shift_mean;
@@ -508,7 +593,7 @@ fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
         T* yt = yr + first * ys1;
         const A* wt = w == nullptr ? nullptr : w + first;
         const A* bt = b == nullptr ? nullptr : b + first;
-        if (tiles > 1) {
+        if (tiles > 1 || reload) {
 #pragma unroll
           for (int c = 0; c < MAXC; ++c) load_pack(xt, xs1, c * G * V, rem, vec, p[c]);
         } else {
@@ -617,7 +702,14 @@ fwd_cols(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
       shift_mean = st.mean;
       rstd = inv_sqrt(st.m2 * inv_n + eps);
     }
-    if (active) {
+    bool done = false;  // not `continue`: every thread must reach the __syncthreads below
+    if constexpr (Elem<T>::can_overflow) {
+      if (active && !(rstd > A(0))) {  // overflowed squares, or a NaN / infinity
+        done = rescaled_row<T, A, RMS>(xr, xs1, yr, ys1, n, eps, w, b, mean_out, rstd_out,
+                                       row, ty, (int)blockDim.y);
+      }
+    }
+    if (active && !done) {
       if (ty == 0) {
         if constexpr (!RMS) mean_out[row] = K + shift_mean;
         rstd_out[row] = rstd;
