@@ -679,7 +679,25 @@ def compose(xp: Any, h: Any, req: Request, norm: Any, y_name: str, out: Any, qua
     return _into(out, q), s, mean, rstd
 
 
-def _check_quantized_out(out: Any, req: Request, quantize: Any, name: str = "out") -> None:
+def check_extras(xp: Any, req: Request, weight: Any, weight_offset: Any, quantize: Any,
+                 scale: Any, out: Any) -> tuple[float, str | None]:
+    """Check ``weight_offset``, ``quantize``, ``scale`` and ``out`` of a forward call.
+
+    Returns the offset as a float and the quantize format (or None).
+    """
+    offset = check_weight_offset(weight_offset, weight is not None)
+    quantize = check_quantize(quantize)
+    if quantize is not None:
+        dtype_of(xp, quantize)
+        check_scale(xp, scale, req.layout.stats_shape)
+    _no_array_api_out(req, out=out)
+    if out is not None:
+        check_fused_out(out, req, quantize)
+    return offset, quantize
+
+
+def check_fused_out(out: Any, req: Request, quantize: Any, name: str = "out") -> None:
+    """``out=`` has x's shape and x's dtype, or the quantized dtype with ``quantize``."""
     if quantize is None:
         check_out(out, req.layout.shape, req.dtype)
     else:
@@ -688,7 +706,8 @@ def _check_quantized_out(out: Any, req: Request, quantize: Any, name: str = "out
         if got != quantize:
             raise ValueError(f"{name} must have the quantized dtype {quantize} "
                              f"(quantize={quantize!r}), got dtype {got}")
-    check_no_internal_overlap(out, name)
+    if hasattr(out, "strides"):  # torch checks its own outputs when it copies into them
+        check_no_internal_overlap(out, name)
 
 
 def _no_array_api_out(req: Request, **outs: Any) -> None:
@@ -709,15 +728,8 @@ def normalize_ex(x: Any, route: Route, normalized_shape: Any, weight: Any, bias:
     check_companions(x, route.library, out=out, **params)
     req = request(x, route, normalized_shape, axis, **params)
     eps = resolve_eps(eps, req, rms)
-    offset = check_weight_offset(weight_offset, weight is not None)
-    quantize = check_quantize(quantize)
     xp = namespace(route.library, x)
-    if quantize is not None:
-        dtype_of(xp, quantize)
-        check_scale(xp, scale, req.layout.stats_shape)
-    _no_array_api_out(req, out=out)
-    if out is not None:
-        _check_quantized_out(out, req, quantize)
+    offset, quantize = check_extras(xp, req, weight, weight_offset, quantize, scale, out)
     g = gain(xp, weight, offset, req.acc)
     b = None if rms else bias
 
@@ -732,6 +744,18 @@ def check_residual(residual: Any, req: Request) -> str:
     """``residual`` has x's shape and a supported float dtype; returns the dtype's name."""
     check_same_shape(residual, "residual", req.layout.shape, "the shape of x")
     return check_float_dtype(residual, "residual")
+
+
+def check_residual_out(residual_out: Any, req: Request, h_name: str) -> None:
+    """``residual_out=`` has x's shape and h's dtype, and is writeable."""
+    check_same_shape(residual_out, "residual_out", req.layout.shape, "the shape of x")
+    got = check_float_dtype(residual_out, "residual_out")
+    if got != h_name:
+        raise ValueError(f"residual_out must have the dtype of h ({h_name}), got dtype {got}")
+    if hasattr(residual_out, "strides"):
+        check_no_internal_overlap(residual_out, "residual_out")
+    if not getattr(getattr(residual_out, "flags", None), "writeable", True):
+        raise ValueError("residual_out must be a writeable array, got a read-only one")
 
 
 def check_distinct_outputs(xp_may_share: Any, out: Any, residual_out: Any) -> None:
@@ -757,23 +781,11 @@ def add_normalize(x: Any, residual: Any, route: Route, normalized_shape: Any, we
     req_x = request(x, route, normalized_shape, axis, **params)
     r_name = check_residual(residual, req_x)
     add, h_name = sum_dtypes(req_x.dtype, r_name, residual_dtype)
-    offset = check_weight_offset(weight_offset, weight is not None)
-    quantize = check_quantize(quantize)
     xp = namespace(route.library, x)
-    if quantize is not None:
-        dtype_of(xp, quantize)
-        check_scale(xp, scale, req_x.layout.stats_shape)
-    _no_array_api_out(req_x, out=out, residual_out=residual_out)
-    if out is not None:
-        _check_quantized_out(out, req_x, quantize)
+    _no_array_api_out(req_x, residual_out=residual_out)
+    offset, quantize = check_extras(xp, req_x, weight, weight_offset, quantize, scale, out)
     if residual_out is not None:
-        check_same_shape(residual_out, "residual_out", req_x.layout.shape, "the shape of x")
-        got = check_float_dtype(residual_out, "residual_out")
-        if got != h_name:
-            raise ValueError(f"residual_out must have the dtype of h ({h_name}), got dtype {got}")
-        check_no_internal_overlap(residual_out, "residual_out")
-        if not getattr(getattr(residual_out, "flags", None), "writeable", True):
-            raise ValueError("residual_out must be a writeable array, got a read-only one")
+        check_residual_out(residual_out, req_x, h_name)
         check_distinct_outputs(xp.may_share_memory, out, residual_out)
     h = residual_sum(xp, x, residual, add, h_name)
     if residual_out is not None:
