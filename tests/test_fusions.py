@@ -517,6 +517,8 @@ def test_quantize_errors():
         ln.rms_norm(x, quantize="int8", scale=np.ones(4))
     with pytest.raises(ValueError, match="out must have the quantized dtype int8"):
         ln.layer_norm(x, quantize="int8", out=np.empty((2, 4), np.float32))
+    with pytest.raises(ValueError, match="scale= is only used with quantize="):
+        ln.layer_norm(x, scale=1.0)
     with pytest.raises(ValueError, match="out must have the quantized dtype float8_e5m2"):
         ln.add_layer_norm(x, x, quantize="float8_e5m2", out=np.empty((2, 4), np.int8))
 
@@ -619,6 +621,8 @@ def test_torch_errors():
         ln.rms_norm(x, weight_offset=1.0)
     with pytest.raises(ValueError, match="quantize must be"):
         ln.layer_norm(x, quantize="fp8")
+    with pytest.raises(ValueError, match="scale= is only used with quantize="):
+        ln.rms_norm(x, scale=2.0)
     with pytest.raises(TypeError, match="residual comes from numpy"):
         ln.add_layer_norm(x, np.ones((2, 4), np.float32))
     with pytest.raises(ValueError, match="out must have the quantized dtype int8"):
@@ -663,6 +667,8 @@ def test_dask_is_lazy_and_blockwise():
         ln.add_rms_norm(dx, dx, residual_out=x)
     with pytest.raises(ValueError, match="weight_offset"):
         ln.add_rms_norm(dx, dx, weight_offset=1.0)
+    with pytest.raises(ValueError, match="scale= is only used with quantize="):
+        ln.layer_norm(dx, scale=2.0)
 
 
 # --------------------------------------------------------------------------- array API

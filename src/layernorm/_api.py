@@ -102,7 +102,7 @@ def layer_norm(
     >>> mean.ravel()
     array([ 2.5, 25. ], dtype=float32)
     """
-    if (type(x) is np.ndarray and backend is None and quantize is None
+    if (type(x) is np.ndarray and backend is None and quantize is None and scale is None
             and type(weight_offset) is float and weight_offset == 0.0):
         result = _fast.layer_norm(x, normalized_shape, weight, bias, eps, axis, return_stats,
                                   out)
@@ -184,7 +184,7 @@ def rms_norm(
     >>> ln.rms_norm(x, eps=0.0)
     array([[0.84852814, 1.13137085]])
     """
-    if (type(x) is np.ndarray and backend is None and quantize is None
+    if (type(x) is np.ndarray and backend is None and quantize is None and scale is None
             and type(weight_offset) is float and weight_offset == 0.0):
         result = _fast.rms_norm(x, normalized_shape, weight, eps, axis, return_stats, out)
         if result is not None:

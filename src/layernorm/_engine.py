@@ -690,6 +690,9 @@ def check_extras(xp: Any, req: Request, weight: Any, weight_offset: Any, quantiz
     if quantize is not None:
         dtype_of(xp, quantize)
         check_scale(xp, scale, req.layout.stats_shape)
+    elif scale is not None:
+        raise ValueError("scale= is only used with quantize=; pass quantize='int8', "
+                         "'float8_e4m3fn' or 'float8_e5m2', or drop scale")
     _no_array_api_out(req, out=out)
     if out is not None:
         check_fused_out(out, req, quantize)

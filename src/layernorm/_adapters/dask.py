@@ -303,8 +303,9 @@ def _fused(rms: bool, x: Any, residual: Any, dask_route: Route, ns: Any, weight:
                            add=residual is not None)
 
 
-def _plain(weight_offset: Any, quantize: Any) -> bool:
-    return quantize is None and type(weight_offset) is float and weight_offset == 0.0
+def _plain(weight_offset: Any, quantize: Any, scale: Any) -> bool:
+    return (quantize is None and scale is None and type(weight_offset) is float
+            and weight_offset == 0.0)
 
 
 def layer_norm(x: Any, dask_route: Route, normalized_shape: Any, weight: Any, bias: Any,
@@ -314,7 +315,7 @@ def layer_norm(x: Any, dask_route: Route, normalized_shape: Any, weight: Any, bi
 
     ``dask_route`` is the call's route; ``backend`` the forced name each block re-routes by.
     """
-    if not _plain(weight_offset, quantize):
+    if not _plain(weight_offset, quantize, scale):
         return _fused(False, x, None, dask_route, normalized_shape, weight, bias, eps, axis,
                       return_stats, backend, weight_offset, None, quantize, scale, out)
     return _forward(False, x, dask_route, normalized_shape, weight, bias, eps, axis,
@@ -325,7 +326,7 @@ def rms_norm(x: Any, dask_route: Route, normalized_shape: Any, weight: Any, eps:
              axis: Any, return_stats: bool, out: Any, backend: Any, weight_offset: Any = 0.0,
              quantize: Any = None, scale: Any = None) -> Any:
     """:func:`layernorm.rms_norm` for a Dask array: lazy Dask arrays back."""
-    if not _plain(weight_offset, quantize):
+    if not _plain(weight_offset, quantize, scale):
         return _fused(True, x, None, dask_route, normalized_shape, weight, None, eps, axis,
                       return_stats, backend, weight_offset, None, quantize, scale, out)
     return _forward(True, x, dask_route, normalized_shape, weight, None, eps, axis,

@@ -352,7 +352,8 @@ def layer_norm(x: Any, route: Route, normalized_shape: Any, weight: Any, bias: A
     """:func:`layernorm.layer_norm` for a torch tensor ``x``; returns torch tensors."""
     _check_inputs(x, weight=weight, bias=bias, out=out)
     _no_out_with_grad(out, x, weight, bias)
-    if quantize is not None or type(weight_offset) is not float or weight_offset != 0.0:
+    if (quantize is not None or scale is not None or type(weight_offset) is not float
+            or weight_offset != 0.0):
         return _extended_forward(route, False, x, normalized_shape, weight, bias, eps, axis,
                                  return_stats, out, weight_offset, quantize, scale)
     y, mean, rstd = _plain_forward(route, False, x, normalized_shape, weight, bias, eps, axis,
@@ -366,7 +367,8 @@ def rms_norm(x: Any, route: Route, normalized_shape: Any, weight: Any, eps: Any,
     """:func:`layernorm.rms_norm` for a torch tensor ``x``; returns torch tensors."""
     _check_inputs(x, weight=weight, out=out)
     _no_out_with_grad(out, x, weight)
-    if quantize is not None or type(weight_offset) is not float or weight_offset != 0.0:
+    if (quantize is not None or scale is not None or type(weight_offset) is not float
+            or weight_offset != 0.0):
         return _extended_forward(route, True, x, normalized_shape, weight, None, eps, axis,
                                  return_stats, out, weight_offset, quantize, scale)
     y, _, rstd = _plain_forward(route, True, x, normalized_shape, weight, None, eps, axis, out)
