@@ -20,6 +20,9 @@ from ._dispatch import route
 
 _ADAPTERS = {"torch": "._adapters.torch", "dask": "._adapters.dask"}
 
+#: The default ``weight_offset``: an identity test on it is the fast path's cheapest check.
+_NO_OFFSET = 0.0
+
 
 @functools.cache
 def _adapter(library: str) -> Any:
@@ -34,7 +37,7 @@ def layer_norm(
     eps: float = 1e-5,
     *,
     axis: int | tuple[int, ...] | None = None,
-    weight_offset: float = 0.0,
+    weight_offset: float = _NO_OFFSET,
     quantize: str | None = None,
     scale: Any = None,
     return_stats: bool = False,
@@ -103,7 +106,8 @@ def layer_norm(
     array([ 2.5, 25. ], dtype=float32)
     """
     if (type(x) is np.ndarray and backend is None and quantize is None and scale is None
-            and type(weight_offset) is float and weight_offset == 0.0):
+            and (weight_offset is _NO_OFFSET
+                 or (type(weight_offset) is float and weight_offset == 0.0))):
         result = _fast.layer_norm(x, normalized_shape, weight, bias, eps, axis, return_stats,
                                   out)
         if result is not None:
@@ -131,7 +135,7 @@ def rms_norm(
     eps: float | None = None,
     *,
     axis: int | tuple[int, ...] | None = None,
-    weight_offset: float = 0.0,
+    weight_offset: float = _NO_OFFSET,
     quantize: str | None = None,
     scale: Any = None,
     return_stats: bool = False,
@@ -185,7 +189,8 @@ def rms_norm(
     array([[0.84852814, 1.13137085]])
     """
     if (type(x) is np.ndarray and backend is None and quantize is None and scale is None
-            and type(weight_offset) is float and weight_offset == 0.0):
+            and (weight_offset is _NO_OFFSET
+                 or (type(weight_offset) is float and weight_offset == 0.0))):
         result = _fast.rms_norm(x, normalized_shape, weight, eps, axis, return_stats, out)
         if result is not None:
             return result
