@@ -714,3 +714,24 @@ def test_torch_float64_quantize_rounds_once(fmt):
     nq, ns = ln.rms_norm(x, quantize=fmt)
     np.testing.assert_array_equal(q.view(torch.int8).numpy(), nq.view(np.int8))
     np.testing.assert_array_equal(s.numpy(), ns)
+
+
+def test_torch_in_place_and_grad_errors():
+    torch = pytest.importorskip("torch")
+    x0 = torch.randn(3, 8, generator=torch.Generator().manual_seed(3))
+    r0 = torch.randn(3, 8, generator=torch.Generator().manual_seed(4))
+    y_ref, h_ref = ln.add_layer_norm(x0, r0)
+    x, r = x0.clone(), r0.clone()
+    y, h = ln.add_layer_norm(x, r, out=x, residual_out=r)
+    assert y is x and h is r
+    assert torch.equal(y, y_ref) and torch.equal(h, h_ref)
+    x, r = x0.clone(), r0.clone()
+    y, h = ln.add_rms_norm(x, r, out=r, residual_out=x)
+    assert torch.equal(h, x0 + r0) and torch.equal(y, ln.rms_norm(x0 + r0))
+    xg = x0.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="residual_out= does not support automatic"):
+        ln.add_layer_norm(xg, r0, residual_out=r0.clone())
+    with pytest.raises(RuntimeError, match="out= does not support automatic"):
+        ln.add_layer_norm(xg, r0, out=torch.empty(3, 8))
+    with pytest.raises(ValueError, match="out and residual_out share memory"):
+        ln.add_layer_norm(x0, r0, out=x, residual_out=x)
