@@ -6,7 +6,14 @@ are imported (and kernels compiled) on first use.
 """
 
 from ._adapters.dask import LargeBlockWarning
-from ._api import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
+from ._api import (
+    add_layer_norm,
+    add_rms_norm,
+    layer_norm,
+    layer_norm_backward,
+    rms_norm,
+    rms_norm_backward,
+)
 from ._dispatch import backend_name
 from .layer import LayerNorm, RMSNorm
 
@@ -17,6 +24,8 @@ __all__ = [
     "LayerNorm",
     "RMSNorm",
     "__version__",
+    "add_layer_norm",
+    "add_rms_norm",
     "backend_name",
     "layer_norm",
     "layer_norm_backward",

@@ -20,6 +20,9 @@ from ._dispatch import route
 
 _ADAPTERS = {"torch": "._adapters.torch", "dask": "._adapters.dask"}
 
+#: The default ``weight_offset``: an identity test on it is the fast path's cheapest check.
+_NO_OFFSET = 0.0
+
 
 @functools.cache
 def _adapter(library: str) -> Any:
@@ -34,6 +37,9 @@ def layer_norm(
     eps: float = 1e-5,
     *,
     axis: int | tuple[int, ...] | None = None,
+    weight_offset: float = _NO_OFFSET,
+    quantize: str | None = None,
+    scale: Any = None,
     return_stats: bool = False,
     out: Any = None,
     backend: str | None = None,
@@ -59,11 +65,20 @@ def layer_norm(
         Axes to normalize, anywhere in ``x`` (``axis=1`` normalizes the channels of an
         NCHW tensor). Mutually exclusive with ``normalized_shape``; the default is the
         last axis.
+    weight_offset : float, default 0.0
+        The gain applied is ``weight + weight_offset``, formed in the accumulation
+        precision (Gemma-style zero-centred weights use 1.0); nonzero needs a ``weight``.
+    quantize : {None, "int8", "float8_e4m3fn", "float8_e5m2"}, optional
+        Return ``y`` quantized to that dtype with a per-row (or static) ``scale``.
+    scale : float or array, optional
+        With ``quantize``: a static positive scale broadcastable to the statistics'
+        shape; None (default) computes ``amax_row(|y|) / qmax`` per row.
     return_stats : bool, default False
         Also return ``mean`` and ``rstd`` (shape of ``x`` with normalized axes kept as 1,
         float32 for 16/32-bit input, float64 for float64).
     out : array, optional
-        Preallocated output of ``x``'s shape and dtype (NumPy and CuPy); may be ``x``.
+        Preallocated output of ``x``'s shape and dtype (the quantized dtype with
+        ``quantize``; NumPy and CuPy); may be ``x``.
     backend : {"numba", "cupy", "array_api"}, optional
         Force a backend instead of choosing it from the type of ``x``.
 
@@ -72,6 +87,9 @@ def layer_norm(
     y : array
         Normalized array, same shape, dtype and library as ``x``; a new C-contiguous
         array unless ``out`` is given.
+    scale : array
+        Only with ``quantize``: the dynamic per-row scale (keepdims shape, statistics
+        dtype), or the static ``scale`` as passed.
     mean, rstd : array
         Only with ``return_stats=True``.
 
@@ -87,23 +105,27 @@ def layer_norm(
     >>> mean.ravel()
     array([ 2.5, 25. ], dtype=float32)
     """
-    if type(x) is np.ndarray and backend is None:
+    if (type(x) is np.ndarray and backend is None and quantize is None and scale is None
+            and (weight_offset is _NO_OFFSET
+                 or (type(weight_offset) is float and weight_offset == 0.0))):
         result = _fast.layer_norm(x, normalized_shape, weight, bias, eps, axis, return_stats,
                                   out)
         if result is not None:
             return result
     where = route(x, backend)
+    extras = {"weight_offset": weight_offset, "quantize": quantize, "scale": scale}
     if where.library == "torch":
         return _adapter("torch").layer_norm(
             x, where, normalized_shape, weight, bias, eps, axis=axis,
-            return_stats=return_stats, out=out)
+            return_stats=return_stats, out=out, **extras)
     if where.library == "dask":
         return _adapter("dask").layer_norm(
             x, where, normalized_shape, weight, bias, eps, axis=axis,
-            return_stats=return_stats, out=out, backend=backend)
-    y, mean, rstd = _engine.normalize(x, where, normalized_shape, weight, bias, eps, axis, out,
-                                      rms=False, want_stats=return_stats)
-    return (y, mean, rstd) if return_stats else y
+            return_stats=return_stats, out=out, backend=backend, **extras)
+    y, s, mean, rstd = _engine.normalize_ex(x, where, normalized_shape, weight, bias, eps, axis,
+                                            out, False, return_stats, **extras)
+    return _engine.results(y, None, s, mean, rstd, quantize, return_stats, rms=False,
+                           add=False)
 
 
 def rms_norm(
@@ -113,6 +135,9 @@ def rms_norm(
     eps: float | None = None,
     *,
     axis: int | tuple[int, ...] | None = None,
+    weight_offset: float = _NO_OFFSET,
+    quantize: str | None = None,
+    scale: Any = None,
     return_stats: bool = False,
     out: Any = None,
     backend: str | None = None,
@@ -132,10 +157,17 @@ def rms_norm(
         accumulation dtype, as :func:`torch.nn.functional.rms_norm` does.
     axis : int or tuple of int, optional
         Axes to normalize; exclusive with ``normalized_shape``; default the last axis.
+    weight_offset : float, default 0.0
+        The gain is ``weight + weight_offset`` in the accumulation precision.
+    quantize : {None, "int8", "float8_e4m3fn", "float8_e5m2"}, optional
+        Return ``y`` quantized, with its ``scale`` (see :func:`layer_norm`).
+    scale : float or array, optional
+        Static scale for ``quantize``; None means per-row ``amax / qmax``.
     return_stats : bool, default False
         Also return ``rstd`` (keepdims shape, accumulation dtype).
     out : array, optional
-        Preallocated output of ``x``'s shape and dtype (NumPy and CuPy); may be ``x``.
+        Preallocated output of ``x``'s shape and dtype (the quantized dtype with
+        ``quantize``; NumPy and CuPy); may be ``x``.
     backend : {"numba", "cupy", "array_api"}, optional
         Force a backend.
 
@@ -143,6 +175,8 @@ def rms_norm(
     -------
     y : array
         Normalized array in the library, shape and dtype of ``x``.
+    scale : array
+        Only with ``quantize``.
     rstd : array
         Only with ``return_stats=True``.
 
@@ -154,22 +188,26 @@ def rms_norm(
     >>> ln.rms_norm(x, eps=0.0)
     array([[0.84852814, 1.13137085]])
     """
-    if type(x) is np.ndarray and backend is None:
+    if (type(x) is np.ndarray and backend is None and quantize is None and scale is None
+            and (weight_offset is _NO_OFFSET
+                 or (type(weight_offset) is float and weight_offset == 0.0))):
         result = _fast.rms_norm(x, normalized_shape, weight, eps, axis, return_stats, out)
         if result is not None:
             return result
     where = route(x, backend)
+    extras = {"weight_offset": weight_offset, "quantize": quantize, "scale": scale}
     if where.library == "torch":
         return _adapter("torch").rms_norm(
             x, where, normalized_shape, weight, eps, axis=axis, return_stats=return_stats,
-            out=out)
+            out=out, **extras)
     if where.library == "dask":
         return _adapter("dask").rms_norm(
             x, where, normalized_shape, weight, eps, axis=axis, return_stats=return_stats,
-            out=out, backend=backend)
-    y, _, rstd = _engine.normalize(x, where, normalized_shape, weight, None, eps, axis, out,
-                                   rms=True, want_stats=return_stats)
-    return (y, rstd) if return_stats else y
+            out=out, backend=backend, **extras)
+    y, s, _, rstd = _engine.normalize_ex(x, where, normalized_shape, weight, None, eps, axis,
+                                         out, True, return_stats, **extras)
+    return _engine.results(y, None, s, None, rstd, quantize, return_stats, rms=True,
+                           add=False)
 
 
 # --------------------------------------------------------------------------- backward
@@ -184,6 +222,8 @@ def layer_norm_backward(
     normalized_shape: int | tuple[int, ...] | None = None,
     *,
     axis: int | tuple[int, ...] | None = None,
+    weight_offset: float = 0.0,
+    grad_residual: Any = None,
     backend: str | None = None,
 ) -> tuple[Any, Any, Any]:
     """Gradients of :func:`layer_norm` from the statistics of the forward pass.
@@ -203,6 +243,12 @@ def layer_norm_backward(
         The forward ``weight``; ``None`` means a weight of ones.
     normalized_shape, axis : optional
         The normalized axes, exactly as given to the forward call.
+    weight_offset : float, default 0.0
+        As given to the forward call; ``grad_weight`` is still with respect to ``weight``.
+    grad_residual : array, optional
+        Gradient reaching the normalized input from elsewhere (the residual stream of
+        :func:`add_layer_norm`), of x's shape and dtype: ``grad_x + grad_residual`` is
+        returned, added in the accumulation precision and rounded once.
     backend : {"numba", "cupy", "array_api"}, optional
         Force a backend.
 
@@ -227,14 +273,16 @@ def layer_norm_backward(
     array([1., 1., 1., 1.])
     """
     where = route(x, backend)
+    extras = {"weight_offset": weight_offset, "grad_residual": grad_residual}
     if where.library == "torch":
         return _adapter("torch").layer_norm_backward(
-            grad_y, x, where, mean, rstd, weight, normalized_shape, axis=axis)
+            grad_y, x, where, mean, rstd, weight, normalized_shape, axis=axis, **extras)
     if where.library == "dask":
         return _adapter("dask").layer_norm_backward(
-            grad_y, x, where, mean, rstd, weight, normalized_shape, axis=axis, backend=backend)
+            grad_y, x, where, mean, rstd, weight, normalized_shape, axis=axis, backend=backend,
+            **extras)
     return _engine.gradients(grad_y, x, where, mean, rstd, weight, normalized_shape, axis,
-                             rms=False)
+                             False, **extras)
 
 
 def rms_norm_backward(
@@ -245,6 +293,8 @@ def rms_norm_backward(
     normalized_shape: int | tuple[int, ...] | None = None,
     *,
     axis: int | tuple[int, ...] | None = None,
+    weight_offset: float = 0.0,
+    grad_residual: Any = None,
     backend: str | None = None,
 ) -> tuple[Any, Any]:
     """Gradients of :func:`rms_norm` from the forward pass's ``rstd``.
@@ -264,6 +314,11 @@ def rms_norm_backward(
         The forward ``weight``; ``None`` means ones.
     normalized_shape, axis : optional
         The normalized axes, as given to the forward call.
+    weight_offset : float, default 0.0
+        As given to the forward call; ``grad_weight`` is with respect to ``weight``.
+    grad_residual : array, optional
+        Gradient reaching the normalized input from elsewhere, of x's shape and dtype;
+        ``grad_x + grad_residual`` is returned (see :func:`layer_norm_backward`).
     backend : {"numba", "cupy", "array_api"}, optional
         Force a backend.
 
@@ -285,11 +340,189 @@ def rms_norm_backward(
     (2,)
     """
     where = route(x, backend)
+    extras = {"weight_offset": weight_offset, "grad_residual": grad_residual}
     if where.library == "torch":
         return _adapter("torch").rms_norm_backward(
-            grad_y, x, where, rstd, weight, normalized_shape, axis=axis)
+            grad_y, x, where, rstd, weight, normalized_shape, axis=axis, **extras)
     if where.library == "dask":
         return _adapter("dask").rms_norm_backward(
-            grad_y, x, where, rstd, weight, normalized_shape, axis=axis, backend=backend)
+            grad_y, x, where, rstd, weight, normalized_shape, axis=axis, backend=backend,
+            **extras)
     return _engine.gradients(grad_y, x, where, None, rstd, weight, normalized_shape, axis,
-                             rms=True)
+                             True, **extras)
+
+
+# --------------------------------------------------------------------------- fusions
+
+
+def add_layer_norm(
+    x: Any,
+    residual: Any,
+    normalized_shape: int | tuple[int, ...] | None = None,
+    weight: Any = None,
+    bias: Any = None,
+    eps: float = 1e-5,
+    *,
+    axis: int | tuple[int, ...] | None = None,
+    weight_offset: float = 0.0,
+    residual_dtype: Any = None,
+    quantize: str | None = None,
+    scale: Any = None,
+    return_stats: bool = False,
+    out: Any = None,
+    residual_out: Any = None,
+    backend: str | None = None,
+) -> Any:
+    """Residual add then LayerNorm, the pre-norm transformer block's ``h = x + residual;
+    y = layer_norm(h)``.
+
+    ``h`` is ``x + residual`` computed in float64 if any of ``x``, ``residual`` and
+    ``residual_dtype`` is float64 (else float32) and rounded once to ``residual_dtype``.
+    ``y`` is bit for bit ``layer_norm(h, ...)`` with the same arguments, cast to x's
+    dtype. Today this is composed from the same kernels as :func:`layer_norm` (same
+    bits; not yet one pass over memory).
+
+    Parameters
+    ----------
+    x : array
+        The branch output (float16, bfloat16, float32 or float64).
+    residual : array
+        The residual stream: x's shape and library, any supported float dtype.
+    normalized_shape, weight, bias, eps, axis
+        As for :func:`layer_norm`.
+    weight_offset : float, default 0.0
+        The gain is ``weight + weight_offset`` in the accumulation precision.
+    residual_dtype : dtype or str, optional
+        Dtype of ``h``; default ``residual.dtype``.
+    quantize : {None, "int8", "float8_e4m3fn", "float8_e5m2"}, optional
+        Return ``y`` quantized (from the unrounded normalized ``h``), with its scale.
+    scale : float or array, optional
+        Static scale for ``quantize``; None means per-row ``amax / qmax``.
+    return_stats : bool, default False
+        Also return ``mean`` and ``rstd`` of ``h``.
+    out : array, optional
+        Receives ``y`` (x's shape; x's dtype, or the quantized one); may be ``x`` or
+        ``residual``.
+    residual_out : array, optional
+        Receives ``h`` (x's shape, h's dtype); may be ``x`` or ``residual``.
+    backend : {"numba", "cupy", "array_api"}, optional
+        Force a backend.
+
+    Returns
+    -------
+    y : array
+        The normalized ``h`` in x's dtype (or quantized).
+    h : array
+        The new residual stream.
+    scale : array
+        Only with ``quantize``.
+    mean, rstd : array
+        Only with ``return_stats=True``; statistics of ``h``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import layernorm as ln
+    >>> x = np.array([[1.0, 2.0, 3.0, 4.0]], dtype=np.float32)
+    >>> residual = np.array([[1.0, 0.0, 1.0, 0.0]], dtype=np.float32)
+    >>> y, h = ln.add_layer_norm(x, residual)
+    >>> h
+    array([[2., 2., 4., 4.]], dtype=float32)
+    >>> bool((y == ln.layer_norm(h)).all())
+    True
+    """
+    where = route(x, backend)
+    extras = {"weight_offset": weight_offset, "residual_dtype": residual_dtype,
+              "quantize": quantize, "scale": scale, "return_stats": return_stats, "out": out,
+              "residual_out": residual_out}
+    if where.library == "torch":
+        return _adapter("torch").add_norm(x, residual, where, normalized_shape, weight, bias,
+                                          eps, axis=axis, rms=False, **extras)
+    if where.library == "dask":
+        return _adapter("dask").add_norm(x, residual, where, normalized_shape, weight, bias,
+                                         eps, axis=axis, rms=False, backend=backend, **extras)
+    y, h, s, mean, rstd = _engine.add_normalize(
+        x, residual, where, normalized_shape, weight, bias, eps, axis, False, return_stats,
+        weight_offset, residual_dtype, quantize, scale, out, residual_out)
+    return _engine.results(y, h, s, mean, rstd, quantize, return_stats, rms=False, add=True)
+
+
+def add_rms_norm(
+    x: Any,
+    residual: Any,
+    normalized_shape: int | tuple[int, ...] | None = None,
+    weight: Any = None,
+    eps: float | None = None,
+    *,
+    axis: int | tuple[int, ...] | None = None,
+    weight_offset: float = 0.0,
+    residual_dtype: Any = None,
+    quantize: str | None = None,
+    scale: Any = None,
+    return_stats: bool = False,
+    out: Any = None,
+    residual_out: Any = None,
+    backend: str | None = None,
+) -> Any:
+    """Residual add then RMSNorm: ``h = x + residual; y = rms_norm(h)``.
+
+    Exactly as :func:`add_layer_norm`, with :func:`rms_norm` (no ``bias``; ``eps=None``
+    is the accumulation dtype's machine epsilon).
+
+    Parameters
+    ----------
+    x : array
+        The branch output (float16, bfloat16, float32 or float64).
+    residual : array
+        The residual stream: x's shape and library, any supported float dtype.
+    normalized_shape, weight, eps, axis
+        As for :func:`rms_norm`.
+    weight_offset : float, default 0.0
+        The gain is ``weight + weight_offset`` in the accumulation precision.
+    residual_dtype : dtype or str, optional
+        Dtype of ``h``; default ``residual.dtype``.
+    quantize : {None, "int8", "float8_e4m3fn", "float8_e5m2"}, optional
+        Return ``y`` quantized, with its scale.
+    scale : float or array, optional
+        Static scale for ``quantize``; None means per-row ``amax / qmax``.
+    return_stats : bool, default False
+        Also return ``rstd`` of ``h``.
+    out, residual_out : array, optional
+        Receive ``y`` and ``h``; either may be ``x`` or ``residual``.
+    backend : {"numba", "cupy", "array_api"}, optional
+        Force a backend.
+
+    Returns
+    -------
+    y : array
+        The normalized ``h`` in x's dtype (or quantized).
+    h : array
+        The new residual stream.
+    scale : array
+        Only with ``quantize``.
+    rstd : array
+        Only with ``return_stats=True``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import layernorm as ln
+    >>> x = np.array([[1.0, 2.0]], dtype=np.float64)
+    >>> y, h = ln.add_rms_norm(x, np.array([[2.0, 2.0]]), eps=0.0)
+    >>> y
+    array([[0.84852814, 1.13137085]])
+    """
+    where = route(x, backend)
+    extras = {"weight_offset": weight_offset, "residual_dtype": residual_dtype,
+              "quantize": quantize, "scale": scale, "return_stats": return_stats, "out": out,
+              "residual_out": residual_out}
+    if where.library == "torch":
+        return _adapter("torch").add_norm(x, residual, where, normalized_shape, weight, None,
+                                          eps, axis=axis, rms=True, **extras)
+    if where.library == "dask":
+        return _adapter("dask").add_norm(x, residual, where, normalized_shape, weight, None,
+                                         eps, axis=axis, rms=True, backend=backend, **extras)
+    y, h, s, mean, rstd = _engine.add_normalize(
+        x, residual, where, normalized_shape, weight, None, eps, axis, True, return_stats,
+        weight_offset, residual_dtype, quantize, scale, out, residual_out)
+    return _engine.results(y, h, s, mean, rstd, quantize, return_stats, rms=True, add=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,12 +30,16 @@ from ._backends import _array_api as generic
 from ._dispatch import Route, check_companions
 from ._dtypes import HALF_DTYPES, MACHINE_EPS, accumulation_name, dtype_name
 from ._validate import (
+    QUANTIZE_QMAX,
     check_eps,
     check_float_dtype,
     check_no_internal_overlap,
     check_out,
     check_param,
+    check_quantize,
+    check_residual_dtype,
     check_same_shape,
+    check_weight_offset,
     memo_axes,
     resolve_axes,
     shape_of,
@@ -414,17 +419,402 @@ def backward(xp: Any, grad_y: Any, x: Any, req: Request, mean: Any, rstd: Any, w
 
 
 def gradients(grad_y: Any, x: Any, route: Route, mean: Any, rstd: Any, weight: Any,
-              normalized_shape: Any, axis: Any, rms: bool) -> tuple[Any, ...]:
+              normalized_shape: Any, axis: Any, rms: bool, weight_offset: Any = 0.0,
+              grad_residual: Any = None) -> tuple[Any, ...]:
     """Check every argument of a NumPy/CuPy/array-API backward call, then run it.
 
     The parameter gradients come back in the dtype of ``weight`` (of ``x`` without one).
+    With ``weight_offset`` the kernels see the gain ``weight + weight_offset``
+    (:func:`gain`); with ``grad_residual`` ``grad_x`` is ``grad_x + grad_residual``
+    (:func:`with_grad_residual`).
     """
     stats = {"rstd": rstd} if rms else {"mean": mean, "rstd": rstd}
-    check_companions(x, route.library, grad_y=grad_y, weight=weight, **stats)
+    check_companions(x, route.library, grad_y=grad_y, weight=weight,
+                     grad_residual=grad_residual, **stats)
     req = request(x, route, normalized_shape, axis, weight=weight)
     check_backward(grad_y, req, **stats)
+    offset = check_weight_offset(weight_offset, weight is not None)
+    check_grad_residual(grad_residual, req)
     xp = namespace(route.library, x)
-    grads = backward(xp, grad_y, x, req, mean, rstd, weight, rms)
+    g = gain(xp, weight, offset, req.acc)
+
+    def run(gy: Any, xx: Any) -> tuple[Any, ...]:
+        r = req if xx is x else request(xx, route, normalized_shape, axis, weight=g)
+        return backward(xp, gy, xx, r, mean, rstd, g, rms)
+
+    grads = with_grad_residual(xp, grad_y, x, req, run, grad_residual)
     dtype = (weight if weight is not None else x).dtype
     return (grads[0], *(xp.astype(g, dtype) if route.backend == "array_api"
                         else g.astype(dtype, copy=False) for g in grads[1:]))
+
+
+# --------------------------------------------------------------------------- fusions
+# The transformer-block fusions (residual add, offset gain, quantized output, gradient
+# of the residual stream) composed from the kernels above, in each array's namespace.
+# Every library runs these same functions; a fused kernel can later replace a
+# composition here without changing a bit of the results.
+
+
+def _is_native_namespace(xp: Any) -> bool:
+    return xp is np or getattr(xp, "__name__", "") == "cupy"
+
+
+def dtype_of(xp: Any, name: str) -> Any:
+    """The dtype called ``name`` in namespace ``xp`` (NumPy's 16/8-bit floats: ml_dtypes).
+
+    ``TypeError`` if the library has no such dtype (CuPy has no bfloat16 or float8).
+    """
+    if xp is np:
+        if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+            import ml_dtypes
+
+            return np.dtype(getattr(ml_dtypes, name))
+        return np.dtype(name)
+    dtype = getattr(xp, name, None)
+    if dtype is None and getattr(xp, "__name__", "").endswith("torch"):
+        import torch
+
+        dtype = getattr(torch, name, None)
+    if dtype is None:
+        library = getattr(xp, "__name__", type(xp).__name__)
+        raise TypeError(f"{library} has no {name} dtype; use NumPy (with ml_dtypes) or torch "
+                        f"for {name} arrays")
+    return dtype
+
+
+def astype(xp: Any, arr: Any, name: str) -> Any:
+    """``arr`` converted (rounding to nearest even) to the dtype called ``name``."""
+    dtype = dtype_of(xp, name)
+    if _is_native_namespace(xp):
+        return arr.astype(dtype, copy=False)
+    return xp.astype(arr, dtype)
+
+
+def gain(xp: Any, weight: Any, offset: float, acc: str) -> Any:
+    """The gain ``weight + offset`` formed in the accumulation dtype ``acc``.
+
+    With no offset the weight goes to the kernels as it is (adding 0.0 would turn a
+    ``-0.0`` weight into ``+0.0``).
+    """
+    if weight is None or offset == 0.0:
+        return weight
+    return astype(xp, weight, acc) + offset
+
+
+def sum_dtypes(x_name: str, residual_name: str, residual_dtype: Any) -> tuple[str, str]:
+    """``(add, h)``: the dtype ``x + residual`` is computed in and the dtype of ``h``.
+
+    The sum is computed in float64 if any of x, residual and residual_dtype is float64,
+    else in float32; ``h`` has ``residual_dtype`` (default: the residual's dtype).
+    """
+    h_name = check_residual_dtype(residual_dtype) or residual_name
+    add = "float64" if "float64" in (x_name, residual_name, h_name) else "float32"
+    return add, h_name
+
+
+def residual_sum(xp: Any, x: Any, residual: Any, add: str, h_name: str) -> Any:
+    """``h = x + residual`` computed in ``add`` and rounded once to ``h_name``."""
+    return astype(xp, astype(xp, x, add) + astype(xp, residual, add), h_name)
+
+
+def check_grad_residual(grad_residual: Any, req: Request) -> None:
+    """``grad_residual`` has x's shape and dtype (it is a gradient of x's stream)."""
+    if grad_residual is None:
+        return
+    check_same_shape(grad_residual, "grad_residual", req.layout.shape, "the shape of x")
+    got = check_float_dtype(grad_residual, "grad_residual")
+    if got != req.dtype:
+        raise TypeError(f"grad_residual must have the dtype of x ({req.dtype}), got dtype {got}")
+
+
+def with_grad_residual(xp: Any, grad_y: Any, x: Any, req: Request, run: Any,
+                       grad_residual: Any) -> tuple[Any, ...]:
+    """``run(grad_y, x)`` (the backward), with ``grad_residual`` added to ``grad_x``.
+
+    The sum is taken in the accumulation dtype and rounded once to x's dtype: for
+    16-bit ``x`` the backward runs on exactly widened copies of ``x`` and ``grad_y``
+    (the kernels' arithmetic is float32 either way), so ``grad_x`` is not rounded
+    before the addition.
+    """
+    if grad_residual is None:
+        return run(grad_y, x)
+    if req.dtype == req.acc:
+        grads = run(grad_y, x)
+        return (grads[0] + grad_residual, *grads[1:])
+    grads = run(astype(xp, grad_y, req.acc), astype(xp, x, req.acc))
+    total = grads[0] + astype(xp, grad_residual, req.acc)
+    return (astype(xp, total, req.dtype), *grads[1:])
+
+
+def _saturate(xp: Any, v: Any, low: float, high: float) -> Any:
+    # Comparisons are False for NaN, so NaN passes through unchanged.
+    v = xp.where(v > high, xp.full_like(v, high), v)
+    return xp.where(v < low, xp.full_like(v, low), v)
+
+
+def _int_view(xp: Any, arr: Any, bits: str) -> Any:
+    if _is_native_namespace(xp):
+        return arr.view(bits)
+    if type(arr).__module__.split(".", 1)[0] == "torch":
+        import torch
+
+        return arr.view(getattr(torch, bits))
+    return None
+
+
+def _float32_round_to_odd(xp: Any, v: Any) -> Any:
+    """float64 ``v`` (finite or NaN, inside float32's range) as float32, rounded to odd.
+
+    Rounding to float32 by "round to odd" and then to float8 gives the float8 value
+    nearest to ``v`` (ties to even): a direct float64 -> float8 conversion goes through
+    float32 in NumPy/ml_dtypes and torch, rounding twice. Without an integer view of
+    the array (namespaces other than NumPy, CuPy and torch) this is a plain rounding.
+    """
+    t = astype(xp, v, "float32")
+    bits = _int_view(xp, t, "int32")
+    if bits is None:
+        return t
+    back = astype(xp, t, "float64")
+    inexact = back != v
+    # Truncate towards zero: one step down in magnitude is one step down in the bits.
+    toward_zero = inexact & (xp.abs(back) > xp.abs(v))
+    bits = xp.where(toward_zero, bits - 1, bits)
+    bits = xp.where(inexact, bits | 1, bits)
+    return _int_view(xp, bits, "float32")
+
+
+def check_scale(xp: Any, scale: Any, stats_shape: tuple[int, ...]) -> None:
+    """A static ``scale``: positive and finite, broadcastable to the statistics' shape."""
+    if scale is None:
+        return
+    import numbers
+
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be positive and finite, got {scale!r}")
+        return
+    shape = getattr(scale, "shape", None)
+    if shape is None or isinstance(scale, bool):
+        raise TypeError(f"scale must be a positive finite number or an array, got {scale!r}")
+    shape = tuple(int(s) for s in shape)
+    try:
+        ok = np.broadcast_shapes(shape, stats_shape) == stats_shape
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"scale must be broadcastable to the statistics' shape {stats_shape}, "
+                         f"got shape {shape}")
+    kind = dtype_name(scale.dtype)
+    if not (kind.startswith("float") or kind.startswith("int") or kind.startswith("uint")):
+        raise TypeError(f"scale must have a real dtype, got dtype {kind}")
+    good = xp.all((scale > 0) & xp.isfinite(scale))
+    if not bool(good):
+        raise ValueError("scale must be positive and finite in every element")
+
+
+def quantize_rows(xp: Any, y32: Any, axes: tuple[int, ...], fmt: str, scale: Any,
+                  acc: str) -> tuple[Any, Any]:
+    """``(q, scale)``: ``y32`` (accumulation dtype) quantized to ``fmt`` per row.
+
+    Dynamic (``scale=None``): ``scale = amax_row(|y32|) / qmax`` in keepdims shape (1.0
+    for an all-zero row). ``q = convert(y32 * (1 / scale))``, ``1 / scale`` computed once
+    per row in ``acc``; ``convert`` rounds half to even and saturates (int8 to
+    [-128, 127] with NaN -> 0; float8 to +-qmax with NaN kept).
+    """
+    qmax = QUANTIZE_QMAX[fmt]
+    target = dtype_of(xp, fmt)  # TypeError early for libraries without the format
+    acc_dtype = dtype_of(xp, acc)
+    if scale is None:
+        amax = xp.max(xp.abs(y32), axis=axes, keepdims=True)
+        s = amax / qmax
+        s = xp.where(amax == 0, xp.ones_like(s), s)
+        returned = s
+    else:
+        s = astype(xp, xp.asarray(scale), acc) if hasattr(scale, "shape") \
+            else xp.asarray(scale, dtype=acc_dtype)
+        returned = scale
+    inv = 1.0 / s
+    v = y32 * inv
+    if fmt == "int8":
+        v = xp.where(xp.isnan(v), xp.zeros_like(v), v)
+        v = _saturate(xp, xp.round(v), -128.0, 127.0)
+    else:
+        v = _saturate(xp, v, -qmax, qmax)
+        if acc == "float64":
+            v = _float32_round_to_odd(xp, v)
+    if _is_native_namespace(xp):
+        return v.astype(target), returned
+    return xp.astype(v, target), returned
+
+
+def _into(out: Any, value: Any) -> Any:
+    if out is None:
+        return value
+    if hasattr(out, "copy_"):  # torch
+        out.copy_(value)
+    else:
+        out[...] = value
+    return out
+
+
+def compose(xp: Any, h: Any, req: Request, norm: Any, y_name: str, out: Any, quantize: Any,
+            scale: Any) -> tuple[Any, Any, Any, Any]:
+    """The output of a (fused) forward from its normalization: ``(y, scale, mean, rstd)``.
+
+    ``norm(a, out) -> (y, mean, rstd)`` normalizes ``a`` (``h`` itself, or ``h`` widened
+    exactly to the accumulation dtype) with the call's gain, bias and eps. ``y`` is that
+    of ``h`` cast to ``y_name``, or with ``quantize`` the quantized ``y32`` (the output of
+    the widened ``h``, which the kernels compute in the same float32 arithmetic as for
+    ``h`` itself, before its rounding); ``scale`` is None without ``quantize``.
+    """
+    if quantize is None:
+        if y_name == req.dtype:
+            y, mean, rstd = norm(h, out)
+            return y, None, mean, rstd
+        yh, mean, rstd = norm(h, None)
+        return _into(out, astype(xp, yh, y_name)), None, mean, rstd
+    wide = h if req.dtype == req.acc else astype(xp, h, req.acc)
+    y32, mean, rstd = norm(wide, None)
+    q, s = quantize_rows(xp, y32, req.layout.axes, quantize, scale, req.acc)
+    return _into(out, q), s, mean, rstd
+
+
+def check_extras(xp: Any, req: Request, weight: Any, weight_offset: Any, quantize: Any,
+                 scale: Any, out: Any) -> tuple[float, str | None]:
+    """Check ``weight_offset``, ``quantize``, ``scale`` and ``out`` of a forward call.
+
+    Returns the offset as a float and the quantize format (or None).
+    """
+    offset = check_weight_offset(weight_offset, weight is not None)
+    quantize = check_quantize(quantize)
+    if quantize is not None:
+        dtype_of(xp, quantize)
+        check_scale(xp, scale, req.layout.stats_shape)
+    elif scale is not None:
+        raise ValueError("scale= is only used with quantize=; pass quantize='int8', "
+                         "'float8_e4m3fn' or 'float8_e5m2', or drop scale")
+    _no_array_api_out(req, out=out)
+    if out is not None:
+        check_fused_out(out, req, quantize)
+    return offset, quantize
+
+
+def check_fused_out(out: Any, req: Request, quantize: Any, name: str = "out") -> None:
+    """``out=`` has x's shape and x's dtype, or the quantized dtype with ``quantize``."""
+    if quantize is None:
+        check_out(out, req.layout.shape, req.dtype)
+    else:
+        check_same_shape(out, name, req.layout.shape, "the shape of x")
+        got = dtype_name(out.dtype)
+        if got != quantize:
+            raise ValueError(f"{name} must have the quantized dtype {quantize} "
+                             f"(quantize={quantize!r}), got dtype {got}")
+    if hasattr(out, "strides"):  # torch checks its own outputs when it copies into them
+        check_no_internal_overlap(out, name)
+
+
+def _no_array_api_out(req: Request, **outs: Any) -> None:
+    for name, arr in outs.items():
+        if arr is not None and req.backend == "array_api":
+            raise TypeError(
+                f"{name}= is not supported on the array_api backend (the generic path writes "
+                f"no array in place); call without {name}= or with the native backend"
+            )
+
+
+def normalize_ex(x: Any, route: Route, normalized_shape: Any, weight: Any, bias: Any,
+                 eps: Any, axis: Any, out: Any, rms: bool, want_stats: bool,
+                 weight_offset: Any = 0.0, quantize: Any = None,
+                 scale: Any = None) -> tuple[Any, Any, Any, Any]:
+    """:func:`normalize` with ``weight_offset`` and ``quantize``: ``(y, scale, mean, rstd)``."""
+    params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
+    check_companions(x, route.library, out=out, **params)
+    req = request(x, route, normalized_shape, axis, **params)
+    eps = resolve_eps(eps, req, rms)
+    xp = namespace(route.library, x)
+    offset, quantize = check_extras(xp, req, weight, weight_offset, quantize, scale, out)
+    g = gain(xp, weight, offset, req.acc)
+    b = None if rms else bias
+
+    def norm(a: Any, o: Any) -> tuple[Any, Any, Any]:
+        r = req if a is x else request(a, route, normalized_shape, axis, weight=g, bias=b)
+        return forward(xp, a, r, g, b, eps, o, rms, want_stats)
+
+    return compose(xp, x, req, norm, req.dtype, out, quantize, scale)
+
+
+def check_residual(residual: Any, req: Request) -> str:
+    """``residual`` has x's shape and a supported float dtype; returns the dtype's name."""
+    check_same_shape(residual, "residual", req.layout.shape, "the shape of x")
+    return check_float_dtype(residual, "residual")
+
+
+def check_residual_out(residual_out: Any, req: Request, h_name: str) -> None:
+    """``residual_out=`` has x's shape and h's dtype, and is writeable."""
+    check_same_shape(residual_out, "residual_out", req.layout.shape, "the shape of x")
+    got = check_float_dtype(residual_out, "residual_out")
+    if got != h_name:
+        raise ValueError(f"residual_out must have the dtype of h ({h_name}), got dtype {got}")
+    if hasattr(residual_out, "strides"):
+        check_no_internal_overlap(residual_out, "residual_out")
+    if not getattr(getattr(residual_out, "flags", None), "writeable", True):
+        raise ValueError("residual_out must be a writeable array, got a read-only one")
+
+
+def check_distinct_outputs(xp_may_share: Any, out: Any, residual_out: Any) -> None:
+    """``out`` (y) and ``residual_out`` (h) cannot be the same memory."""
+    if out is not None and residual_out is not None and (
+            out is residual_out or xp_may_share(out, residual_out)):
+        raise ValueError("out and residual_out share memory; y and h need separate arrays")
+
+
+def add_normalize(x: Any, residual: Any, route: Route, normalized_shape: Any, weight: Any,
+                  bias: Any, eps: Any, axis: Any, rms: bool, want_stats: bool,
+                  weight_offset: Any, residual_dtype: Any, quantize: Any, scale: Any,
+                  out: Any, residual_out: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """Check every argument of an ``add_`` call, then run it: ``(y, h, scale, mean, rstd)``.
+
+    ``h = x + residual`` (:func:`residual_sum`) is computed whole, and written to
+    ``residual_out`` if given, before ``y`` is written: ``out`` and ``residual_out`` may
+    be ``x`` or ``residual`` themselves.
+    """
+    params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
+    check_companions(x, route.library, residual=residual, out=out, residual_out=residual_out,
+                     **params)
+    req_x = request(x, route, normalized_shape, axis, **params)
+    r_name = check_residual(residual, req_x)
+    add, h_name = sum_dtypes(req_x.dtype, r_name, residual_dtype)
+    xp = namespace(route.library, x)
+    _no_array_api_out(req_x, residual_out=residual_out)
+    offset, quantize = check_extras(xp, req_x, weight, weight_offset, quantize, scale, out)
+    if residual_out is not None:
+        check_residual_out(residual_out, req_x, h_name)
+        check_distinct_outputs(xp.may_share_memory, out, residual_out)
+    h = residual_sum(xp, x, residual, add, h_name)
+    if residual_out is not None:
+        h = _into(residual_out, h)
+    req = request(h, route, normalized_shape, axis, **params)
+    eps = resolve_eps(eps, req, rms)
+    g = gain(xp, weight, offset, req.acc)
+    b = None if rms else bias
+
+    def norm(a: Any, o: Any) -> tuple[Any, Any, Any]:
+        r = request(a, route, normalized_shape, axis, weight=g, bias=b)
+        return forward(xp, a, r, g, b, eps, o, rms, want_stats)
+
+    y, s, mean, rstd = compose(xp, h, req, norm, req_x.dtype, out, quantize, scale)
+    return y, h, s, mean, rstd
+
+
+def results(y: Any, h: Any, scale: Any, mean: Any, rstd: Any, quantize: Any,
+            return_stats: bool, rms: bool, add: bool) -> Any:
+    """What a public forward returns: ``y``, then ``h`` (``add_`` functions), then
+    ``scale`` (with ``quantize``), then the statistics (with ``return_stats``)."""
+    parts = [y]
+    if add:
+        parts.append(h)
+    if quantize is not None:
+        parts.append(scale)
+    if return_stats:
+        parts += [rstd] if rms else [mean, rstd]
+    return parts[0] if len(parts) == 1 else tuple(parts)

@@ -250,3 +250,65 @@ def memo_axes(value: Any) -> Any:
                 raise TypeError("not memoizable")
         return value
     raise TypeError("not memoizable")
+
+
+#: The ``quantize=`` formats and the largest magnitude each represents.
+QUANTIZE_QMAX: dict[str, float] = {"int8": 127.0, "float8_e4m3fn": 448.0,
+                                   "float8_e5m2": 57344.0}
+
+
+def check_weight_offset(offset: Any, has_weight: bool) -> float:
+    """``weight_offset`` as a Python float: a finite real, and 0 unless there is a weight.
+
+    Examples
+    --------
+    >>> check_weight_offset(1, True)
+    1.0
+    >>> check_weight_offset(1.0, False)
+    Traceback (most recent call last):
+    ...
+    ValueError: weight_offset=1.0 needs a weight (the gain is weight + weight_offset)...
+    """
+    if type(offset) is float and math.isfinite(offset):
+        value = offset
+    elif isinstance(offset, bool) or not isinstance(offset, numbers.Real):
+        raise TypeError(f"weight_offset must be a finite real number, got {offset!r} of type "
+                        f"{type(offset).__name__}")
+    else:
+        value = float(offset)
+        if not math.isfinite(value):
+            raise ValueError(f"weight_offset must be a finite real number, got {offset!r}")
+    if value != 0.0 and not has_weight:
+        raise ValueError(f"weight_offset={offset!r} needs a weight (the gain is weight + "
+                         "weight_offset), got weight=None")
+    return value
+
+
+def check_quantize(quantize: Any) -> str | None:
+    """``quantize=`` must be None, "int8", "float8_e4m3fn" or "float8_e5m2"."""
+    if quantize is None or (isinstance(quantize, str) and quantize in QUANTIZE_QMAX):
+        return quantize
+    raise ValueError(
+        "quantize must be None, 'int8', 'float8_e4m3fn' or 'float8_e5m2', "
+        f"got {quantize!r}"
+    )
+
+
+def check_residual_dtype(residual_dtype: Any) -> str | None:
+    """Canonical name of ``residual_dtype=`` (None stays None); a supported float only."""
+    if residual_dtype is None:
+        return None
+    if isinstance(residual_dtype, str):
+        name = residual_dtype
+        if name not in SUPPORTED:
+            raise ValueError(f"residual_dtype must be {_SUPPORTED_TEXT} (a dtype or its name), "
+                             f"got {residual_dtype!r}")
+        return name
+    try:
+        name = dtype_name(residual_dtype)
+    except Exception:  # an object that is no dtype at all
+        name = None
+    if name not in SUPPORTED:
+        raise TypeError(f"residual_dtype must be {_SUPPORTED_TEXT} (a dtype or its name), "
+                        f"got {residual_dtype!r}")
+    return name

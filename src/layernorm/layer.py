@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._api import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
-from ._validate import as_int_tuple, check_eps
+from ._validate import as_int_tuple, check_eps, check_weight_offset
 
 
 def _resolve_dtype(xp: Any, dtype: Any) -> Any:
@@ -36,7 +36,8 @@ class _Norm:
     _param_names: tuple[str, ...] = ()
 
     def __init__(self, normalized_shape: Any, eps: Any, elementwise_affine: bool,
-                 has_bias: bool, dtype: Any, xp: Any, device: Any) -> None:
+                 has_bias: bool, dtype: Any, xp: Any, device: Any,
+                 weight_offset: Any = 0.0) -> None:
         if xp is None:
             import numpy as xp
         shape = as_int_tuple(normalized_shape, "normalized_shape")
@@ -45,6 +46,7 @@ class _Norm:
         self.normalized_shape: tuple[int, ...] = shape
         self.eps = eps
         self.elementwise_affine = bool(elementwise_affine)
+        self.weight_offset = check_weight_offset(weight_offset, self.elementwise_affine)
         self._xp = xp
         self._device = device
         self._dtype = _resolve_dtype(xp, dtype)
@@ -59,9 +61,10 @@ class _Norm:
         return self._xp.full(self.normalized_shape, value, dtype=self._dtype, **kwargs)
 
     def reset_parameters(self) -> None:
-        """Set ``weight`` to ones and ``bias`` to zeros (no-op without affine parameters)."""
+        """Set ``weight`` to ``1 - weight_offset`` (a gain of one) and ``bias`` to zeros
+        (no-op without affine parameters)."""
         if self.elementwise_affine:
-            self.weight = self._full(1.0)
+            self.weight = self._full(1.0 - self.weight_offset)
             self.bias = self._full(0.0) if self._has_bias else None
 
     def state_dict(self) -> dict[str, Any]:
@@ -104,8 +107,11 @@ class _Norm:
 
     def extra_repr(self) -> str:
         """Arguments shown by ``repr`` (torch's format)."""
-        return (f"{self.normalized_shape}, eps={self.eps}, "
+        text = (f"{self.normalized_shape}, eps={self.eps}, "
                 f"elementwise_affine={self.elementwise_affine}")
+        if self.weight_offset != 0.0:
+            text += f", weight_offset={self.weight_offset}"
+        return text
 
 
 class LayerNorm(_Norm):
@@ -121,6 +127,9 @@ class LayerNorm(_Norm):
         Learnable ``weight`` (ones) and ``bias`` (zeros).
     bias : bool, default True
         Whether to have a ``bias`` when ``elementwise_affine``.
+    weight_offset : float, default 0.0
+        The gain applied is ``weight + weight_offset`` (zero-centred weights use 1.0);
+        ``weight`` starts at ``1 - weight_offset``.
     dtype : str or dtype, default "float32"
         Parameter dtype.
     xp : module, optional
@@ -139,6 +148,8 @@ class LayerNorm(_Norm):
     weight, bias : array or None
         Parameters of shape ``normalized_shape`` in the layer's namespace; ``bias`` is None
         with ``bias=False``, both are None without ``elementwise_affine``.
+    weight_offset : float
+        Added to ``weight`` to form the gain.
 
     Examples
     --------
@@ -157,14 +168,15 @@ class LayerNorm(_Norm):
 
     def __init__(self, normalized_shape: Any, eps: float = 1e-5,
                  elementwise_affine: bool = True, bias: bool = True, *,
-                 dtype: Any = "float32", xp: Any = None, device: Any = None) -> None:
+                 weight_offset: float = 0.0, dtype: Any = "float32", xp: Any = None,
+                 device: Any = None) -> None:
         super().__init__(normalized_shape, check_eps(eps), elementwise_affine, bias, dtype, xp,
-                         device)
+                         device, weight_offset)
 
     def __call__(self, x: Any) -> Any:
         """Normalize ``x`` and keep what ``backward`` needs."""
         y, mean, rstd = layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
-                                   return_stats=True)
+                                   weight_offset=self.weight_offset, return_stats=True)
         self._saved = (x, mean, rstd)
         return y
 
@@ -185,13 +197,18 @@ class LayerNorm(_Norm):
         """
         x, mean, rstd = self._require_saved()
         gx, gw, gb = layer_norm_backward(grad_y, x, mean, rstd, self.weight,
-                                         self.normalized_shape)
+                                         self.normalized_shape,
+                                         weight_offset=self.weight_offset)
         return (gx, gw if self.weight is not None else None,
                 gb if self.bias is not None else None)
 
     def extra_repr(self) -> str:
         """Arguments shown by ``repr``."""
-        return super().extra_repr() + f", bias={self.bias is not None}"
+        text = (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}")
+        if self.weight_offset != 0.0:
+            text += f", weight_offset={self.weight_offset}"
+        return text
 
 
 class RMSNorm(_Norm):
@@ -205,6 +222,9 @@ class RMSNorm(_Norm):
         Added to the mean square; None means the accumulation dtype's machine epsilon.
     elementwise_affine : bool, default True
         Learnable ``weight`` (ones).
+    weight_offset : float, default 0.0
+        The gain applied is ``weight + weight_offset`` (Gemma's RMSNorm uses 1.0);
+        ``weight`` starts at ``1 - weight_offset``.
     dtype : str or dtype, default "float32"
         Parameter dtype.
     xp : module, optional
@@ -223,6 +243,8 @@ class RMSNorm(_Norm):
     weight : array or None
         Scale of shape ``normalized_shape`` in the layer's namespace; None without
         ``elementwise_affine``.
+    weight_offset : float
+        Added to ``weight`` to form the gain.
 
     Examples
     --------
@@ -233,19 +255,25 @@ class RMSNorm(_Norm):
     RMSNorm((2,), eps=None, elementwise_affine=True)
     >>> layer(np.array([[3.0, 4.0]], dtype=np.float32)).round(4)
     array([[0.8485, 1.1314]], dtype=float32)
+    >>> gemma = ln.RMSNorm(2, weight_offset=1.0)
+    >>> gemma
+    RMSNorm((2,), eps=None, elementwise_affine=True, weight_offset=1.0)
+    >>> gemma.weight
+    array([0., 0.], dtype=float32)
     """
 
     _param_names = ("weight",)
 
     def __init__(self, normalized_shape: Any, eps: float | None = None,
-                 elementwise_affine: bool = True, *, dtype: Any = "float32", xp: Any = None,
-                 device: Any = None) -> None:
+                 elementwise_affine: bool = True, *, weight_offset: float = 0.0,
+                 dtype: Any = "float32", xp: Any = None, device: Any = None) -> None:
         super().__init__(normalized_shape, None if eps is None else check_eps(eps),
-                         elementwise_affine, False, dtype, xp, device)
+                         elementwise_affine, False, dtype, xp, device, weight_offset)
 
     def __call__(self, x: Any) -> Any:
         """Normalize ``x`` and keep what ``backward`` needs."""
-        y, rstd = rms_norm(x, self.normalized_shape, self.weight, self.eps, return_stats=True)
+        y, rstd = rms_norm(x, self.normalized_shape, self.weight, self.eps,
+                           weight_offset=self.weight_offset, return_stats=True)
         self._saved = (x, rstd)
         return y
 
@@ -265,5 +293,6 @@ class RMSNorm(_Norm):
             Gradient of ``weight``; None without ``elementwise_affine``.
         """
         x, rstd = self._require_saved()
-        gx, gw = rms_norm_backward(grad_y, x, rstd, self.weight, self.normalized_shape)
+        gx, gw = rms_norm_backward(grad_y, x, rstd, self.weight, self.normalized_shape,
+                                   weight_offset=self.weight_offset)
         return gx, (gw if self.weight is not None else None)

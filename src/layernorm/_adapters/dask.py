@@ -29,6 +29,7 @@ import numpy as np
 
 from .. import _engine
 from .._dispatch import Route, check_companions, describe, library_of, route
+from .._dtypes import accumulation_name
 
 #: Blocks larger than this after rechunking the normalized axes raise a warning.
 BLOCK_WARN_BYTES = 256 * 2**20
@@ -51,8 +52,27 @@ def _forward_block(xb: Any, wb: Any, bb: Any, *, rms: bool, axes: tuple[int, ...
     return (y, rstd) if rms else (y, mean, rstd)
 
 
-def _backward_block(gyb: Any, xb: Any, mb: Any, rb: Any, wb: Any, *, rms: bool,
-                    axes: tuple[int, ...], acc: str, backend: Any) -> tuple[Any, ...]:
+def _fused_block(xb: Any, rb: Any, wb: Any, bb: Any, sb: Any, *, rms: bool,
+                 axes: tuple[int, ...], eps: Any, backend: Any, weight_offset: float,
+                 residual_dtype: Any, quantize: Any, scale: Any, stats: bool) -> tuple[Any, ...]:
+    """One block of a forward with a residual, an offset or quantize: every output."""
+    if sb is not None:
+        scale = sb
+    where = route(xb, backend)
+    if rb is None:
+        y, s, mean, rstd = _engine.normalize_ex(xb, where, None, wb, bb, eps, axes, None, rms,
+                                                stats, weight_offset, quantize, scale)
+        h = None
+    else:
+        y, h, s, mean, rstd = _engine.add_normalize(xb, rb, where, None, wb, bb, eps, axes, rms,
+                                                    stats, weight_offset, residual_dtype,
+                                                    quantize, scale, None, None)
+    return y, h, s, mean, rstd
+
+
+def _backward_block(gyb: Any, xb: Any, mb: Any, rb: Any, wb: Any, grb: Any = None, *,
+                    rms: bool, axes: tuple[int, ...], acc: str, backend: Any,
+                    weight_offset: float = 0.0) -> tuple[Any, ...]:
     from array_api_compat import array_namespace
 
     xp = array_namespace(xb)
@@ -61,7 +81,8 @@ def _backward_block(gyb: Any, xb: Any, mb: Any, rb: Any, wb: Any, *, rms: bool,
     # that dtype (ones for no weight, which multiplies exactly) makes the API return them so.
     w = xp.ones(pshape, dtype=acc) if wb is None else wb.astype(acc)
     keep = tuple(s if i in axes else 1 for i, s in enumerate(xb.shape))
-    grads = _engine.gradients(gyb, xb, route(xb, backend), mb, rb, w, None, axes, rms)
+    grads = _engine.gradients(gyb, xb, route(xb, backend), mb, rb, w, None, axes, rms,
+                              weight_offset, grb)
     return grads[0], *(g.reshape(keep) for g in grads[1:])
 
 
@@ -223,32 +244,119 @@ def _forward(rms: bool, x: Any, dask_route: Route, ns: Any, weight: Any, bias: A
     return y, _pick(tmp, 1, stats_chunks, acc), _pick(tmp, 2, stats_chunks, acc)
 
 
+def _fused(rms: bool, x: Any, residual: Any, dask_route: Route, ns: Any, weight: Any,
+           bias: Any, eps: Any, axis: Any, return_stats: bool, backend: Any, weight_offset: Any,
+           residual_dtype: Any, quantize: Any, scale: Any, out: Any = None,
+           residual_out: Any = None) -> Any:
+    """A lazy forward with a residual, an offset or quantize: blockwise over the engine."""
+    params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
+    _check_common(x, out, **params, **({} if residual is None else {"residual": residual}))
+    if residual_out is not None:
+        raise TypeError(
+            "residual_out= is not supported for Dask arrays (they are immutable); store the "
+            "lazy h with dask.array.store instead"
+        )
+    req = _engine.request(x, dask_route, ns, axis, **params)
+    y_dtype = x.dtype
+    h_dtype = None
+    stats_req = req
+    if residual is not None:
+        r_name = _engine.check_residual(residual, req)
+        _, h_name = _engine.sum_dtypes(req.dtype, r_name, residual_dtype)
+        h_dtype = _engine.dtype_of(np, h_name)
+        stats_req = _engine.Request(req.layout, h_name, accumulation_name(h_name), req.backend)
+    eps = _engine.resolve_eps(eps, stats_req, rms)
+    if hasattr(scale, "shape") and library_of(scale, "scale") == "dask":
+        raise TypeError("scale must be a number or a NumPy array for Dask inputs, got a Dask "
+                        "array; pass scale.compute()")
+    offset, quantize = _engine.check_extras(np, req, weight, weight_offset, quantize, scale,
+                                            None)
+    if quantize is not None:
+        y_dtype = _engine.dtype_of(np, quantize)
+    axes = req.layout.axes
+    xr = _rows_rechunked(x, axes)
+    stats_chunks = _stats_chunks(xr.chunks, axes)
+    ind = tuple(range(x.ndim))
+    static = None
+    if scale is not None and hasattr(scale, "shape"):
+        static = _as_dask(np.broadcast_to(scale, req.layout.stats_shape), stats_chunks)
+    pairs = [(xr, ind), (_as_dask(residual, xr.chunks), ind), (_param(weight), axes),
+             (_param(bias), axes), (static, ind)]
+    da = _da()
+    tmp = da.blockwise(_fused_block, ind, *_args(pairs), dtype=y_dtype,
+                       meta=_meta(xr._meta, x.ndim, y_dtype),
+                       token="add_norm" if residual is not None else "norm_ex", rms=rms,
+                       axes=axes, eps=eps, backend=backend, weight_offset=offset,
+                       residual_dtype=residual_dtype, quantize=quantize,
+                       scale=None if static is not None else scale, stats=return_stats)
+    y = _pick(tmp, 0, xr.chunks, y_dtype)
+    h = None if residual is None else _pick(tmp, 1, xr.chunks, h_dtype)
+    acc = np.dtype(stats_req.acc)
+    s = None
+    if quantize is not None:
+        s = scale if scale is not None else _pick(tmp, 2, stats_chunks, acc)
+    mean = rstd = None
+    if return_stats:
+        mean = None if rms else _pick(tmp, 3, stats_chunks, acc)
+        rstd = _pick(tmp, 4, stats_chunks, acc)
+    return _engine.results(y, h, s, mean, rstd, quantize, return_stats, rms,
+                           add=residual is not None)
+
+
+def _plain(weight_offset: Any, quantize: Any, scale: Any) -> bool:
+    return (quantize is None and scale is None and type(weight_offset) is float
+            and weight_offset == 0.0)
+
+
 def layer_norm(x: Any, dask_route: Route, normalized_shape: Any, weight: Any, bias: Any,
-               eps: Any, *, axis: Any, return_stats: bool, out: Any, backend: Any) -> Any:
+               eps: Any, *, axis: Any, return_stats: bool, out: Any, backend: Any,
+               weight_offset: Any = 0.0, quantize: Any = None, scale: Any = None) -> Any:
     """:func:`layernorm.layer_norm` for a Dask array: lazy Dask arrays back.
 
     ``dask_route`` is the call's route; ``backend`` the forced name each block re-routes by.
     """
+    if not _plain(weight_offset, quantize, scale):
+        return _fused(False, x, None, dask_route, normalized_shape, weight, bias, eps, axis,
+                      return_stats, backend, weight_offset, None, quantize, scale, out)
     return _forward(False, x, dask_route, normalized_shape, weight, bias, eps, axis,
                     return_stats, out, backend)
 
 
 def rms_norm(x: Any, dask_route: Route, normalized_shape: Any, weight: Any, eps: Any, *,
-             axis: Any, return_stats: bool, out: Any, backend: Any) -> Any:
+             axis: Any, return_stats: bool, out: Any, backend: Any, weight_offset: Any = 0.0,
+             quantize: Any = None, scale: Any = None) -> Any:
     """:func:`layernorm.rms_norm` for a Dask array: lazy Dask arrays back."""
+    if not _plain(weight_offset, quantize, scale):
+        return _fused(True, x, None, dask_route, normalized_shape, weight, None, eps, axis,
+                      return_stats, backend, weight_offset, None, quantize, scale, out)
     return _forward(True, x, dask_route, normalized_shape, weight, None, eps, axis,
                     return_stats, out, backend)
+
+
+def add_norm(x: Any, residual: Any, dask_route: Route, normalized_shape: Any, weight: Any,
+             bias: Any, eps: Any, *, axis: Any, rms: bool, backend: Any, weight_offset: Any,
+             residual_dtype: Any, quantize: Any, scale: Any, return_stats: bool, out: Any,
+             residual_out: Any) -> Any:
+    """:func:`layernorm.add_layer_norm` / :func:`layernorm.add_rms_norm` for Dask arrays:
+    ``h`` and ``y`` (and the per-row scales) lazily, block by block."""
+    return _fused(rms, x, residual, dask_route, normalized_shape, weight,
+                  None if rms else bias, eps, axis, return_stats, backend, weight_offset,
+                  residual_dtype, quantize, scale, out, residual_out)
 
 
 # --------------------------------------------------------------------------- backward
 
 
 def _backward(rms: bool, grad_y: Any, x: Any, dask_route: Route, mean: Any, rstd: Any,
-              weight: Any, ns: Any, axis: Any, backend: Any) -> tuple[Any, ...]:
+              weight: Any, ns: Any, axis: Any, backend: Any, weight_offset: Any = 0.0,
+              grad_residual: Any = None) -> tuple[Any, ...]:
     stats = {"rstd": rstd} if rms else {"mean": mean, "rstd": rstd}
-    _check_common(x, None, grad_y=grad_y, weight=weight, **stats)
+    extra = {} if grad_residual is None else {"grad_residual": grad_residual}
+    _check_common(x, None, grad_y=grad_y, weight=weight, **stats, **extra)
     req = _engine.request(x, dask_route, ns, axis, weight=weight)
     _engine.check_backward(grad_y, req, **stats)
+    offset = _engine.check_weight_offset(weight_offset, weight is not None)
+    _engine.check_grad_residual(grad_residual, req)
     axes = req.layout.axes
     xr = _rows_rechunked(x, axes)
     stats_chunks = _stats_chunks(xr.chunks, axes)
@@ -259,12 +367,13 @@ def _backward(rms: bool, grad_y: Any, x: Any, dask_route: Route, mean: Any, rstd
         (_as_dask(mean, stats_chunks), ind),
         (_as_dask(rstd, stats_chunks), ind),
         (_param(weight), axes),
+        (_as_dask(grad_residual, xr.chunks), ind),
     ]
     da = _da()
     acc = np.dtype(req.acc)
     tmp = da.blockwise(_backward_block, ind, *_args(pairs), dtype=x.dtype,
                        meta=_meta(xr._meta, x.ndim, x.dtype), rms=rms, axes=axes,
-                       acc=req.acc, backend=backend,
+                       acc=req.acc, backend=backend, weight_offset=offset,
                        token="rms_norm_backward" if rms else "layer_norm_backward")
     grad_x = _pick(tmp, 0, xr.chunks, x.dtype)
     part_chunks = tuple(c if i in axes else (1,) * len(c) for i, c in enumerate(xr.chunks))
@@ -283,15 +392,16 @@ def _backward(rms: bool, grad_y: Any, x: Any, dask_route: Route, mean: Any, rstd
 
 
 def layer_norm_backward(grad_y: Any, x: Any, dask_route: Route, mean: Any, rstd: Any,
-                        weight: Any, normalized_shape: Any, *, axis: Any,
-                        backend: Any) -> tuple[Any, ...]:
+                        weight: Any, normalized_shape: Any, *, axis: Any, backend: Any,
+                        weight_offset: Any = 0.0, grad_residual: Any = None) -> tuple[Any, ...]:
     """:func:`layernorm.layer_norm_backward` for Dask arrays: lazy gradients."""
     return _backward(False, grad_y, x, dask_route, mean, rstd, weight, normalized_shape, axis,
-                     backend)
+                     backend, weight_offset, grad_residual)
 
 
 def rms_norm_backward(grad_y: Any, x: Any, dask_route: Route, rstd: Any, weight: Any,
-                      normalized_shape: Any, *, axis: Any, backend: Any) -> tuple[Any, ...]:
+                      normalized_shape: Any, *, axis: Any, backend: Any,
+                      weight_offset: Any = 0.0, grad_residual: Any = None) -> tuple[Any, ...]:
     """:func:`layernorm.rms_norm_backward` for Dask arrays: lazy gradients."""
     return _backward(True, grad_y, x, dask_route, None, rstd, weight, normalized_shape, axis,
-                     backend)
+                     backend, weight_offset, grad_residual)

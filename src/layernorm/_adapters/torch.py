@@ -34,6 +34,7 @@ import torch
 
 from .. import _engine
 from .._dispatch import Route, check_companions
+from .._dtypes import accumulation_name, dtype_name
 from .._validate import check_float_dtype, check_no_internal_overlap, check_out
 
 _ACC_TORCH = {"float32": torch.float32, "float64": torch.float64}
@@ -307,47 +308,228 @@ class _NormFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------- entry points
 
 
+def _plain_forward(route: Route, rms: bool, x: Any, ns: Any, weight: Any, bias: Any, eps: Any,
+                   axis: Any, out: Any) -> tuple[Any, Any, Any]:
+    """``(y, mean, rstd)``, through our autograd node when a gradient is wanted."""
+    if route.backend != "array_api" and _wants_grad(x, weight, bias):
+        if rms:
+            y, rstd = _NormFunction.apply(x, weight, None, (route, True, ns, eps, axis))
+            return y, None, rstd
+        return _NormFunction.apply(x, weight, bias, (route, False, ns, eps, axis))
+    return _forward(route, rms, x, ns, weight, bias, eps, axis, out)
+
+
+def _namespace(x: Any) -> Any:
+    return _engine.namespace("torch", x)
+
+
+def _extended_forward(route: Route, rms: bool, x: Any, ns: Any, weight: Any, bias: Any,
+                      eps: Any, axis: Any, return_stats: bool, out: Any, weight_offset: Any,
+                      quantize: Any, scale: Any) -> Any:
+    """A forward with ``weight_offset`` or ``quantize``: the engine's composition, with
+    torch ops (the gain is differentiable; quantized outputs are not)."""
+    params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
+    req = _engine.request(x, route, ns, axis, **params)
+    xp = _namespace(x)
+    offset, quantize = _engine.check_extras(xp, req, weight, weight_offset, quantize, scale,
+                                            out)
+    g = _engine.gain(xp, weight, offset, req.acc)
+    if quantize is None:
+        y, mean, rstd = _plain_forward(route, rms, x, ns, g, bias, eps, axis, out)
+        return _engine.results(y, None, None, mean, rstd, None, return_stats, rms, add=False)
+
+    def norm(a: Any, o: Any) -> tuple[Any, Any, Any]:
+        return _forward(route, rms, a, ns, g, bias, eps, axis, o)
+
+    with torch.no_grad():  # quantized outputs are not differentiable
+        y, s, mean, rstd = _engine.compose(xp, x, req, norm, req.dtype, out, quantize, scale)
+    return _engine.results(y, None, s, mean, rstd, quantize, return_stats, rms, add=False)
+
+
 def layer_norm(x: Any, route: Route, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
-               *, axis: Any, return_stats: bool, out: Any) -> Any:
+               *, axis: Any, return_stats: bool, out: Any, weight_offset: Any = 0.0,
+               quantize: Any = None, scale: Any = None) -> Any:
     """:func:`layernorm.layer_norm` for a torch tensor ``x``; returns torch tensors."""
     _check_inputs(x, weight=weight, bias=bias, out=out)
     _no_out_with_grad(out, x, weight, bias)
-    if route.backend != "array_api" and _wants_grad(x, weight, bias):
-        spec = (route, False, normalized_shape, eps, axis)
-        y, mean, rstd = _NormFunction.apply(x, weight, bias, spec)
-    else:
-        y, mean, rstd = _forward(route, False, x, normalized_shape, weight, bias, eps, axis,
-                                 out)
+    if (quantize is not None or scale is not None or type(weight_offset) is not float
+            or weight_offset != 0.0):
+        return _extended_forward(route, False, x, normalized_shape, weight, bias, eps, axis,
+                                 return_stats, out, weight_offset, quantize, scale)
+    y, mean, rstd = _plain_forward(route, False, x, normalized_shape, weight, bias, eps, axis,
+                                   out)
     return (y, mean, rstd) if return_stats else y
 
 
 def rms_norm(x: Any, route: Route, normalized_shape: Any, weight: Any, eps: Any, *, axis: Any,
-             return_stats: bool, out: Any) -> Any:
+             return_stats: bool, out: Any, weight_offset: Any = 0.0, quantize: Any = None,
+             scale: Any = None) -> Any:
     """:func:`layernorm.rms_norm` for a torch tensor ``x``; returns torch tensors."""
     _check_inputs(x, weight=weight, out=out)
     _no_out_with_grad(out, x, weight)
-    if route.backend != "array_api" and _wants_grad(x, weight):
-        y, rstd = _NormFunction.apply(x, weight, None, (route, True, normalized_shape, eps, axis))
-    else:
-        y, _, rstd = _forward(route, True, x, normalized_shape, weight, None, eps, axis, out)
+    if (quantize is not None or scale is not None or type(weight_offset) is not float
+            or weight_offset != 0.0):
+        return _extended_forward(route, True, x, normalized_shape, weight, None, eps, axis,
+                                 return_stats, out, weight_offset, quantize, scale)
+    y, _, rstd = _plain_forward(route, True, x, normalized_shape, weight, None, eps, axis, out)
     return (y, rstd) if return_stats else y
 
 
+def _extended_backward(route: Route, rms: bool, gy: Any, x: Any, mean: Any, rstd: Any,
+                       weight: Any, ns: Any, axis: Any, weight_offset: Any,
+                       grad_residual: Any) -> tuple[Any, ...]:
+    req = _engine.request(x, route, ns, axis, weight=weight)
+    offset = _engine.check_weight_offset(weight_offset, weight is not None)
+    _engine.check_grad_residual(grad_residual, req)
+    xp = _namespace(x)
+    g = _engine.gain(xp, weight, offset, req.acc)
+
+    def run(gy_: Any, x_: Any) -> tuple[Any, ...]:
+        return _backward(route, rms, gy_, x_, mean, rstd, g, ns, axis)
+
+    grads = _engine.with_grad_residual(xp, gy, x, req, run, grad_residual)
+    pdtype = (weight if weight is not None else x).dtype
+    return (grads[0], *(gr.to(pdtype) for gr in grads[1:]))
+
+
 def layer_norm_backward(grad_y: Any, x: Any, route: Route, mean: Any, rstd: Any, weight: Any,
-                        normalized_shape: Any, *, axis: Any) -> Any:
+                        normalized_shape: Any, *, axis: Any, weight_offset: Any = 0.0,
+                        grad_residual: Any = None) -> Any:
     """:func:`layernorm.layer_norm_backward` for torch tensors (not itself differentiable)."""
-    _check_inputs(x, grad_y=grad_y, mean=mean, rstd=rstd, weight=weight)
+    _check_inputs(x, grad_y=grad_y, mean=mean, rstd=rstd, weight=weight,
+                  grad_residual=grad_residual)
     with torch.no_grad():
-        return _backward(route, False, grad_y, x, mean, rstd, weight, normalized_shape, axis)
+        return _extended_backward(route, False, grad_y, x, mean, rstd, weight,
+                                  normalized_shape, axis, weight_offset, grad_residual)
 
 
 def rms_norm_backward(grad_y: Any, x: Any, route: Route, rstd: Any, weight: Any,
-                      normalized_shape: Any, *, axis: Any) -> Any:
+                      normalized_shape: Any, *, axis: Any, weight_offset: Any = 0.0,
+                      grad_residual: Any = None) -> Any:
     """:func:`layernorm.rms_norm_backward` for torch tensors (not itself differentiable)."""
-    _check_inputs(x, grad_y=grad_y, rstd=rstd, weight=weight)
+    _check_inputs(x, grad_y=grad_y, rstd=rstd, weight=weight, grad_residual=grad_residual)
     with torch.no_grad():
-        return _backward(route, True, grad_y, x, None, rstd, weight, normalized_shape, axis)
+        return _extended_backward(route, True, grad_y, x, None, rstd, weight,
+                                  normalized_shape, axis, weight_offset, grad_residual)
 
 
-__all__ = ["CPU_BRIDGE", "Bridge", "backward_with", "forward_with", "from_numpy",
+# --------------------------------------------------------------------------- fusions
+
+
+def _add_forward(route: Route, rms: bool, x: Any, residual: Any, ns: Any, gain: Any,
+                 bias: Any, eps: Any, axis: Any, add: str, h_name: str, quantize: Any,
+                 scale: Any, out: Any, residual_out: Any) -> tuple[Any, ...]:
+    """The engine's composition of an ``add_`` call on tensors: ``(y, h, scale, mean, rstd)``.
+
+    Differentiable by torch itself on the generic route; the native routes run it inside
+    :class:`_AddNormFunction` (or without gradients).
+    """
+    xp = _namespace(x)
+    h = _engine.residual_sum(xp, x, residual, add, h_name)
+    if residual_out is not None:
+        residual_out.copy_(h)
+        h = residual_out
+    req = _engine.request(h, route, ns, axis, weight=gain, bias=bias)
+
+    def norm(a: Any, o: Any) -> tuple[Any, Any, Any]:
+        return _forward(route, rms, a, ns, gain, bias, eps, axis, o)
+
+    y, s, mean, rstd = _engine.compose(xp, h, req, norm, dtype_name(x.dtype), out, quantize,
+                                       scale)
+    return y, h, s, mean, rstd
+
+
+class _AddNormFunction(torch.autograd.Function):
+    """Autograd node of ``add_layer_norm``/``add_rms_norm`` on the native routes.
+
+    The gradient reaching ``h`` from the residual stream goes to the backward as
+    ``grad_residual``; their sum is the gradient of both ``x`` and ``residual``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Any, residual: Any, gain: Any, bias: Any,
+                spec: tuple[Any, ...]) -> Any:
+        route, rms, ns, eps, axis, add, h_name = spec
+        y, h, _, mean, rstd = _add_forward(route, rms, x, residual, ns, gain, bias, eps, axis,
+                                           add, h_name, None, None, None, None)
+        ctx.spec = spec
+        ctx.dtypes = (x.dtype, residual.dtype)
+        ctx.save_for_backward(h, gain, mean, rstd)
+        if rms:
+            ctx.mark_non_differentiable(rstd)
+            return y, h, rstd
+        ctx.mark_non_differentiable(mean, rstd)
+        return y, h, mean, rstd
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_y: Any, grad_h: Any, *_stats_grads: Any) -> tuple[Any, ...]:
+        route, rms, ns, _eps, axis, _add, _h_name = ctx.spec
+        h, gain, mean, rstd = ctx.saved_tensors
+        req = _engine.request(h, route, ns, axis, weight=gain)
+        xp = _namespace(h)
+
+        def run(gy: Any, a: Any) -> tuple[Any, ...]:
+            return _backward(route, rms, gy, a, mean, rstd, gain, ns, axis)
+
+        grads = _engine.with_grad_residual(xp, grad_y.to(h.dtype), h, req, run,
+                                           grad_h.to(h.dtype))
+        need = ctx.needs_input_grad
+        total = grads[0]
+        return (total.to(ctx.dtypes[0]) if need[0] else None,
+                total.to(ctx.dtypes[1]) if need[1] else None,
+                grads[1] if need[2] else None,
+                grads[2] if (not rms and need[3]) else None,
+                None)
+
+
+def _share_storage(a: Any, b: Any) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def add_norm(x: Any, residual: Any, route: Route, normalized_shape: Any, weight: Any,
+             bias: Any, eps: Any, *, axis: Any, rms: bool, weight_offset: Any,
+             residual_dtype: Any, quantize: Any, scale: Any, return_stats: bool, out: Any,
+             residual_out: Any) -> Any:
+    """:func:`layernorm.add_layer_norm` / :func:`layernorm.add_rms_norm` for torch tensors."""
+    if rms:
+        bias = None
+    _check_inputs(x, residual=residual, weight=weight, bias=bias, out=out,
+                  residual_out=residual_out)
+    _no_out_with_grad(out, x, residual, weight, bias)
+    if residual_out is not None and _wants_grad(x, residual, weight, bias):
+        raise RuntimeError(
+            "residual_out= does not support automatic differentiation (an input requires "
+            "grad); call without residual_out= or under torch.no_grad()"
+        )
+    params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
+    req_x = _engine.request(x, route, normalized_shape, axis, **params)
+    r_name = _engine.check_residual(residual, req_x)
+    add, h_name = _engine.sum_dtypes(req_x.dtype, r_name, residual_dtype)
+    xp = _namespace(x)
+    offset, quantize = _engine.check_extras(xp, req_x, weight, weight_offset, quantize, scale,
+                                            out)
+    if residual_out is not None:
+        _engine.check_residual_out(residual_out, req_x, h_name)
+        _engine.check_distinct_outputs(_share_storage, out, residual_out)
+    gain = _engine.gain(xp, weight, offset, accumulation_name(h_name))
+    if route.backend != "array_api" and quantize is None and _wants_grad(x, residual, gain,
+                                                                          bias):
+        spec = (route, rms, normalized_shape, eps, axis, add, h_name)
+        outs = _AddNormFunction.apply(x, residual, gain, bias, spec)
+        y, h, mean, rstd = (outs[0], outs[1], None, outs[2]) if rms else outs
+        s = None
+    elif quantize is not None:
+        with torch.no_grad():  # quantized outputs are not differentiable
+            y, h, s, mean, rstd = _add_forward(route, rms, x, residual, normalized_shape, gain,
+                                               bias, eps, axis, add, h_name, quantize, scale,
+                                               out, residual_out)
+    else:
+        y, h, s, mean, rstd = _add_forward(route, rms, x, residual, normalized_shape, gain,
+                                           bias, eps, axis, add, h_name, quantize, scale, out,
+                                           residual_out)
+    return _engine.results(y, h, s, mean, rstd, quantize, return_stats, rms, add=True)
+
+
+__all__ = ["CPU_BRIDGE", "Bridge", "add_norm", "backward_with", "forward_with", "from_numpy",
            "layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward", "to_numpy"]

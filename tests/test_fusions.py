@@ -1,0 +1,737 @@
+"""Transformer-block fusions: add_layer_norm/add_rms_norm, weight_offset, grad_residual and
+quantized outputs (API.md, "Transformer-block fusions").
+
+Expected values are computed here, independently: float64 references, conversions done
+with NumPy/ml_dtypes in the test, and the unfused composition of the public functions
+the contract defines the fused ones by ("bit for bit what ``layer_norm(h)`` gives").
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import layernorm as ln
+
+DT = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+}
+BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64, 1: np.uint8}
+QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+FP8 = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
+
+
+def bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view(BITS[a.dtype.itemsize])
+
+
+def assert_bitwise(a, b):
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert a.shape == b.shape
+    np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def acc_of(name):
+    return np.float64 if name == "float64" else np.float32
+
+
+def ref_layer_norm(x, w=None, b=None, eps=1e-5):
+    x = np.asarray(x, np.float64)
+    m = x.mean(-1, keepdims=True)
+    v = ((x - m) ** 2).mean(-1, keepdims=True)
+    y = (x - m) / np.sqrt(v + eps)
+    if w is not None:
+        y = y * np.asarray(w, np.float64)
+    if b is not None:
+        y = y + np.asarray(b, np.float64)
+    return y
+
+
+def ref_rms_norm(x, w=None, eps=1e-6):
+    x = np.asarray(x, np.float64)
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    return y if w is None else y * np.asarray(w, np.float64)
+
+
+def data(shape, dtype, seed, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape) * scale).astype(DT[dtype])
+
+
+# --------------------------------------------------------------------------- residual add
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    xd=st.sampled_from(list(DT)),
+    rd=st.sampled_from(list(DT)),
+    hd=st.sampled_from([None, *DT]),
+    rows=st.integers(0, 5),
+    n=st.integers(1, 40),
+    rms=st.booleans(),
+    offset=st.sampled_from([0.0, 1.0, -0.5]),
+    seed=st.integers(0, 2**16),
+)
+def test_add_is_bitwise_the_unfused_composition(xd, rd, hd, rows, n, rms, offset, seed):
+    x = data((rows, n), xd, seed, 3.0)
+    r = data((rows, n), rd, seed + 1, 3.0)
+    w = data((n,), "bfloat16", seed + 2)
+    b = data((n,), "float32", seed + 3)
+    hname = hd or rd
+    add = np.float64 if "float64" in (xd, rd, hname) else np.float32
+    h_ref = (x.astype(add) + r.astype(add)).astype(DT[hname])
+    if rms:
+        y, h, rstd = ln.add_rms_norm(x, r, n, w, weight_offset=offset, residual_dtype=hd,
+                                     return_stats=True)
+        y_ref, rstd_ref = ln.rms_norm(h_ref, n, w, weight_offset=offset, return_stats=True)
+        stats, stats_ref = (rstd,), (rstd_ref,)
+    else:
+        y, h, mean, rstd = ln.add_layer_norm(x, r, n, w, b, weight_offset=offset,
+                                             residual_dtype=hd, return_stats=True)
+        y_ref, mean_ref, rstd_ref = ln.layer_norm(h_ref, n, w, b, weight_offset=offset,
+                                                  return_stats=True)
+        stats, stats_ref = (mean, rstd), (mean_ref, rstd_ref)
+    assert_bitwise(h, h_ref)
+    assert_bitwise(y, y_ref.astype(DT[xd]))
+    for s, s_ref in zip(stats, stats_ref, strict=True):
+        assert_bitwise(s, s_ref)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("dtype", list(DT))
+def test_add_against_float64_reference(dtype, rms):
+    x, r = data((6, 64), dtype, 0), data((6, 64), dtype, 1)
+    w, b = data((64,), "float32", 2), data((64,), "float32", 3)
+    h64 = x.astype(np.float64) + r.astype(np.float64)
+    if rms:
+        y, h = ln.add_rms_norm(x, r, 64, w, eps=1e-6, weight_offset=0.25)
+        ref = ref_rms_norm(h.astype(np.float64), w.astype(np.float64) + 0.25)
+    else:
+        y, h = ln.add_layer_norm(x, r, 64, w, b, weight_offset=0.25)
+        ref = ref_layer_norm(h.astype(np.float64), w.astype(np.float64) + 0.25, b)
+    tol = {"float16": 2e-2, "bfloat16": 1.5e-1, "float32": 1e-4, "float64": 1e-10}[dtype]
+    np.testing.assert_allclose(h.astype(np.float64), h64, rtol=tol, atol=tol)
+    np.testing.assert_allclose(y.astype(np.float64), ref, rtol=tol, atol=tol)
+
+
+def test_residual_dtype_keeps_a_float32_stream():
+    x = data((3, 16), "bfloat16", 0)
+    r = data((3, 16), "bfloat16", 1)
+    y, h = ln.add_layer_norm(x, r, residual_dtype="float32")
+    assert h.dtype == np.float32 and y.dtype == DT["bfloat16"]
+    # bfloat16 + bfloat16 is exact in float32 here (same exponent range, 8-bit mantissas)
+    np.testing.assert_array_equal(h, x.astype(np.float32) + r.astype(np.float32))
+    _y2, h2 = ln.add_layer_norm(x, r, residual_dtype=np.float64)
+    assert h2.dtype == np.float64
+
+
+@pytest.mark.parametrize("xd", ["bfloat16", "float32"])
+@pytest.mark.parametrize("case", ["out=x", "out=residual", "residual_out=residual",
+                                  "residual_out=x", "out=x,residual_out=residual",
+                                  "out=residual,residual_out=x"])
+def test_in_place(case, xd):
+    x0 = data((5, 24), xd, 0)
+    r0 = data((5, 24), xd if "out=residual" in case else "float32", 1)
+    w = data((24,), "float32", 2)
+    y_ref, h_ref = ln.add_layer_norm(x0, r0, 24, w, residual_dtype=xd if "residual_out=x"
+                                     in case else None)
+    x, r = x0.copy(), r0.copy()
+    kwargs = {}
+    for part in case.split(","):
+        name, target = part.split("=")
+        kwargs[name] = x if target == "x" else r
+    if "residual_out" in kwargs:
+        kwargs["residual_dtype"] = kwargs["residual_out"].dtype
+    y, h = ln.add_layer_norm(x, r, 24, w, **kwargs)
+    if "out" in kwargs:
+        assert y is kwargs["out"]
+    if "residual_out" in kwargs:
+        assert h is kwargs["residual_out"]
+    assert_bitwise(h, h_ref)
+    assert_bitwise(y, y_ref)
+
+
+def test_in_place_rms_strided_out():
+    x = data((4, 32), "float32", 0)
+    r = data((4, 32), "float32", 1)
+    y_ref, h_ref = ln.add_rms_norm(x, r)
+    out = np.empty((4, 64), np.float32)[:, ::2]
+    y, h = ln.add_rms_norm(x, r, out=out, residual_out=r)
+    assert y is out and h is r
+    assert_bitwise(np.ascontiguousarray(y), y_ref)
+    assert_bitwise(h, h_ref)
+
+
+def test_add_with_axis():
+    x = data((2, 3, 4, 5), "float32", 0)
+    r = data((2, 3, 4, 5), "float64", 1)
+    y, h = ln.add_layer_norm(x, r, axis=1)
+    assert h.dtype == np.float64
+    assert_bitwise(y, ln.layer_norm(x.astype(np.float64) + r, axis=1).astype(np.float32))
+
+
+# --------------------------------------------------------------------------- weight_offset
+
+
+def test_offset_gain_is_formed_in_the_accumulation_dtype():
+    x = data((3, 8), "bfloat16", 0)
+    w = np.full(8, 0.00390625, DT["bfloat16"])  # 2**-8
+    gain = np.full(8, 1.00390625, np.float32)
+    assert ml_dtypes.bfloat16(1.00390625) == 1.0  # the gain would be 1 in bfloat16
+    y = ln.layer_norm(x, weight=w, weight_offset=1.0)
+    assert_bitwise(y, ln.layer_norm(x, weight=gain))
+    y32 = ln.layer_norm(x.astype(np.float32), weight=w, weight_offset=1.0)
+    assert_bitwise(y32, ln.layer_norm(x.astype(np.float32), weight=gain))
+    assert not np.array_equal(y32, ln.layer_norm(x.astype(np.float32)))
+    # float64 input: the gain in float64
+    x64 = x.astype(np.float64)
+    w64 = np.full(8, 1e-12)
+    assert_bitwise(ln.rms_norm(x64, weight=w64, weight_offset=1.0),
+                   ln.rms_norm(x64, weight=w64 + 1.0))
+
+
+@pytest.mark.parametrize("wd", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("rms", [False, True])
+def test_offset_backward_is_with_respect_to_weight(wd, rms):
+    x = data((7, 16), "float32", 0)
+    gy = data((7, 16), "float32", 1)
+    w = data((16,), wd, 2)
+    gain = w.astype(np.float32) + np.float32(1.0)
+    if rms:
+        _, rstd = ln.rms_norm(x, weight=w, weight_offset=1.0, return_stats=True)
+        gx, gw = ln.rms_norm_backward(gy, x, rstd, w, weight_offset=1.0)
+        rx, rw = ln.rms_norm_backward(gy, x, rstd, gain)
+        assert gw.dtype == w.dtype
+        assert_bitwise(gx, rx)
+        assert_bitwise(gw, rw.astype(w.dtype))
+    else:
+        _, mean, rstd = ln.layer_norm(x, weight=w, weight_offset=1.0, return_stats=True)
+        gx, gw, gb = ln.layer_norm_backward(gy, x, mean, rstd, w, weight_offset=1.0)
+        rx, rw, rb = ln.layer_norm_backward(gy, x, mean, rstd, gain)
+        assert gw.dtype == gb.dtype == w.dtype
+        assert_bitwise(gx, rx)
+        assert_bitwise(gw, rw.astype(w.dtype))
+        assert_bitwise(gb, rb.astype(w.dtype))
+
+
+def test_offset_zero_keeps_negative_zero_weights():
+    x = data((2, 4), "float32", 0)
+    w = np.full(4, -0.0, np.float32)
+    y = ln.rms_norm(x, weight=w, weight_offset=0.0, backend="numba")
+    assert np.signbit(y[x > 0]).all()
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (float("nan"), ValueError, "weight_offset must be a finite"),
+    (float("inf"), ValueError, "weight_offset must be a finite"),
+    ("1", TypeError, "weight_offset must be a finite real number, got '1'"),
+    (1j, TypeError, "weight_offset"),
+    (True, TypeError, "weight_offset"),
+    (None, TypeError, "weight_offset"),
+])
+def test_offset_errors(bad, exc, match):
+    x = np.ones((2, 4), np.float32)
+    w = np.ones(4, np.float32)
+    with pytest.raises(exc, match=match):
+        ln.layer_norm(x, weight=w, weight_offset=bad)
+    with pytest.raises(exc, match=match):
+        ln.add_rms_norm(x, x, weight=w, weight_offset=bad)
+
+
+def test_offset_without_weight_is_an_error():
+    x = np.ones((2, 4), np.float32)
+    for call in (lambda: ln.layer_norm(x, weight_offset=1.0),
+                 lambda: ln.rms_norm(x, weight_offset=1.0),
+                 lambda: ln.add_layer_norm(x, x, weight_offset=1.0),
+                 lambda: ln.rms_norm_backward(x, x, np.ones((2, 1), np.float32),
+                                              weight_offset=1.0)):
+        with pytest.raises(ValueError, match=r"weight_offset=1\.0 needs a weight"):
+            call()
+    with pytest.raises(ValueError, match="weight_offset"):
+        ln.LayerNorm(4, elementwise_affine=False, weight_offset=1.0)
+
+
+def test_layer_classes_with_offset():
+    layer = ln.RMSNorm(8, weight_offset=1.0)
+    assert repr(layer) == "RMSNorm((8,), eps=None, elementwise_affine=True, weight_offset=1.0)"
+    np.testing.assert_array_equal(layer.weight, np.zeros(8, np.float32))
+    x = data((3, 8), "float32", 0)
+    assert_bitwise(layer(x), ln.rms_norm(x))  # a gain of one
+    layer.weight = data((8,), "float32", 1)
+    assert_bitwise(layer(x), ln.rms_norm(x, weight=layer.weight, weight_offset=1.0))
+    _, gw = layer.backward(x)
+    _, rstd = ln.rms_norm(x, weight=layer.weight, weight_offset=1.0, return_stats=True)
+    assert_bitwise(gw, ln.rms_norm_backward(x, x, rstd, layer.weight, weight_offset=1.0)[1])
+    layer.reset_parameters()
+    np.testing.assert_array_equal(layer.weight, np.zeros(8, np.float32))
+    lnorm = ln.LayerNorm(4, weight_offset=0.25, dtype="bfloat16")
+    assert repr(lnorm).endswith("bias=True, weight_offset=0.25)")
+    np.testing.assert_array_equal(lnorm.weight.astype(np.float32), np.full(4, 0.75))
+    assert "weight_offset" not in repr(ln.LayerNorm(4))
+
+
+# --------------------------------------------------------------------------- grad_residual
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("dtype", list(DT))
+def test_grad_residual(dtype, rms):
+    x, gy, gr = data((9, 20), dtype, 0), data((9, 20), dtype, 1), data((9, 20), dtype, 2)
+    w = data((20,), "float32", 3)
+    if rms:
+        _, rstd = ln.rms_norm(x, weight=w, return_stats=True)
+        stats = (rstd,)
+        backward = ln.rms_norm_backward
+    else:
+        _, mean, rstd = ln.layer_norm(x, weight=w, return_stats=True)
+        stats = (mean, rstd)
+        backward = ln.layer_norm_backward
+    fused = backward(gy, x, *stats, w, grad_residual=gr)
+    plain = backward(gy, x, *stats, w)
+    for a, b in zip(fused[1:], plain[1:], strict=True):
+        assert_bitwise(a, b)
+    if dtype in ("float32", "float64"):
+        assert_bitwise(fused[0], plain[0] + gr)
+        return
+    wide = backward(gy.astype(np.float32), x.astype(np.float32), *stats, w)
+    # the 16-bit kernels compute in float32 and round once: the widened run is that value
+    assert_bitwise(plain[0], wide[0].astype(DT[dtype]))
+    assert_bitwise(fused[0], (wide[0] + gr.astype(np.float32)).astype(DT[dtype]))
+
+
+def test_grad_residual_errors():
+    x = np.ones((2, 4), np.float32)
+    stats = ln.layer_norm(x, return_stats=True)[1:]
+    with pytest.raises(ValueError, match=r"grad_residual must have shape \(2, 4\)"):
+        ln.layer_norm_backward(x, x, *stats, grad_residual=np.ones((2, 3), np.float32))
+    with pytest.raises(TypeError, match="grad_residual must have the dtype of x"):
+        ln.layer_norm_backward(x, x, *stats, grad_residual=np.ones((2, 4), np.float64))
+    with pytest.raises(TypeError, match="grad_residual must have dtype"):
+        ln.layer_norm_backward(x, x, *stats, grad_residual=np.ones((2, 4), np.int32))
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="grad_residual comes from torch"):
+        ln.layer_norm_backward(x, x, *stats, grad_residual=torch.ones(2, 4))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_add_errors():
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(ValueError, match=r"residual must have shape \(2, 4\)"):
+        ln.add_layer_norm(x, np.ones((2, 5), np.float32))
+    with pytest.raises(TypeError, match=r"residual must have dtype .* got dtype int32"):
+        ln.add_layer_norm(x, np.ones((2, 4), np.int32))
+    with pytest.raises(ValueError, match=r"residual_dtype must be .* got 'float99'"):
+        ln.add_rms_norm(x, x, residual_dtype="float99")
+    with pytest.raises(TypeError, match=r"residual_dtype must be .* got <class 'numpy.int32'>"):
+        ln.add_rms_norm(x, x, residual_dtype=np.int32)
+    with pytest.raises(ValueError, match="residual_out must have the dtype of h"):
+        ln.add_rms_norm(x, x, residual_out=np.ones((2, 4), np.float64))
+    with pytest.raises(ValueError, match="out must have the dtype of x"):
+        ln.add_rms_norm(x, x, out=np.ones((2, 4), np.float64))
+    buf = np.ones((2, 4), np.float32)
+    with pytest.raises(ValueError, match="out and residual_out share memory"):
+        ln.add_rms_norm(x, x.copy(), out=buf, residual_out=buf)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="residual comes from torch"):
+        ln.add_layer_norm(x, torch.ones(2, 4))
+
+
+def test_add_array_api_has_no_out():
+    xs = pytest.importorskip("array_api_strict")
+    x = xs.ones((2, 4), dtype=xs.float32)
+    with pytest.raises(TypeError, match="residual_out= is not supported"):
+        ln.add_layer_norm(x, x, residual_out=x)
+
+
+# --------------------------------------------------------------------------- quantize
+
+
+def qref(y32, fmt, scale=None):
+    """Quantize in the test: per-row dynamic scale or a static one; RNE; saturating."""
+    acc = y32.dtype.type
+    qmax = acc(QMAX[fmt])
+    if scale is None:
+        amax = np.max(np.abs(y32), axis=-1, keepdims=True)
+        s = np.where(amax == 0, acc(1), amax / qmax).astype(acc)
+    else:
+        s = np.asarray(scale, acc)
+    v = y32 * (acc(1) / s)
+    if fmt == "int8":
+        v = np.where(np.isnan(v), 0, v)
+        return np.clip(np.rint(v), -128, 127).astype(np.int8), s
+    v = np.where(v > qmax, qmax, np.where(v < -qmax, -qmax, v))
+    if acc is np.float64:
+        return nearest_fp8(v, fmt), s
+    return v.astype(FP8[fmt]), s
+
+
+def nearest_fp8(v, fmt):
+    """float64 -> float8 by exhaustive search: nearest finite value, ties to even bits."""
+    table = np.arange(256, dtype=np.uint8).view(FP8[fmt])
+    values = table.astype(np.float64)
+    ok = np.isfinite(values)
+    cand_bits, cand = np.arange(256)[ok], values[ok]
+    flat = v.reshape(-1)
+    out = np.empty(flat.shape, np.uint8)
+    for i, t in enumerate(flat):
+        if np.isnan(t):
+            out[i] = np.array(np.nan, FP8[fmt]).view(np.uint8)
+            continue
+        d = np.abs(cand - t)
+        best = np.flatnonzero(d == d.min())
+        even = [b for b in best if cand_bits[b] % 2 == 0]
+        b = (even or list(best))[0]
+        # -0.0 and +0.0 tie: keep t's sign
+        if cand[b] == 0.0:
+            out[i] = 0x80 if np.signbit(t) else 0
+        else:
+            out[i] = cand_bits[b]
+    return out.view(FP8[fmt]).reshape(v.shape)
+
+
+FORMATS = ["int8", "float8_e4m3fn", "float8_e5m2"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", list(DT))
+@pytest.mark.parametrize("rms", [False, True])
+def test_quantize_dynamic(rms, dtype, fmt):
+    x = data((6, 33), dtype, 0, 2.0)
+    x[2] = 0  # an all-zero row: scale 1.0
+    w = data((33,), "float32", 1)
+    acc = acc_of(dtype)
+    if rms:
+        q, s, rstd = ln.rms_norm(x, weight=w, quantize=fmt, return_stats=True)
+        y32, rstd_ref = ln.rms_norm(x.astype(acc), weight=w, return_stats=True)
+        assert_bitwise(rstd, rstd_ref)
+    else:
+        q, s = ln.layer_norm(x, weight=w, quantize=fmt)
+        y32 = ln.layer_norm(x.astype(acc), weight=w)
+    q_ref, s_ref = qref(y32, fmt)
+    assert s.shape == (6, 1) and s.dtype == acc
+    assert_bitwise(s, s_ref)
+    assert s[2, 0] == 1.0 and not q[2].astype(np.float64).any()
+    assert_bitwise(q, q_ref)
+    # against a float64 reference: within half a step (plus the input's rounding)
+    ref = (ref_rms_norm(x, w, 1.1920928955078125e-07 if acc is np.float32 else 2.2e-16)
+           if rms else ref_layer_norm(x, w))
+    err = np.abs(q.astype(np.float64) * s - ref)
+    step = s * (1.0 if fmt == "int8" else np.abs(ref / s) * 2.0**-2 + 2.0**-6)
+    assert (err <= step + 1e-3 * np.abs(ref) + 1e-6).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_static_scale_saturates(fmt):
+    x = data((5, 16), "float32", 0, 3.0)
+    for scale in (1e-3, np.full((5, 1), 1e-3, np.float32), np.float32(0.5),
+                  np.array([[0.1], [1.0], [2.0], [0.001], [10.0]])):
+        q, s = ln.layer_norm(x, quantize=fmt, scale=scale)
+        assert s is scale  # returned as passed
+        y32 = ln.layer_norm(x)
+        q_ref, _ = qref(y32, fmt, scale)
+        assert_bitwise(q, q_ref)
+    q, _ = ln.layer_norm(x, quantize=fmt, scale=1e-6)
+    top = QMAX[fmt] if fmt != "int8" else 127
+    assert q.astype(np.float64).max() == top
+    assert q.astype(np.float64).min() == (-128 if fmt == "int8" else -QMAX[fmt])
+
+
+def test_quantize_rounds_half_to_even():
+    x = np.array([[-1.0, 1.0]] * 1, np.float32)  # LayerNorm with eps=0 gives exactly [-1, 1]
+    q, _ = ln.layer_norm(x, weight=np.array([2.5, 3.5], np.float32), eps=0.0, quantize="int8",
+                         scale=1.0)
+    np.testing.assert_array_equal(q, [[-2, 4]])
+    q, _ = ln.layer_norm(x, weight=np.array([1.0625, 1.1875], np.float32), eps=0.0,
+                         quantize="float8_e4m3fn", scale=1.0)
+    np.testing.assert_array_equal(q.astype(np.float32), [[-1.0, 1.25]])
+    # float64: one rounding from the float64 value (not through float32, which would
+    # first round 1.0625 + 2**-40 to the tie 1.0625 and then to 1.0)
+    x64 = x.astype(np.float64)
+    w = np.array([1.0625 + 2.0**-40, 1.0625 - 2.0**-40])
+    q, _ = ln.layer_norm(x64, weight=w, eps=0.0, quantize="float8_e4m3fn", scale=1.0)
+    np.testing.assert_array_equal(q.astype(np.float64), [[-1.125, 1.0]])
+    q, _ = ln.rms_norm(np.array([[1.0, 1.0]]), weight=np.array([1.0625 + 2.0**-40, 3.0]),
+                       eps=0.0, quantize="float8_e5m2", scale=1.0)
+    np.testing.assert_array_equal(q.astype(np.float64), [[1.0, 3.0]])
+
+
+def test_quantize_nan():
+    x = data((3, 8), "float32", 0)
+    x[1, 3] = np.nan
+    q, s = ln.layer_norm(x, quantize="int8")
+    assert (q[1] == 0).all() and np.isnan(s[1, 0])
+    q, s = ln.layer_norm(x, quantize="float8_e4m3fn", scale=0.5)
+    assert np.isnan(q[1].astype(np.float32)).all()
+    assert not np.isnan(q[[0, 2]].astype(np.float32)).any()
+    q, _ = ln.layer_norm(x, quantize="int8", scale=0.5)
+    assert (q[1] == 0).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_float64_matches_nearest_value(fmt):
+    x = data((4, 50), "float64", 0, 5.0)
+    q, _s = ln.rms_norm(x, quantize=fmt, return_stats=False)
+    y64 = ln.rms_norm(x)
+    assert_bitwise(q, qref(y64, fmt)[0])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_add_quantize_and_out(fmt):
+    x = data((4, 12), "bfloat16", 0)
+    r = data((4, 12), "float32", 1)
+    qdt = np.dtype(np.int8) if fmt == "int8" else np.dtype(FP8[fmt])
+    out = np.empty((4, 12), qdt)
+    y, h, s, mean, _rstd = ln.add_layer_norm(x, r, quantize=fmt, out=out, residual_out=r,
+                                            return_stats=True)
+    assert y is out and h is r
+    h_ref = (x.astype(np.float32) + data((4, 12), "float32", 1)).astype(np.float32)
+    assert_bitwise(h, h_ref)
+    y32, mean_ref, _rstd_ref = ln.layer_norm(h_ref, return_stats=True)
+    q_ref, s_ref = qref(y32, fmt)
+    assert_bitwise(y, q_ref)
+    assert_bitwise(s, s_ref)
+    assert_bitwise(mean, mean_ref)
+
+
+def test_quantize_errors():
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(ValueError, match=r"quantize must be None, 'int8'.*got 'int4'"):
+        ln.layer_norm(x, quantize="int4")
+    with pytest.raises(ValueError, match="quantize must be"):
+        ln.add_rms_norm(x, x, quantize=np.int8)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="scale must be positive and finite"):
+            ln.rms_norm(x, quantize="int8", scale=bad)
+    with pytest.raises(ValueError, match="scale must be positive and finite in every"):
+        ln.rms_norm(x, quantize="int8", scale=np.array([[1.0], [0.0]]))
+    with pytest.raises(ValueError, match=r"broadcastable to the statistics' shape \(2, 1\)"):
+        ln.rms_norm(x, quantize="int8", scale=np.ones(4))
+    with pytest.raises(ValueError, match="out must have the quantized dtype int8"):
+        ln.layer_norm(x, quantize="int8", out=np.empty((2, 4), np.float32))
+    with pytest.raises(ValueError, match="scale= is only used with quantize="):
+        ln.layer_norm(x, scale=1.0)
+    with pytest.raises(ValueError, match="out must have the quantized dtype float8_e5m2"):
+        ln.add_layer_norm(x, x, quantize="float8_e5m2", out=np.empty((2, 4), np.int8))
+
+
+# --------------------------------------------------------------------------- torch
+
+
+def test_torch_matches_numpy_bitwise():
+    torch = pytest.importorskip("torch")
+    x = data((5, 16), "bfloat16", 0)
+    r = data((5, 16), "float32", 1)
+    w = data((16,), "bfloat16", 2)
+    tx = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    tr, tw = torch.from_numpy(r), torch.from_numpy(w.view(np.int16)).view(torch.bfloat16)
+    y, h, rstd = ln.add_rms_norm(tx, tr, 16, tw, weight_offset=1.0, return_stats=True)
+    ny, nh, nrstd = ln.add_rms_norm(x, r, 16, w, weight_offset=1.0, return_stats=True)
+    assert y.dtype == torch.bfloat16 and h.dtype == torch.float32
+    np.testing.assert_array_equal(y.view(torch.int16).numpy(), ny.view(np.int16))
+    np.testing.assert_array_equal(h.numpy(), nh)
+    np.testing.assert_array_equal(rstd.numpy(), nrstd)
+    for fmt, tdt in (("int8", torch.int8), ("float8_e4m3fn", torch.float8_e4m3fn),
+                     ("float8_e5m2", torch.float8_e5m2)):
+        q, s = ln.layer_norm(tx, weight=tw, weight_offset=1.0, quantize=fmt)
+        nq, ns = ln.layer_norm(x, weight=w, weight_offset=1.0, quantize=fmt)
+        assert q.dtype == tdt
+        np.testing.assert_array_equal(q.view(torch.int8).numpy(), nq.view(np.int8))
+        np.testing.assert_array_equal(s.numpy(), ns)
+    gx, gw = ln.rms_norm_backward(tx, tx, rstd, tw, weight_offset=1.0, grad_residual=tx)
+    ngx, ngw = ln.rms_norm_backward(x, x, nrstd, w, weight_offset=1.0, grad_residual=x)
+    assert gw.dtype == torch.bfloat16
+    np.testing.assert_array_equal(gx.view(torch.int16).numpy(), ngx.view(np.int16))
+    np.testing.assert_array_equal(gw.view(torch.int16).numpy(), ngw.view(np.int16))
+
+
+@pytest.mark.parametrize("backend", [None, "array_api"])
+def test_torch_autograd_gradcheck(backend):
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+
+    def make(*shape):
+        return torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
+
+    x, r, w, b = make(3, 7), make(3, 7), make(7), make(7)
+    assert torch.autograd.gradcheck(
+        lambda x, r, w, b: ln.add_layer_norm(x, r, 7, w, b, weight_offset=1.0,
+                                             backend=backend), (x, r, w, b))
+    assert torch.autograd.gradcheck(
+        lambda x, r, w: ln.add_rms_norm(x, r, 7, w, weight_offset=-0.5, backend=backend),
+        (x, r, w))
+    assert torch.autograd.gradcheck(
+        lambda x, w: ln.rms_norm(x, 7, w, weight_offset=1.0, backend=backend), (x, w))
+
+
+def test_torch_autograd_against_unfused_torch():
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 10, generator=g, requires_grad=True)
+    r = torch.randn(4, 10, generator=g, requires_grad=True)
+    w = torch.randn(10, generator=g).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(10, generator=g, requires_grad=True)
+    y, h = ln.add_layer_norm(x, r, 10, w, b, weight_offset=1.0)
+    assert y.grad_fn is not None and h.grad_fn is not None
+    (y.square().sum() + (h * 3).sum()).backward()
+    grads = [t.grad.clone() for t in (x, r, w, b)]
+    for t in (x, r, w, b):
+        t.grad = None
+    h2 = x + r
+    y2 = torch.nn.functional.layer_norm(h2, (10,), w.float() + 1.0, b)
+    (y2.square().sum() + (h2 * 3).sum()).backward()
+    assert grads[2].dtype == torch.bfloat16
+    for got, want in zip(grads, (x.grad, r.grad, w.grad, b.grad), strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=1e-4)
+    q, h, _s = ln.add_rms_norm(x, r, quantize="int8")
+    assert not q.requires_grad
+
+
+def test_torch_modules_with_offset():
+    torch = pytest.importorskip("torch")
+    import layernorm.torch as lnt
+
+    m = lnt.RMSNorm(6, weight_offset=1.0)
+    assert repr(m) == "RMSNorm((6,), eps=None, elementwise_affine=True, weight_offset=1.0)"
+    assert (m.weight == 0).all()
+    m2 = lnt.LayerNorm(6, 1e-5, True, False, weight_offset=0.5)
+    assert (m2.weight == 0.5).all() and m2.bias is None
+    assert repr(lnt.LayerNorm(6)) == repr(torch.nn.LayerNorm(6))
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(6))
+        want = torch.nn.functional.rms_norm(x, (6,), m.weight + 1.0)
+    torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
+    m.reset_parameters()
+    assert (m.weight == 0).all()
+
+
+def test_torch_errors():
+    torch = pytest.importorskip("torch")
+    x = torch.ones(2, 4)
+    with pytest.raises(ValueError, match="needs a weight"):
+        ln.rms_norm(x, weight_offset=1.0)
+    with pytest.raises(ValueError, match="quantize must be"):
+        ln.layer_norm(x, quantize="fp8")
+    with pytest.raises(ValueError, match="scale= is only used with quantize="):
+        ln.rms_norm(x, scale=2.0)
+    with pytest.raises(TypeError, match="residual comes from numpy"):
+        ln.add_layer_norm(x, np.ones((2, 4), np.float32))
+    with pytest.raises(ValueError, match="out must have the quantized dtype int8"):
+        ln.rms_norm(x, quantize="int8", out=torch.empty(2, 4))
+    out = torch.empty(2, 4, dtype=torch.int8)
+    q, _s = ln.rms_norm(x, quantize="int8", out=out)
+    assert q is out
+
+
+# --------------------------------------------------------------------------- Dask
+
+
+def test_dask_is_lazy_and_blockwise():
+    da = pytest.importorskip("dask.array")
+    calls = []
+
+    def source(block):
+        calls.append(1)
+        return block
+
+    x = data((10, 8), "float32", 0)
+    r = data((10, 8), "bfloat16", 1)
+    w = data((8,), "float32", 2)
+    dx = da.from_array(x, chunks=(3, 4)).map_blocks(source, dtype=x.dtype)
+    dr = da.from_array(r, chunks=(5, 8))
+    calls.clear()  # map_blocks ran source once on an empty array, to learn its output
+    outs = ln.add_layer_norm(dx, dr, 8, w, weight_offset=1.0, quantize="int8",
+                             return_stats=True)
+    assert not calls and all(isinstance(o, da.Array) for o in outs)
+    want = ln.add_layer_norm(x, r, 8, w, weight_offset=1.0, quantize="int8",
+                             return_stats=True)
+    for got, ref in zip(outs, want, strict=True):
+        assert_bitwise(got.compute(), ref)
+    y = ln.rms_norm(dx, weight=w, weight_offset=1.0)
+    assert_bitwise(y.compute(), ln.rms_norm(x, weight=w, weight_offset=1.0))
+    _, rstd = ln.rms_norm(x, weight=w, return_stats=True)
+    grads = ln.rms_norm_backward(dx, dx, rstd, w, weight_offset=1.0, grad_residual=dx)
+    want = ln.rms_norm_backward(x, x, rstd, w, weight_offset=1.0, grad_residual=x)
+    assert_bitwise(grads[0].compute(), want[0])
+    np.testing.assert_allclose(grads[1].compute(), want[1], rtol=1e-5)
+    with pytest.raises(TypeError, match="residual_out= is not supported for Dask"):
+        ln.add_rms_norm(dx, dx, residual_out=x)
+    with pytest.raises(ValueError, match="weight_offset"):
+        ln.add_rms_norm(dx, dx, weight_offset=1.0)
+    with pytest.raises(ValueError, match="scale= is only used with quantize="):
+        ln.layer_norm(dx, scale=2.0)
+
+
+# --------------------------------------------------------------------------- array API
+
+
+def test_array_api_strict():
+    xs = pytest.importorskip("array_api_strict")
+    x = data((4, 16), "float32", 0)
+    r = data((4, 16), "float32", 1)
+    w = data((16,), "float32", 2)
+    X, R, W = xs.asarray(x), xs.asarray(r), xs.asarray(w)
+    y, h, s, _rstd = ln.add_rms_norm(X, R, 16, W, weight_offset=1.0, quantize="int8",
+                                    return_stats=True)
+    ny, nh, ns, nrstd = ln.add_rms_norm(x, r, 16, w, weight_offset=1.0, quantize="int8",
+                                        return_stats=True)
+    assert y.dtype == xs.int8 and h.dtype == xs.float32
+    assert_bitwise(np.asarray(h), nh)
+    assert np.abs(np.asarray(y).astype(int) - ny.astype(int)).max() <= 1
+    np.testing.assert_allclose(np.asarray(s), ns, rtol=1e-5)
+    gx, _gw = ln.rms_norm_backward(X, X, xs.asarray(nrstd), W, weight_offset=1.0,
+                                  grad_residual=R)
+    ngx, _ngw = ln.rms_norm_backward(x, x, nrstd, w, weight_offset=1.0, grad_residual=r)
+    np.testing.assert_allclose(np.asarray(gx), ngx, rtol=1e-4, atol=1e-5)
+    with pytest.raises(TypeError, match="array_api_strict has no float8_e4m3fn dtype"):
+        ln.layer_norm(X, quantize="float8_e4m3fn")
+
+
+def test_jax_float8():
+    jnp = pytest.importorskip("jax.numpy")
+    x = data((3, 16), "float32", 0)
+    q, _s = ln.layer_norm(jnp.asarray(x), quantize="float8_e4m3fn")
+    nq, _ns = ln.layer_norm(x, quantize="float8_e4m3fn")
+    assert str(q.dtype) == "float8_e4m3fn"
+    diff = np.abs(np.asarray(q).astype(np.float32) - nq.astype(np.float32))
+    assert (diff <= np.abs(nq.astype(np.float32)) * 2.0**-3 + 2.0**-6).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_torch_float64_quantize_rounds_once(fmt):
+    torch = pytest.importorskip("torch")
+    x = data((3, 40), "float64", 5, 4.0)
+    q, s = ln.rms_norm(torch.from_numpy(x), quantize=fmt)
+    nq, ns = ln.rms_norm(x, quantize=fmt)
+    np.testing.assert_array_equal(q.view(torch.int8).numpy(), nq.view(np.int8))
+    np.testing.assert_array_equal(s.numpy(), ns)
+
+
+def test_torch_in_place_and_grad_errors():
+    torch = pytest.importorskip("torch")
+    x0 = torch.randn(3, 8, generator=torch.Generator().manual_seed(3))
+    r0 = torch.randn(3, 8, generator=torch.Generator().manual_seed(4))
+    y_ref, h_ref = ln.add_layer_norm(x0, r0)
+    x, r = x0.clone(), r0.clone()
+    y, h = ln.add_layer_norm(x, r, out=x, residual_out=r)
+    assert y is x and h is r
+    assert torch.equal(y, y_ref) and torch.equal(h, h_ref)
+    x, r = x0.clone(), r0.clone()
+    y, h = ln.add_rms_norm(x, r, out=r, residual_out=x)
+    assert torch.equal(h, x0 + r0) and torch.equal(y, ln.rms_norm(x0 + r0))
+    xg = x0.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="residual_out= does not support automatic"):
+        ln.add_layer_norm(xg, r0, residual_out=r0.clone())
+    with pytest.raises(RuntimeError, match="out= does not support automatic"):
+        ln.add_layer_norm(xg, r0, out=torch.empty(3, 8))
+    with pytest.raises(ValueError, match="out and residual_out share memory"):
+        ln.add_layer_norm(x0, r0, out=x, residual_out=x)
