@@ -355,6 +355,27 @@ def rms_norm_backward(
 # --------------------------------------------------------------------------- fusions
 
 
+def _add_norm(x: Any, residual: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
+              axis: Any, weight_offset: Any, residual_dtype: Any, quantize: Any, scale: Any,
+              return_stats: bool, out: Any, residual_out: Any, backend: str | None, *,
+              rms: bool) -> Any:
+    """The hand-off shared by :func:`add_layer_norm` and :func:`add_rms_norm`."""
+    where = route(x, backend)
+    extras = {"weight_offset": weight_offset, "residual_dtype": residual_dtype,
+              "quantize": quantize, "scale": scale, "return_stats": return_stats, "out": out,
+              "residual_out": residual_out}
+    if where.library == "torch":
+        return _adapter("torch").add_norm(x, residual, where, normalized_shape, weight, bias,
+                                          eps, axis=axis, rms=rms, **extras)
+    if where.library == "dask":
+        return _adapter("dask").add_norm(x, residual, where, normalized_shape, weight, bias,
+                                         eps, axis=axis, rms=rms, backend=backend, **extras)
+    y, h, s, mean, rstd = _engine.add_normalize(
+        x, residual, where, normalized_shape, weight, bias, eps, axis, rms, return_stats,
+        weight_offset, residual_dtype, quantize, scale, out, residual_out)
+    return _engine.results(y, h, s, mean, rstd, quantize, return_stats, rms=rms, add=True)
+
+
 def add_layer_norm(
     x: Any,
     residual: Any,
@@ -431,20 +452,9 @@ def add_layer_norm(
     >>> bool((y == ln.layer_norm(h)).all())
     True
     """
-    where = route(x, backend)
-    extras = {"weight_offset": weight_offset, "residual_dtype": residual_dtype,
-              "quantize": quantize, "scale": scale, "return_stats": return_stats, "out": out,
-              "residual_out": residual_out}
-    if where.library == "torch":
-        return _adapter("torch").add_norm(x, residual, where, normalized_shape, weight, bias,
-                                          eps, axis=axis, rms=False, **extras)
-    if where.library == "dask":
-        return _adapter("dask").add_norm(x, residual, where, normalized_shape, weight, bias,
-                                         eps, axis=axis, rms=False, backend=backend, **extras)
-    y, h, s, mean, rstd = _engine.add_normalize(
-        x, residual, where, normalized_shape, weight, bias, eps, axis, False, return_stats,
-        weight_offset, residual_dtype, quantize, scale, out, residual_out)
-    return _engine.results(y, h, s, mean, rstd, quantize, return_stats, rms=False, add=True)
+    return _add_norm(x, residual, normalized_shape, weight, bias, eps, axis, weight_offset,
+                     residual_dtype, quantize, scale, return_stats, out, residual_out, backend,
+                     rms=False)
 
 
 def add_rms_norm(
@@ -512,17 +522,6 @@ def add_rms_norm(
     >>> y
     array([[0.84852814, 1.13137085]])
     """
-    where = route(x, backend)
-    extras = {"weight_offset": weight_offset, "residual_dtype": residual_dtype,
-              "quantize": quantize, "scale": scale, "return_stats": return_stats, "out": out,
-              "residual_out": residual_out}
-    if where.library == "torch":
-        return _adapter("torch").add_norm(x, residual, where, normalized_shape, weight, None,
-                                          eps, axis=axis, rms=True, **extras)
-    if where.library == "dask":
-        return _adapter("dask").add_norm(x, residual, where, normalized_shape, weight, None,
-                                         eps, axis=axis, rms=True, backend=backend, **extras)
-    y, h, s, mean, rstd = _engine.add_normalize(
-        x, residual, where, normalized_shape, weight, None, eps, axis, True, return_stats,
-        weight_offset, residual_dtype, quantize, scale, out, residual_out)
-    return _engine.results(y, h, s, mean, rstd, quantize, return_stats, rms=True, add=True)
+    return _add_norm(x, residual, normalized_shape, weight, None, eps, axis, weight_offset,
+                     residual_dtype, quantize, scale, return_stats, out, residual_out, backend,
+                     rms=True)
