@@ -48,6 +48,12 @@ def _power_of_two_scale(xr, r, n):
     return math.ldexp(1.0, -math.frexp(amax)[1])
 
 
+@njit(inline="always", error_model="numpy")
+def _scaled(xr, r, i, scale):
+    """Element ``[r, i]`` in double times the power of two ``scale`` (exact)."""
+    return np.float64(widen(get(xr, r, i))) * scale
+
+
 @njit(error_model="numpy")
 def ln_row_rescaled(xr, yr, r, n, eps, w, b, mean_out, rstd_out, s):
     """LayerNorm of row ``r`` of the :class:`._simd.Raw` view ``xr`` into ``yr``, rescaled.
@@ -60,15 +66,15 @@ def ln_row_rescaled(xr, yr, r, n, eps, w, b, mean_out, rstd_out, s):
         return False
     total = 0.0
     for i in range(n):
-        total += np.float64(widen(get(xr, r, i))) * scale
+        total += _scaled(xr, r, i, scale)
     mean = total / n
     m2 = 0.0
     for i in range(n):
-        d = np.float64(widen(get(xr, r, i))) * scale - mean
+        d = _scaled(xr, r, i, scale) - mean
         m2 += d * d
     rstd = 1.0 / math.sqrt(m2 / n + np.float64(eps) * scale * scale)
     for i in range(n):
-        v = cast((np.float64(widen(get(xr, r, i))) * scale - mean) * rstd, eps)
+        v = cast((_scaled(xr, r, i, scale) - mean) * rstd, eps)
         put(yr, r, i, narrow(affine(v, w, b, i), yr))
     put_stat(mean_out, s, cast(mean / scale, eps))
     put_stat(rstd_out, s, cast(rstd * scale, eps))
@@ -86,11 +92,11 @@ def rms_row_rescaled(xr, yr, r, n, eps, w, rstd_out, s):
         return False
     ss = 0.0
     for i in range(n):
-        v = np.float64(widen(get(xr, r, i))) * scale
+        v = _scaled(xr, r, i, scale)
         ss += v * v
     rstd = 1.0 / math.sqrt(ss / n + np.float64(eps) * scale * scale)
     for i in range(n):
-        v = cast(np.float64(widen(get(xr, r, i))) * scale * rstd, eps)
+        v = cast(_scaled(xr, r, i, scale) * rstd, eps)
         put(yr, r, i, narrow(times_w(v, w, i), yr))
     put_stat(rstd_out, s, cast(rstd * scale, eps))
     return True
