@@ -116,12 +116,12 @@ def _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, r0, r1):
     if not (unit_stride(x) and unit_stride(y)):
         _ln_rows_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1)
         return
-    _ln_raw_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1], nt, mean_out,
+    ln_raw_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1], nt, mean_out,
                  rstd_out, r0, r1, r0)
 
 
 @njit(error_model="numpy")
-def _ln_raw_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r0, r1, s0):
+def ln_raw_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r0, r1, s0):
     """Rows ``r0 .. r1`` of unit-stride :class:`._simd.Raw` views; their statistics go to
     ``s0 ..``. Compiled once per dtype: the contiguous rows and the gathered ones (whose
     views are of scratch rows) share it."""
@@ -216,7 +216,7 @@ def _ln_rows_short(xv, yv, wv, bv, tv, remv, eps, n, mean_out, rstd_out, r0, r1,
 @njit(error_model="numpy")
 def _ln_rows_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1):
     """:func:`_ln_rows` for strided rows: ``LANES`` at a time through contiguous scratch
-    rows, computed by the same compiled :func:`_ln_raw_rows`."""
+    rows, computed by the same compiled :func:`ln_raw_rows`."""
     n = x.shape[1]
     xs = np.empty((LANES, n), dtype=x.dtype)
     ys = np.empty((LANES, n), dtype=y.dtype)
@@ -225,7 +225,7 @@ def _ln_rows_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1):
         count = min(LANES, r1 - first)
         for i in range(count):
             copy_row(xs, i, x, first + i)
-        _ln_raw_rows(xv, yv, wv, bv, tv, eps, n, runtime(False), mean_out, rstd_out,
+        ln_raw_rows(xv, yv, wv, bv, tv, eps, n, runtime(False), mean_out, rstd_out,
                      runtime(0), count, first)
         for i in range(count):
             copy_row(y, first + i, ys, i)
@@ -329,15 +329,21 @@ def _rms_rows(x, w, eps, y, rstd_out, nt, r0, r1):
     if not (unit_stride(x) and unit_stride(y)):
         _rms_rows_gathered(x, w, eps, y, rstd_out, r0, r1)
         return
-    n = x.shape[1]
+    rms_raw_rows(raw(x), raw(y), raw(w), eps, x.shape[1], nt, rstd_out, r0, r1, r0)
+
+
+@njit(error_model="numpy")
+def rms_raw_rows(xv, yv, wv, eps, n, nt, rstd_out, r0, r1, s0):
+    """RMSNorm of rows ``r0 .. r1`` of unit-stride :class:`._simd.Raw` views; their
+    ``rstd`` goes to ``s0 ..`` (the RMSNorm twin of :func:`ln_raw_rows`)."""
     rem = np.full((1, LANES), eps)
-    xv, yv, wv, remv = raw(x), raw(y), raw(w), raw(rem)
+    remv = raw(rem)
     for r in range(r0, r1):
         rstd = _rms_rstd(xv, r, n, eps, remv)
-        if not rstd > 0 and rms_row_rescaled(xv, yv, r, n, eps, wv, rstd_out, r):
+        if not rstd > 0 and rms_row_rescaled(xv, yv, r, n, eps, wv, rstd_out, s0 + (r - r0)):
             continue  # a finite row whose squares overflow
         _rms_row_out(xv, yv, r, n, rstd, wv, nt)
-        put_stat(rstd_out, r, rstd)
+        put_stat(rstd_out, s0 + (r - r0), rstd)
     alive(rem)
     if nt:
         store_fence()
