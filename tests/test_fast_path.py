@@ -258,8 +258,38 @@ def test_a_full_memo_starts_over_instead_of_refusing_new_shapes(monkeypatch):
         assert len(_fast._PLANS) <= 4 and _engine.cached_requests() <= 4
 
 
-def test_large_inputs_take_the_general_path():
-    x = np.ones((4, _fast.FAST_MAX_ELEMENTS // 4), np.float32)
-    x[:, ::3] = 2.0
-    ln.layer_norm(x)
-    assert _fast._PLANS[(x.shape, x.dtype, None, None, None, None, None, None)] is None
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_large_inputs_take_the_short_path_with_the_backends_choice(monkeypatch, rms, streaming):
+    """Large planned calls run the backend's serial/parallel and streaming-store choice."""
+    from layernorm._backends import _numba
+
+    if streaming:  # make a 1 MiB output "large" so that the streaming stores are used
+        monkeypatch.setattr(_numba, "STREAM_MIN_FRACTION", 0.0)
+        monkeypatch.setattr(_numba, "STREAM_MIN_ROW", 1)
+    chosen = []
+
+    def spy(x, y):
+        chosen.append(real(x, y))
+        return chosen[-1]
+
+    real = _numba.use_streaming_stores
+    monkeypatch.setattr(_numba, "use_streaming_stores", spy)
+    rng = np.random.default_rng(5)
+    x = random_rows(rng, (64, _fast.SERIAL_MAX_ELEMENTS // 16), "float32", loc=2.0)
+    w = (1.0 + 0.5 * rng.standard_normal(x.shape[1])).astype(np.float32)
+    b = (0.1 * rng.standard_normal(x.shape[1])).astype(np.float32)
+    call = (lambda **kw: ln.rms_norm(x, None, w, **kw)) if rms else \
+        (lambda **kw: ln.layer_norm(x, None, w, b, **kw))
+    out = np.full_like(x, np.nan)
+    for _ in range(2):
+        fast = call(return_stats=True)
+        into = call(out=out)
+    key = (x.shape, x.dtype, None, None, w.shape, w.dtype) if rms else \
+        (x.shape, x.dtype, None, None, w.shape, w.dtype, b.shape, b.dtype)
+    assert _fast._PLANS[key] is not None and _fast._PLANS[key].large
+    assert chosen and all(c == streaming for c in chosen)
+    general = call(return_stats=True, backend="numba")
+    for got, want in zip(fast, general, strict=True):
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    assert into is out and np.array_equal(out.view(np.uint8), general[0].view(np.uint8))

@@ -1,17 +1,21 @@
 """The short path for repeated small NumPy forward calls.
 
 One token of a transformer is a ``(1, 768)`` row: its kernel takes a third of a
-microsecond, so validation, dispatch and allocation would dominate the call. The first
+microsecond, so validation, dispatch and allocation would dominate the call; a
+cache-resident batch of 128 KiB takes about 20 us in its kernel, as long as the
+general path's validation. The first
 call with a given shape, dtype and parameter layout goes through full validation
 (:func:`._engine.request`) and leaves a :class:`Plan`; a later call that matches it checks
 only what can change between such calls (contiguity, ``eps``, ``out``) and calls the
-serial Numba kernel directly. Anything else (strided or large inputs, axes other than
+serial Numba kernel directly (for large calls, the backend's serial-or-parallel choice).
+Anything else (strided inputs, axes other than
 the trailing ones, forced backends, unusual parameters) returns ``None`` and takes the
 general path, which gives the same bits: both run the same kernels.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -24,9 +28,12 @@ from ._dispatch import Route
 from ._dtypes import HALF_DTYPES, MACHINE_EPS, dtype_name
 from ._validate import memo_axes
 
-#: Inputs at least this large take the general path: they may run in parallel (the
-#: Numba backend's own threshold), and their per-call overhead is negligible.
-FAST_MAX_ELEMENTS = _numba.PARALLEL_MIN_ELEMENTS
+#: Planned calls at least this large may run in parallel and may write with streaming
+#: stores (the Numba backend's own thresholds), so they go through the backend's choice
+#: (:func:`._backends._numba.run_rows`) instead of the serial kernel alone. The general
+#: path's validation costs about 20 us a call: as much as the kernel of a 128 KiB
+#: working set, so cache-resident calls of any size take the short path.
+SERIAL_MAX_ELEMENTS = _numba.PARALLEL_MIN_ELEMENTS
 
 _NUMPY_ROUTE = Route("numpy", "numba")
 
@@ -49,6 +56,7 @@ class Plan:
         "default_eps",
         "direct",
         "eps_scalars",
+        "large",
         "n",
         "negative_zeros",
         "ones",
@@ -62,9 +70,11 @@ class Plan:
     )
 
     def __init__(self, shape: tuple[int, ...], rows: int, n: int, dtype: str, acc: str,
-                 stats_shape: tuple[int, ...], params: tuple[Any, ...], kernel: Any,
+                 stats_shape: tuple[int, ...], params: tuple[Any, ...], kernels: Any,
                  rms: bool) -> None:
         self.rows, self.n, self.stats_shape = rows, n, stats_shape
+        #: Large calls: the backend picks the serial or parallel kernel and streaming stores.
+        self.large = rows * n >= SERIAL_MAX_ELEMENTS
         self.acc = np.dtype(acc)
         bits = _numba.KERNEL_BITS.get(dtype)
         self.bits = None if bits is None else np.dtype(bits)
@@ -88,8 +98,14 @@ class Plan:
         #: Stand-ins for an absent weight or bias (the backend's exact identities).
         self.ones, self.negative_zeros = _numba.kernel_params(None, None, n, self.acc)
         writes = _numba.RMS_FORWARD_WRITES if rms else _numba.LN_FORWARD_WRITES
-        self.run = _resolving(self, "run", kernel, writes)
-        self.run_stats = _resolving(self, "run_stats", kernel, writes)
+        serial, parallel = (kernels.rms_forward_serial, kernels.rms_forward_parallel) if rms \
+            else (kernels.ln_forward_serial, kernels.ln_forward_parallel)
+        if self.large:
+            self.run = self.run_stats = functools.partial(_numba.run_rows, serial, parallel,
+                                                          writes)
+        else:
+            self.run = _resolving(self, "run", serial, writes)
+            self.run_stats = _resolving(self, "run_stats", serial, writes)
 
 
 def _resolving(plan: Plan, slot: str, dispatcher: Any, writes: tuple[int, ...]) -> Any:
@@ -111,13 +127,10 @@ def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
     req = _engine.request(x, _NUMPY_ROUTE, normalized_shape, axis, **params)
     layout = req.layout
     if (layout.perm is not None or layout.inner != 1
-            or layout.n == 0 or layout.rows == 0
-            or layout.rows * layout.n >= FAST_MAX_ELEMENTS):
+            or layout.n == 0 or layout.rows == 0):
         return None
-    kernels = _numba.load_kernels()
     return Plan(layout.shape, layout.rows, layout.n, req.dtype, req.acc, layout.stats_shape,
-                tuple(params.values()),
-                kernels.rms_forward_serial if rms else kernels.ln_forward_serial, rms)
+                tuple(params.values()), _numba.load_kernels(), rms)
 
 
 def _plan_of(key: tuple[Any, ...], x: Any, normalized_shape: Any, axis: Any, weight: Any,
@@ -257,12 +270,13 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
         w = plan.ones
     if b is None:
         b = plan.negative_zeros
+    nt = plan.large and _numba.use_streaming_stores(x2, y2)
     if return_stats:
         mean = np.empty(plan.stats_shape, plan.acc)
         rstd = np.empty(plan.stats_shape, plan.acc)
-        plan.run_stats(x2, w, b, e, y2, mean.reshape(-1), rstd.reshape(-1), False)
+        plan.run_stats(x2, w, b, e, y2, mean.reshape(-1), rstd.reshape(-1), nt)
         return y, mean, rstd
-    plan.run(x2, w, b, e, y2, None, None, False)
+    plan.run(x2, w, b, e, y2, None, None, nt)
     return y
 
 
@@ -303,9 +317,10 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
         y, x2, y2, w, _ = prepared
     if w is None:
         w = plan.ones
+    nt = plan.large and _numba.use_streaming_stores(x2, y2)
     if return_stats:
         rstd = np.empty(plan.stats_shape, plan.acc)
-        plan.run_stats(x2, w, e, y2, rstd.reshape(-1), False)
+        plan.run_stats(x2, w, e, y2, rstd.reshape(-1), nt)
         return y, rstd
-    plan.run(x2, w, e, y2, None, False)
+    plan.run(x2, w, e, y2, None, nt)
     return y

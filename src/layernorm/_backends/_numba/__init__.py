@@ -98,6 +98,15 @@ def _run(serial: Any, parallel: Any, elements: int, writes: tuple[int, ...],
     return entry.call(serial, writes, *args)
 
 
+def run_rows(serial: Any, parallel: Any, writes: tuple[int, ...], *args: Any) -> Any:
+    """Run a 2-D row kernel (``args[0]`` is ``x``) serially or in parallel, as the drivers do.
+
+    The short path (:mod:`layernorm._fast`) calls this for planned calls too large for
+    the serial kernel alone; both variants give the same bits.
+    """
+    return _run(serial, parallel, args[0].size, writes, *args)
+
+
 def _num_threads() -> int:
     import numba
 
