@@ -188,7 +188,7 @@ def test_add_with_axis():
 @contextlib.contextmanager
 def fused_calls(stream=None):
     """Counts the Numba backend's one-pass calls (a list of their names); ``stream``
-    forces streaming stores on or off for h and y (the choice only moves bits around)."""
+    forces streaming stores for y on or off (the choice only moves bits around)."""
     from layernorm._backends import _numba as backend
 
     calls = []
@@ -241,7 +241,7 @@ FUSED_DTYPES = [("float32", "float32", None), ("bfloat16", "float32", None),
 def test_one_pass_kernel_is_bitwise_the_composition(dtypes, rows, n, rms, params, stream,
                                                     seed):
     # Rows of up to 1100 elements across block boundaries (BLOCK_ELEMENTS // n rows per
-    # block), short rows (<= 128) and long ones, vector tails, both ways of storing h.
+    # block), short rows (<= 128) and long ones, vector tails, streaming stores or not.
     xd, rd, hd = dtypes
     x = data((rows, n), xd, seed, 3.0)
     r = data((rows, n), rd, seed + 1, 3.0)

@@ -256,10 +256,9 @@ ADD_LN_WRITES = (5, 6, 7, 8)  # h, y, mean, rstd
 ADD_RMS_WRITES = (4, 5, 6)  # h, y, rstd
 
 
-def _add_streams(x: Any, res: Any, out: Any) -> bool:
-    # An output that is one of the inputs is in the cache already (see
-    # use_streaming_stores): only a separate one is streamed.
-    return use_streaming_stores(x, out) and not np.may_share_memory(res, out)
+def _add_streams(x: Any, res: Any, y: Any) -> bool:
+    # y in place of either input is in the cache already (see use_streaming_stores).
+    return use_streaming_stores(x, y) and not np.may_share_memory(res, y)
 
 
 def _add_arrays(x3, r3, h3, y3, dtypes):
@@ -275,7 +274,7 @@ def add_layer_norm_forward(x3, r3, weight, bias, eps, h3, y3, mean, rstd, dtypes
     e = _acc_scalar(eps, dtypes[2])
     w, b = kernel_params(weight, bias, x.shape[1], mean.dtype)
     _run(k.add_ln_forward_serial, k.add_ln_forward_parallel, x.size, ADD_LN_WRITES,
-         x, r, w, b, e, h, y, mean, rstd, _add_streams(x, r, h), _add_streams(x, r, y))
+         x, r, w, b, e, h, y, mean, rstd, _add_streams(x, r, y))
 
 
 def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
@@ -285,4 +284,4 @@ def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
     e = _acc_scalar(eps, dtypes[2])
     w = kernel_params(weight, None, x.shape[1], rstd.dtype)[0]
     _run(k.add_rms_forward_serial, k.add_rms_forward_parallel, x.size, ADD_RMS_WRITES,
-         x, r, w, e, h, y, rstd, _add_streams(x, r, h), _add_streams(x, r, y))
+         x, r, w, e, h, y, rstd, _add_streams(x, r, y))
