@@ -472,6 +472,77 @@ def test_every_timed_implementation_computes_the_same_thing(op, direction):
                                    err_msg=impl.name)
 
 
+@pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
+def test_every_timed_fusion_computes_the_same_thing(op):
+    # The fused call, the unfused add then norm (preallocated and fresh) and torch's
+    # x + r then F.layer_norm/F.rms_norm all compute y = norm(x + residual).
+    case = impls.make_case(op, "forward", "float32", (16, 64), seed=3)
+    case.extras["threads"] = 1
+    candidates = impls.ours_impls(case) + impls.peer_impls(case)
+    names = {i.name for i in candidates}
+    assert {"layernorm numba", "layernorm numba out=", "unfused add, norm out=",
+            "unfused add, norm"} <= names
+    if machine.installed("torch"):
+        assert f"torch x + r, F.{op[len('add_'):]}" in names
+    reference = _first_output(candidates[0].fn())
+    assert np.abs(reference).max() > 0.1
+    for impl in candidates[1:]:
+        np.testing.assert_allclose(_first_output(impl.fn()), reference, rtol=1e-4, atol=1e-4,
+                                   err_msg=impl.name)
+    # Their floor copies x and the residual (4 arrays of traffic), timed as one call.
+    copies = {i.name: i for i in impls.copy_impls(case)}
+    assert copies["copy 2x np.copyto"].arrays == 4 == case.moved_bytes // case.array_bytes
+    assert copies["copy 2x np.copyto"].output == "prealloc"
+
+
+@pytest.mark.slow
+def test_bench_fusions_structure(tmp_path):
+    path = tmp_path / "bench.json"
+    proc = _run("bench", "--op", "add_layer_norm", "add_rms_norm", "--backward", "--shape",
+                "64,128", "--threads", "1", "--repeats", "2", "--no-progress", "--json",
+                str(path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(path.read_text())["results"]
+    # Forward only (the fusions' backward is the norm's, with grad_residual).
+    assert {(r["op"], r["direction"]) for r in results} == {
+        ("add_layer_norm", "forward"), ("add_rms_norm", "forward")}
+    per_array = 64 * 128 * 4
+    for rec in results:
+        assert "error" not in rec, rec
+        assert rec["gbps"] == pytest.approx(rec["bytes"] / rec["median_s"] / 1e9)
+        if rec["kind"] != "copy":  # reads x and residual, writes h and y
+            assert rec["bytes"] == 4 * per_array
+        # The floor: the best preallocated baseline moving those 4 arrays.
+        assert rec["copy_impl"] in ("copy 2x np.copyto", "copy 2x torch copy_")
+    fresh = [r for r in results if r["phase"] == "fresh"]
+    speedups = {(r["op"], r["impl"]): r["speedup"] for r in fresh if r["kind"] == "peer"}
+    for op in ("add_layer_norm", "add_rms_norm"):
+        # prealloc peers against our out= call, fresh ones against our fresh call
+        assert speedups[(op, "unfused add, norm out=")] > 0
+        assert speedups[(op, "unfused add, norm")] > 0
+    assert "add + LayerNorm forward, float32, 1 thread(s)" in proc.stdout
+    assert "add + RMSNorm forward, float32, 1 thread(s)" in proc.stdout
+    assert "copy 2x np.copyto" in proc.stdout
+
+
+def test_fusions_are_opt_in_ops():
+    parser = cli.build_parser()
+    config = settings.settings_from_args(parser.parse_args(["bench", "--threads", "1"]))
+    assert config.ops == ("layer_norm", "rms_norm")
+    config = settings.settings_from_args(parser.parse_args(
+        ["bench", "--threads", "1", "--op", "add_layer_norm,add_rms_norm", "layer_norm"]))
+    assert config.ops == ("add_layer_norm", "add_rms_norm", "layer_norm")
+
+
+def test_compile_calls_the_fusions():
+    from layernorm.bench import precompile
+
+    layout = precompile.layouts(1)[0]
+    for op in ("add_layer_norm", "add_rms_norm"):
+        for direction in ("forward", "backward"):
+            precompile.calls(op, direction, "float32", layout)()
+
+
 def test_onnxruntime_workers_block_instead_of_spinning(monkeypatch):
     """ONNX Runtime's spinning idle workers would take the cores from the next timed
     implementation, so the bench builds its session with spinning off."""

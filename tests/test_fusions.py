@@ -8,6 +8,8 @@ the contract defines the fused ones by ("bit for bit what ``layer_norm(h)`` give
 
 from __future__ import annotations
 
+import contextlib
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -175,6 +177,250 @@ def test_add_with_axis():
     y, h = ln.add_layer_norm(x, r, axis=1)
     assert h.dtype == np.float64
     assert_bitwise(y, ln.layer_norm(x.astype(np.float64) + r, axis=1).astype(np.float32))
+
+
+# --------------------------------------------------------------------------- one-pass kernel
+# On the Numba backend, rows of unit stride go through one kernel that adds and normalizes
+# block by block (_backends/_numba/fused.py); these tests check it gives the composition's
+# bits wherever it is taken, and that it is taken where the contract allows.
+
+
+@contextlib.contextmanager
+def fused_calls(stream=None):
+    """Counts the Numba backend's one-pass calls (a list of their names); ``stream``
+    forces streaming stores for y on or off (the choice only moves bits around)."""
+    from layernorm._backends import _numba as backend
+
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("add_layer_norm_forward", "add_rms_norm_forward"):
+            real = getattr(backend, name)
+
+            def spy(*args, _real=real, _name=name):
+                calls.append(_name)
+                return _real(*args)
+
+            mp.setattr(backend, name, spy)
+        if stream is not None:
+            mp.setattr(backend, "use_streaming_stores", lambda x, y: stream)
+        yield calls
+
+
+def unfused(x, r, hname, rms, **kwargs):
+    """(y, h, stats) of the composition the contract defines, computed in the test."""
+    add = np.float64 if "float64" in (x.dtype.name, r.dtype.name, hname) else np.float32
+    h = (x.astype(add) + r.astype(add)).astype(DT[hname])
+    if rms:
+        kwargs.pop("bias", None)
+        y, *stats = ln.rms_norm(h, return_stats=True, **kwargs)
+    else:
+        y, *stats = ln.layer_norm(h, return_stats=True, **kwargs)
+    return y.astype(x.dtype), h, stats
+
+
+def fusable(xd, rd, hd):
+    acc = "float64" if xd == "float64" else "float32"
+    return acc_of(rd) == acc_of(hd) == acc_of(xd) and hd in (xd, acc)
+
+
+FUSED_DTYPES = [("float32", "float32", None), ("bfloat16", "float32", None),
+                ("bfloat16", "bfloat16", "float32"), ("float16", "float16", None),
+                ("float64", "float64", None)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtypes=st.sampled_from(FUSED_DTYPES),
+    rows=st.integers(1, 70),
+    n=st.sampled_from([1, 15, 16, 17, 100, 128, 129, 300, 1024, 1100]),
+    rms=st.booleans(),
+    params=st.sampled_from(["none", "weight", "both", "offset"]),
+    stream=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_one_pass_kernel_is_bitwise_the_composition(dtypes, rows, n, rms, params, stream,
+                                                    seed):
+    # Rows of up to 1100 elements across block boundaries (BLOCK_ELEMENTS // n rows per
+    # block), short rows (<= 128) and long ones, vector tails, streaming stores or not.
+    xd, rd, hd = dtypes
+    x = data((rows, n), xd, seed, 3.0)
+    r = data((rows, n), rd, seed + 1, 3.0)
+    kwargs = {}
+    if params != "none":
+        kwargs["weight"] = data((n,), xd, seed + 2)
+    if params in ("both", "offset"):
+        kwargs["bias"] = data((n,), "float32", seed + 3)
+    if params == "offset":
+        kwargs["weight_offset"] = 1.0
+    y_ref, h_ref, stats_ref = unfused(x, r, hd or rd, rms, **kwargs)
+    fn = ln.add_rms_norm if rms else ln.add_layer_norm
+    if rms:
+        kwargs.pop("bias", None)
+    with fused_calls(stream) as calls:
+        y, h, *stats = fn(x, r, residual_dtype=hd, return_stats=True, **kwargs)
+    assert len(calls) == 1
+    assert_bitwise(h, h_ref)
+    assert_bitwise(y, y_ref)
+    for s, s_ref in zip(stats, stats_ref, strict=True):
+        assert_bitwise(s, s_ref)
+
+
+@pytest.mark.parametrize("xd", list(DT))
+@pytest.mark.parametrize("rd", list(DT))
+@pytest.mark.parametrize("hd", [None, *DT])
+def test_one_pass_kernel_takes_the_dtypes_it_can(xd, rd, hd):
+    # y is norm(h) rounded to h's dtype and then to x's: one kernel rounding once to x's
+    # dtype agrees only when h has x's dtype or the accumulation dtype; the add needs one
+    # accumulation dtype for all three.
+    x, r = data((3, 20), xd, 0), data((3, 20), rd, 1)
+    with fused_calls() as calls:
+        y, h = ln.add_layer_norm(x, r, residual_dtype=hd)
+    assert bool(calls) == fusable(xd, rd, hd or rd)
+    y_ref, h_ref, _ = unfused(x, r, hd or rd, False)
+    assert_bitwise(h, h_ref)
+    assert_bitwise(y, y_ref)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_one_pass_kernel_serial_and_parallel_agree(rms):
+    numba = pytest.importorskip("numba")
+    x = data((300, 1024), "float32", 0)  # above PARALLEL_MIN_ELEMENTS
+    r = data((300, 1024), "float32", 1)
+    w = data((1024,), "float32", 2)
+    fn = ln.add_rms_norm if rms else ln.add_layer_norm
+    y_ref, h_ref, _ = unfused(x, r, "float32", rms, weight=w)
+    threads = numba.get_num_threads()
+    got = []
+    try:
+        for t in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(t)
+            with fused_calls() as calls:
+                got.append(fn(x, r, weight=w))
+            assert calls
+    finally:
+        numba.set_num_threads(threads)
+    for y, h in got:
+        assert_bitwise(h, h_ref)
+        assert_bitwise(y, y_ref)
+
+
+ALIASES = ["out=x", "out=residual", "residual_out=x", "residual_out=residual",
+           "out=x,residual_out=residual", "out=residual,residual_out=x"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("case", ALIASES)
+def test_one_pass_kernel_in_place(case, rms, stream):
+    # Several blocks of rows of 1100 (streaming stores peel to an aligned address, then
+    # a vector body and a tail), every output either x or residual itself.
+    x0, r0 = data((40, 1100), "float32", 0), data((40, 1100), "float32", 1)
+    w = data((1100,), "float32", 2)
+    y_ref, h_ref, _ = unfused(x0, r0, "float32", rms, weight=w)
+    x, r = x0.copy(), r0.copy()
+    kwargs = {}
+    for part in case.split(","):
+        name, target = part.split("=")
+        kwargs[name] = x if target == "x" else r
+    fn = ln.add_rms_norm if rms else ln.add_layer_norm
+    with fused_calls(stream) as calls:
+        y, h = fn(x, r, weight=w, **kwargs)
+    assert calls
+    for name, arr in (("out", y), ("residual_out", h)):
+        if name in kwargs:
+            assert arr is kwargs[name]
+    assert_bitwise(h, h_ref)
+    assert_bitwise(y, y_ref)
+
+
+def test_one_pass_kernel_in_place_on_views():
+    # Rows of a larger array (a row stride that is not n) and out= the same view of x.
+    base_x, base_r = data((12, 64), "bfloat16", 0), data((12, 64), "float32", 1)
+    x, r = base_x[::2, 8:40], base_r[1::2, :32]
+    y_ref, h_ref, _ = unfused(x, r, "float32", False)
+    with fused_calls() as calls:
+        y, h = ln.add_layer_norm(x, r, out=base_x[::2, 8:40], residual_out=r)
+    assert calls
+    assert_bitwise(h, h_ref)
+    assert_bitwise(y, y_ref)
+    assert_bitwise(base_x[::2, 8:40], y_ref)
+
+
+@pytest.mark.parametrize("make", ["overlapping residual_out", "strided out", "columns",
+                                  "float64 stream", "quantize"])
+def test_other_calls_compose(make):
+    # Calls the kernel does not take give the composition's result all the same.
+    x, r = data((6, 16), "float32", 0), data((6, 16), "float32", 1)
+    h_ref = x.astype(np.float64) + r if make == "float64 stream" else x + r
+    kwargs = {}
+    if make == "overlapping residual_out":  # rows 1..6 of the buffer the residual is 0..5 of
+        buf = np.empty((7, 16), np.float32)
+        buf[:6] = r
+        r, kwargs["residual_out"] = buf[:6], buf[1:]
+    elif make == "strided out":
+        kwargs["out"] = np.empty((6, 32), np.float32)[:, ::2]
+    elif make == "columns":
+        kwargs["axis"] = 0
+    elif make == "float64 stream":
+        kwargs["residual_dtype"] = "float64"
+    elif make == "quantize":
+        kwargs["quantize"] = "int8"
+    with fused_calls() as calls:
+        got = ln.add_layer_norm(x, r, **kwargs)
+    assert not calls
+    if make == "columns":
+        y_ref = ln.layer_norm(h_ref, axis=0)
+    elif make == "quantize":
+        y_ref = ln.layer_norm(h_ref, quantize="int8")[0]
+    else:
+        y_ref = ln.layer_norm(h_ref).astype(np.float32)
+    assert_bitwise(got[1], h_ref)
+    assert_bitwise(got[0], y_ref)
+
+
+def test_one_pass_kernel_rows_whose_squares_overflow():
+    # A finite float32 row with a spread near 1e19 is normalized after an exact rescaling
+    # (rescale.py) inside the same row function: the same bits fused or not.
+    x = data((4, 300), "float32", 0, 1e19)
+    r = data((4, 300), "float32", 1)
+    for rms in (False, True):
+        y_ref, h_ref, stats_ref = unfused(x, r, "float32", rms)
+        fn = ln.add_rms_norm if rms else ln.add_layer_norm
+        with fused_calls() as calls:
+            y, h, *stats = fn(x, r, return_stats=True)
+        assert calls and np.isfinite(y).all()
+        assert_bitwise(h, h_ref)
+        assert_bitwise(y, y_ref)
+        for s, s_ref in zip(stats, stats_ref, strict=True):
+            assert_bitwise(s, s_ref)
+
+
+def test_torch_cpu_takes_the_one_pass_kernel():
+    torch = pytest.importorskip("torch")
+    x = data((33, 300), "bfloat16", 0)
+    r = data((33, 300), "float32", 1)
+    w = data((300,), "float32", 2)
+    tx = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    tr, tw = torch.from_numpy(r), torch.from_numpy(w)
+    y_ref, h_ref, stats_ref = unfused(x, r, "float32", False, weight=w, weight_offset=1.0)
+    with fused_calls() as calls:
+        y, h, mean, rstd = ln.add_layer_norm(tx, tr, 300, tw, weight_offset=1.0,
+                                             return_stats=True)
+        with torch.no_grad():
+            ty, th = tx.clone(), tr.clone()
+            y2, h2 = ln.add_layer_norm(ty, th, 300, tw, out=ty, residual_out=th)
+        tg = tr.clone().requires_grad_()
+        y3, _h3 = ln.add_rms_norm(tx, tg, 300, tw)
+    assert calls == ["add_layer_norm_forward"] * 2 + ["add_rms_norm_forward"]
+    assert y.dtype == torch.bfloat16 and h.dtype == torch.float32
+    np.testing.assert_array_equal(y.view(torch.int16).numpy(), y_ref.view(np.int16))
+    np.testing.assert_array_equal(h.numpy(), h_ref)
+    np.testing.assert_array_equal(mean.numpy(), stats_ref[0])
+    np.testing.assert_array_equal(rstd.numpy(), stats_ref[1])
+    assert y2 is ty and h2 is th and torch.equal(h2, h)
+    assert y3.grad_fn is not None
+    y3.float().sum().backward()
+    assert tg.grad is not None and tg.grad.shape == tg.shape
 
 
 # --------------------------------------------------------------------------- weight_offset

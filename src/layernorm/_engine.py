@@ -20,7 +20,7 @@ import contextlib
 import functools
 import importlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -768,15 +768,99 @@ def check_distinct_outputs(xp_may_share: Any, out: Any, residual_out: Any) -> No
         raise ValueError("out and residual_out share memory; y and h need separate arrays")
 
 
+def _address(a: Any) -> int:
+    iface = getattr(a, "__array_interface__", None) or a.__cuda_array_interface__
+    return int(iface["data"][0])
+
+
+def _same_view(a: Any, b: Any) -> bool:
+    """Whether the arrays ``a`` and ``b`` are the same elements in the same order (in
+    place); the strides of axes of length one do not matter."""
+    return a.shape == b.shape and _address(a) == _address(b) and all(
+        size == 1 or sa == sb for size, sa, sb in zip(a.shape, a.strides, b.strides, strict=True))
+
+
+def _rows_view(xp: Any, arr: Any, layout: _layout.Layout) -> Any:
+    """The canonical view of ``arr`` if it is one with unit-stride rows, else None."""
+    view = _layout.writable_canonical(arr, layout, xp.may_share_memory)
+    if view is None or (layout.n > 1 and view.strides[1] != view.itemsize):
+        return None
+    return view
+
+
+def fused_add(xp: Any, x: Any, residual: Any, req: Request, h_name: str, gain_: Any,
+              bias: Any, eps: float, rms: bool, out: Any, residual_out: Any
+              ) -> tuple[Any, Any, Any, Any] | None:
+    """``(y, h, mean, rstd)`` of a validated ``add_`` call by the backend's one-pass kernel,
+    or None where there is none for this call (then the caller composes).
+
+    The backend fuses rows (``inner == 1``, no transpose) of unit stride whose x,
+    residual and h dtypes share one accumulation dtype (``req.acc``: any of float16,
+    bfloat16, float32, or all float64), with h in x's dtype or in the accumulation
+    dtype; ``y`` has x's dtype. An output may be ``x`` or
+    ``residual`` itself; one that partly overlaps an input, a parameter or the other
+    output leaves the call to the composition (which copies through temporaries).
+    ``eps`` is resolved, ``gain_`` is the gain (:func:`gain`); statistics come back in
+    keepdims shape (``mean`` None for RMSNorm).
+    """
+    layout = req.layout
+    if req.backend == "array_api" or layout.inner != 1 or layout.perm is not None \
+            or layout.n == 0 or layout.rows == 0:
+        return None
+    backend = native(req.backend)
+    kernel = getattr(backend, "add_rms_norm_forward" if rms else "add_layer_norm_forward",
+                     None)
+    r_name = dtype_name(residual.dtype)
+    # y is norm(h) rounded to h's dtype, then to x's: one rounding to x's dtype only when
+    # h's dtype is x's or the accumulation dtype itself.
+    if kernel is None or h_name not in (req.dtype, req.acc) \
+            or accumulation_name(r_name) != req.acc:
+        return None
+    x3, r3 = _layout.canonical(x, layout), _layout.canonical(residual, layout)
+    if layout.n > 1 and (x3.strides[1] != x3.itemsize or r3.strides[1] != r3.itemsize):
+        return None
+    with _device_scope(backend, x):
+        outs = []
+        for given, dtype in ((out, x.dtype), (residual_out, dtype_of(xp, h_name))):
+            view = None if given is None else _rows_view(xp, given, layout)
+            if given is not None and view is None:
+                return None
+            if view is None:
+                given = xp.empty(layout.shape, dtype=dtype)
+                view = given.reshape(layout.outer, layout.n, 1)
+            outs.append((given, view))
+        (y, y3), (h, h3) = outs
+        params = [p for p in (gain_, bias) if p is not None]
+        for o3, other in ((y3, h3), (h3, y3)):
+            if any(xp.may_share_memory(o3, a) and not _same_view(o3, a) for a in (x3, r3)) \
+                    or xp.may_share_memory(o3, other) \
+                    or any(xp.may_share_memory(o3, p) for p in params):
+                return None
+        w = _flat_param(xp, gain_, req)
+        rstd = xp.empty(layout.rows, dtype=req.acc)
+        dtypes = (req.dtype, r_name, h_name)
+        if rms:
+            mean = None
+            backend.add_rms_norm_forward(x3, r3, w, eps, h3, y3, rstd, dtypes)
+        else:
+            mean = xp.empty(layout.rows, dtype=req.acc)
+            backend.add_layer_norm_forward(x3, r3, w, _flat_param(xp, bias, req), eps, h3, y3,
+                                           mean, rstd, dtypes)
+    stats = layout.stats_shape
+    return y, h, (None if mean is None else mean.reshape(stats)), rstd.reshape(stats)
+
+
 def add_normalize(x: Any, residual: Any, route: Route, normalized_shape: Any, weight: Any,
                   bias: Any, eps: Any, axis: Any, rms: bool, want_stats: bool,
                   weight_offset: Any, residual_dtype: Any, quantize: Any, scale: Any,
                   out: Any, residual_out: Any) -> tuple[Any, Any, Any, Any, Any]:
     """Check every argument of an ``add_`` call, then run it: ``(y, h, scale, mean, rstd)``.
 
-    ``h = x + residual`` (:func:`residual_sum`) is computed whole, and written to
-    ``residual_out`` if given, before ``y`` is written: ``out`` and ``residual_out`` may
-    be ``x`` or ``residual`` themselves.
+    Where the backend has a one-pass kernel for the call (:func:`fused_add`), it computes
+    ``h`` and ``y`` block of rows by block of rows. Otherwise ``h = x + residual``
+    (:func:`residual_sum`) is computed whole, and written to ``residual_out`` if given,
+    before ``y`` is written. Either way ``out`` and ``residual_out`` may be ``x`` or
+    ``residual`` themselves, and ``y`` is bit for bit the composition's.
     """
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
     check_companions(x, route.library, residual=residual, out=out, residual_out=residual_out,
@@ -790,6 +874,14 @@ def add_normalize(x: Any, residual: Any, route: Route, normalized_shape: Any, we
     if residual_out is not None:
         check_residual_out(residual_out, req_x, h_name)
         check_distinct_outputs(xp.may_share_memory, out, residual_out)
+    if quantize is None and accumulation_name(h_name) == req_x.acc:
+        eps_h = resolve_eps(eps, replace(req_x, dtype=h_name), rms)
+        g = gain(xp, weight, offset, req_x.acc)
+        fused = fused_add(xp, x, residual, req_x, h_name, g, None if rms else bias, eps_h,
+                          rms, out, residual_out)
+        if fused is not None:
+            y, h, mean, rstd = fused
+            return y, h, None, mean, rstd
     h = residual_sum(xp, x, residual, add, h_name)
     if residual_out is not None:
         h = _into(residual_out, h)

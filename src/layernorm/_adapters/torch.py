@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -416,14 +417,45 @@ def rms_norm_backward(grad_y: Any, x: Any, route: Route, rstd: Any, weight: Any,
 # --------------------------------------------------------------------------- fusions
 
 
+def _fused_add(route: Route, rms: bool, x: Any, residual: Any, ns: Any, gain: Any, bias: Any,
+               eps: Any, axis: Any, h_name: str, out: Any, residual_out: Any
+               ) -> tuple[Any, ...] | None:
+    """``(y, h, None, mean, rstd)`` by the backend's one-pass kernel on zero-copy views
+    (:func:`layernorm._engine.fused_add`), or None where it has none for this call."""
+    req = _engine.request(x, route, ns, axis, weight=gain, bias=bias)
+    if accumulation_name(h_name) != req.acc:
+        return None
+    eps = _engine.resolve_eps(eps, replace(req, dtype=h_name), rms)
+    bridge, scope = _bridge_and_scope(route, x)
+    with scope:
+        xa = bridge.array(x)
+        fused = _engine.fused_add(
+            bridge.xp, xa, bridge.array(residual), req, h_name, bridge.param(gain, req.acc),
+            None if rms else bridge.param(bias, req.acc), eps, rms,
+            xa if out is x else bridge.array(out), bridge.array(residual_out))
+    if fused is None:
+        return None
+    y, h, mean, rstd = fused
+    acc = _ACC_TORCH[req.acc]
+    return (out if out is not None else bridge.tensor(y, x.dtype),
+            residual_out if residual_out is not None else bridge.tensor(h, getattr(torch, h_name)),
+            None, bridge.tensor(mean, acc), bridge.tensor(rstd, acc))
+
+
 def _add_forward(route: Route, rms: bool, x: Any, residual: Any, ns: Any, gain: Any,
                  bias: Any, eps: Any, axis: Any, add: str, h_name: str, quantize: Any,
                  scale: Any, out: Any, residual_out: Any) -> tuple[Any, ...]:
-    """The engine's composition of an ``add_`` call on tensors: ``(y, h, scale, mean, rstd)``.
+    """An ``add_`` call on tensors: ``(y, h, scale, mean, rstd)``, by the one-pass kernel
+    where the backend has one for it (:func:`_fused_add`), else the engine's composition.
 
     Differentiable by torch itself on the generic route; the native routes run it inside
     :class:`_AddNormFunction` (or without gradients).
     """
+    if route.backend != "array_api" and quantize is None:
+        fused = _fused_add(route, rms, x, residual, ns, gain, bias, eps, axis, h_name, out,
+                           residual_out)
+        if fused is not None:
+            return fused
     xp = _namespace(x)
     h = _engine.residual_sum(xp, x, residual, add, h_name)
     if residual_out is not None:

@@ -41,6 +41,29 @@ class NativeBackend(Protocol):
         """RMSNorm backward into ``gx3``; returns ``grad_weight``."""
 
 
+class FusedAddBackend(NativeBackend, Protocol):
+    """A native backend that also adds the residual and normalizes in one pass.
+
+    Optional: the engine (:func:`layernorm._engine.fused_add`) looks these functions up
+    and composes ``x + residual`` and the forward where a backend has none. It calls
+    them only on rows (``inner == 1``) of unit stride whose x, residual and h dtypes
+    share one accumulation dtype, with h in x's dtype or in the accumulation dtype;
+    ``dtypes`` names the dtypes of ``x3``, ``r3`` and ``h3`` (``y3`` has x's).
+    ``h3`` and ``y3`` may each be ``x3`` or ``r3`` itself, never a partial overlap, and
+    never each other. ``h3`` gets ``x3 + r3`` computed in the accumulation dtype and
+    rounded once; ``y3`` the forward of ``h3``, bit for bit what ``*_forward`` gives.
+    """
+
+    def add_layer_norm_forward(self, x3: Any, r3: Any, weight: Any, bias: Any, eps: float,
+                               h3: Any, y3: Any, mean: Any, rstd: Any,
+                               dtypes: tuple[str, str, str]) -> None:
+        """``h3 = x3 + r3``, then LayerNorm of ``h3`` into ``y3``; fills ``mean``, ``rstd``."""
+
+    def add_rms_norm_forward(self, x3: Any, r3: Any, weight: Any, eps: float, h3: Any,
+                             y3: Any, rstd: Any, dtypes: tuple[str, str, str]) -> None:
+        """``h3 = x3 + r3``, then RMSNorm of ``h3`` into ``y3``; fills ``rstd``."""
+
+
 class DeviceBackend(NativeBackend, Protocol):
     """A native backend whose arrays live on one of several devices (CUDA)."""
 

@@ -67,10 +67,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_compile(args: argparse.Namespace) -> int:
     from . import precompile
     from .run import Progress
-    from .settings import DTYPES, OPS, split_choices
+    from .settings import ADD_OPS, DTYPES, OPS, split_choices
 
     dtypes = split_choices(args.dtype, DTYPES, "--dtype") or DTYPES
-    ops = split_choices(args.op, OPS, "--op") or OPS
+    ops = split_choices(args.op, OPS + ADD_OPS, "--op") or OPS + ADD_OPS
     directions = ("forward", "backward") if args.backward else ("forward",)
     dtypes, skipped = precompile.available_dtypes(dtypes)
     import numba
@@ -147,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_bench.add_argument("--threads", nargs="+", metavar="T",
                          help="thread counts to run, e.g. 1,2 (default: Numba's)")
     p_bench.add_argument("--op", nargs="+", metavar="OP",
-                         help="layer_norm and/or rms_norm (default: both)")
+                         help="layer_norm, rms_norm (default: both), add_layer_norm, "
+                              "add_rms_norm (the residual add fused in; forward only, "
+                              "against the unfused add then norm)")
     p_bench.add_argument("--regime", nargs="+", metavar="REGIME",
                          help="cache (one working set of <= 1.5 MB, reused: bound by "
                               "arithmetic) and/or memory (inputs rotated over > 128 MiB: "
@@ -182,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="float32, float64, float16, bfloat16 (default: all); "
                                 "space- or comma-separated")
     p_compile.add_argument("--op", nargs="+", metavar="OP",
-                           help="layer_norm and/or rms_norm (default: both)")
+                           help="layer_norm, rms_norm, add_layer_norm, add_rms_norm "
+                                "(default: all)")
     p_compile.add_argument("--backward", action="store_true",
                            help="also compile the backward kernels")
     p_compile.add_argument("--no-progress", action="store_true", help="no progress bar")

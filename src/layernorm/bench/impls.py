@@ -49,6 +49,11 @@ EPS = 1e-5
 
 #: Kinds of implementation: the copy baselines, our own paths, and other libraries.
 COPY, OURS, PEER = "copy", "layernorm", "peer"
+#: Our Numba path with a fresh output and into ``out=``: the denominators of speed-ups.
+OURS_FRESH, OURS_OUT = "layernorm numba", "layernorm numba out="
+#: Table titles of the operations.
+TITLES = {"layer_norm": "LayerNorm", "rms_norm": "RMSNorm",
+          "add_layer_norm": "add + LayerNorm", "add_rms_norm": "add + RMSNorm"}
 #: Output regimes: how an implementation gets its output memory (see above).
 PREALLOC, FRESH, HEAP_REUSE = "prealloc", "fresh", "heap reuse"
 #: Data regimes: where the inputs are when a call starts (see above).
@@ -76,6 +81,7 @@ class Case:
     weight: Any = None
     bias: Any = None
     grad_y: Any = None
+    residual: Any = None
     mean: Any = None
     rstd: Any = None
     extras: dict[str, Any] = field(default_factory=dict)
@@ -91,9 +97,10 @@ class Case:
 
     @property
     def moved_bytes(self) -> int:
-        """The floor of memory traffic: forward reads x and writes y; backward reads
-        grad_y and x and writes grad_x (statistics and parameters are negligible)."""
-        return (2 if self.direction == "forward" else 3) * self.array_bytes
+        """The floor of memory traffic: forward reads x and writes y (a fusion also reads
+        the residual and writes h); backward reads grad_y and x and writes grad_x
+        (statistics and parameters are negligible)."""
+        return _arrays(self.op, self.direction) * self.array_bytes
 
     @property
     def working_set_bytes(self) -> int:
@@ -103,13 +110,28 @@ class Case:
                     if a is not None)
         if self.mean is None and self.rstd is None:  # forward: it writes them
             acc = acc_dtype(self.dtype).itemsize
-            extra += (2 if self.op == "layer_norm" else 1) * self.shape[0] * acc
+            extra += (2 if has_bias(self.op) else 1) * self.shape[0] * acc
         return self.moved_bytes + extra
 
     @property
     def title(self) -> str:
-        name = {"layer_norm": "LayerNorm", "rms_norm": "RMSNorm"}[self.op]
-        return f"{name} {self.direction} {self.dtype}"
+        return f"{TITLES[self.op]} {self.direction} {self.dtype}"
+
+
+def is_add(op: str) -> bool:
+    """Whether ``op`` is a fusion (``add_layer_norm``, ``add_rms_norm``)."""
+    return op.startswith("add_")
+
+
+def has_bias(op: str) -> bool:
+    """Whether ``op`` is a LayerNorm (which has a bias and a mean)."""
+    return op.endswith("layer_norm")
+
+
+def _arrays(op: str, direction: str) -> int:
+    if direction == "backward":
+        return 3
+    return 4 if is_add(op) else 2
 
 
 @dataclass
@@ -157,8 +179,10 @@ def make_case(op: str, direction: str, dtype: str, shape: tuple[int, int],
     dt = numpy_dtype(dtype)
     x = rng.standard_normal((n, d), dtype=np.float32).astype(dt)
     weight = (1.0 + 0.1 * rng.standard_normal(d)).astype(dt)
-    bias = (0.1 * rng.standard_normal(d)).astype(dt) if op == "layer_norm" else None
+    bias = (0.1 * rng.standard_normal(d)).astype(dt) if has_bias(op) else None
     case = Case(op, direction, dtype, (n, d), x=x, weight=weight, bias=bias)
+    if is_add(op):
+        case.residual = rng.standard_normal((n, d), dtype=np.float32).astype(dt)
     if direction == "backward":
         case.grad_y = rng.standard_normal((n, d), dtype=np.float32).astype(dt)
         if op == "layer_norm":
@@ -184,9 +208,9 @@ def cache_shape(op: str, direction: str, dtype: str, shape: tuple[int, int]
     n, d = shape
     item = numpy_dtype(dtype).itemsize
     acc = acc_dtype(dtype).itemsize
-    arrays = 2 if direction == "forward" else 3
-    stats = 2 if op == "layer_norm" else 1
-    params = (2 if op == "layer_norm" else 1) * d * item
+    arrays = _arrays(op, direction)
+    stats = 2 if has_bias(op) else 1
+    params = (2 if has_bias(op) else 1) * d * item
     rows = (CACHE_BYTES - params) // (arrays * d * item + stats * acc)
     return (min(n, rows), d) if rows >= 1 else None
 
@@ -198,8 +222,8 @@ def replica(case: Case) -> Case:
 
     return Case(case.op, case.direction, case.dtype, case.shape, x=fresh(case.x),
                 weight=fresh(case.weight), bias=fresh(case.bias),
-                grad_y=fresh(case.grad_y), mean=fresh(case.mean), rstd=fresh(case.rstd),
-                extras=dict(case.extras))
+                grad_y=fresh(case.grad_y), residual=fresh(case.residual),
+                mean=fresh(case.mean), rstd=fresh(case.rstd), extras=dict(case.extras))
 
 
 def regime_cases(op: str, direction: str, dtype: str, shape: tuple[int, int],
@@ -235,7 +259,9 @@ def copy_impls(case: Case) -> list[Impl]:
     A forward moves the bytes of a copy of ``x``. A backward reads two arrays and writes
     a third, so its baselines are ``grad_y + x`` into a preallocated array: exactly its
     traffic and working set (a copy of one ``x`` may fit in a cache the three arrays do
-    not). The copies are timed for backward cases too, for reference.
+    not). The copies are timed for backward cases too, for reference. A fusion reads x
+    and the residual and writes h and y: its baselines copy x into one preallocated
+    array and the residual into another, timed as one call.
     """
     src = case.x
     dst = np.empty_like(src)
@@ -250,6 +276,25 @@ def copy_impls(case: Case) -> list[Impl]:
         ts, td = _to_torch(src), _to_torch(dst)
         impls.append(Impl("copy torch copy_", COPY, PREALLOC, lambda: td.copy_(ts),
                           "uses torch's threads"))
+    if is_add(case.op):
+        res = case.residual
+        dst2 = np.empty_like(res)
+
+        def copies() -> None:
+            np.copyto(dst, src)
+            np.copyto(dst2, res)
+
+        impls.append(Impl("copy 2x np.copyto", COPY, PREALLOC, copies,
+                          "x and residual, each into its own array; single-threaded", 4))
+        if torch_ok:
+            tr, td2 = _to_torch(res), _to_torch(dst2)
+
+            def torch_copies() -> None:
+                td.copy_(ts)
+                td2.copy_(tr)
+
+            impls.append(Impl("copy 2x torch copy_", COPY, PREALLOC, torch_copies,
+                              "uses torch's threads", 4))
     if case.direction == "backward":
         gy = case.grad_y
         impls.append(Impl("stream np.add", COPY, PREALLOC,
@@ -277,12 +322,23 @@ def ours_impls(case: Case, output: str = FRESH) -> list[Impl]:
 
     x, w, b, eps = case.x, case.weight, case.bias, EPS
     impls: list[Impl] = []
+    if is_add(case.op):
+        res, y, h = case.residual, np.empty_like(x), np.empty_like(case.residual)
+        fn = ln.add_layer_norm if case.op == "add_layer_norm" else ln.add_rms_norm
+        kw = {"bias": b} if has_bias(case.op) else {}
+        return [
+            Impl(OURS_OUT, OURS, PREALLOC,
+                 lambda: fn(x, res, weight=w, eps=eps, out=y, residual_out=h, **kw),
+                 "one pass: h into residual_out=, y into out="),
+            Impl(OURS_FRESH, OURS, output, lambda: fn(x, res, weight=w, eps=eps, **kw),
+                 "one pass: fresh h and y"),
+        ]
     if case.direction == "forward":
         out = np.empty_like(x)
         if case.op == "layer_norm":
-            impls.append(Impl("layernorm numba out=", OURS, PREALLOC,
+            impls.append(Impl(OURS_OUT, OURS, PREALLOC,
                               lambda: ln.layer_norm(x, weight=w, bias=b, eps=eps, out=out)))
-            impls.append(Impl("layernorm numba", OURS, output,
+            impls.append(Impl(OURS_FRESH, OURS, output,
                               lambda: ln.layer_norm(x, weight=w, bias=b, eps=eps)))
             if output == FRESH:
                 impls.append(Impl(
@@ -290,9 +346,9 @@ def ours_impls(case: Case, output: str = FRESH) -> list[Impl]:
                     lambda: ln.layer_norm(x, weight=w, bias=b, eps=eps, backend="array_api"),
                     "generic path on NumPy"))
         else:
-            impls.append(Impl("layernorm numba out=", OURS, PREALLOC,
+            impls.append(Impl(OURS_OUT, OURS, PREALLOC,
                               lambda: ln.rms_norm(x, weight=w, eps=eps, out=out)))
-            impls.append(Impl("layernorm numba", OURS, output,
+            impls.append(Impl(OURS_FRESH, OURS, output,
                               lambda: ln.rms_norm(x, weight=w, eps=eps)))
             if output == FRESH:
                 impls.append(Impl("layernorm array_api", OURS, output,
@@ -362,8 +418,32 @@ def numpy_rms_norm_backward(gy: Any, x: Any, rstd: Any, w: Any) -> tuple:
     return gx.astype(x.dtype, copy=False), (gya * xhat).sum(0)
 
 
+def unfused_impls(case: Case) -> list[Impl]:
+    """A fusion unfused, as a caller would write it: NumPy's add into a preallocated h,
+    then our norm into a preallocated y; and ``h = x + residual`` then our norm, fresh."""
+    import layernorm as ln
+
+    x, res, w, b, eps = case.x, case.residual, case.weight, case.bias, EPS
+    norm = ln.layer_norm if case.op == "add_layer_norm" else ln.rms_norm
+    kw = {"bias": b} if has_bias(case.op) else {}
+    h, y = np.empty_like(res), np.empty_like(x)
+
+    def prealloc() -> Any:
+        np.add(x, res, out=h)
+        return norm(h, weight=w, eps=eps, out=y, **kw)
+
+    def fresh() -> Any:
+        return norm(x + res, weight=w, eps=eps, **kw)
+
+    return [Impl("unfused add, norm out=", PEER, PREALLOC, prealloc,
+                 "np.add(x, r, out=h); norm(h, out=y)"),
+            Impl("unfused add, norm", PEER, FRESH, fresh, "h = x + r; norm(h)")]
+
+
 def numpy_impls(case: Case) -> list[Impl]:
     """The NumPy composite reference (fresh temporaries, single-threaded)."""
+    if is_add(case.op):
+        return unfused_impls(case)
     acc = acc_dtype(case.dtype)
     x = case.x
     w = case.weight.astype(acc)
@@ -407,6 +487,20 @@ def torch_impls(case: Case, output: str = FRESH) -> list[Impl]:
     shape = (case.shape[1],)
     eps = EPS
     label = "as it comes" if output == FRESH else output
+    if is_add(case.op):
+        tr = _to_torch(case.residual)
+        if case.op == "add_layer_norm":
+            def fn_add() -> Any:
+                with torch.no_grad():
+                    return F.layer_norm(x + tr, shape, w, b, eps)
+
+            return [Impl("torch x + r, F.layer_norm", PEER, output, fn_add, label)]
+
+        def fn_add_rms() -> Any:
+            with torch.no_grad():
+                return F.rms_norm(x + tr, shape, w, eps)
+
+        return [Impl("torch x + r, F.rms_norm", PEER, output, fn_add_rms, label)]
     if case.direction == "forward":
         if case.op == "layer_norm":
             def fn() -> Any:
@@ -447,7 +541,7 @@ def torch_impls(case: Case, output: str = FRESH) -> list[Impl]:
 
 def jax_impls(case: Case) -> list[Impl]:
     """A jitted JAX composite on the CPU (XLA picks its own threads)."""
-    if not installed("jax"):
+    if not installed("jax") or is_add(case.op):
         return []
     import jax
     import jax.numpy as jnp

@@ -5,8 +5,9 @@ kernels already compiled: a first call then loads its kernel instead of compilin
 (seconds each).
 
 What it compiles is exactly what real calls use, because it *makes* real calls: small
-``layer_norm``/``rms_norm`` calls (and, with ``backward``, their backwards) through the
-public API, once for each layout that selects a different kernel in the Numba backend's
+``layer_norm``/``rms_norm`` and ``add_layer_norm``/``add_rms_norm`` calls (x plus a
+residual of its dtype; and, with ``backward``, their backwards) through the public API, once for
+each layout that selects a different kernel in the Numba backend's
 drivers (``layernorm._backends._numba``):
 
 * rows (the normalized axis last): the serial row kernel, on contiguous rows of at most
@@ -97,6 +98,21 @@ def calls(op: str, direction: str, dtype: str, layout: Layout) -> Callable[[], N
 
     x, gy, weight, bias = _inputs(layout, dtype)
     axis = layout.axis
+    if op.startswith("add_"):
+        # The fusion's own kernels serve its forward (rows; other layouts compose from
+        # the norm's kernels); its backward is the norm's.
+        if direction == "backward":
+            return calls(op[len("add_"):], direction, dtype, layout)
+
+        def add_forward() -> None:
+            if op == "add_layer_norm":
+                for w, b in ((weight, bias), (None, None)):
+                    ln.add_layer_norm(x, gy, weight=w, bias=b, axis=axis)
+            else:
+                for w in (weight, None):
+                    ln.add_rms_norm(x, gy, weight=w, axis=axis)
+
+        return add_forward
 
     def forward() -> None:
         if op == "layer_norm":

@@ -7,7 +7,7 @@ import math
 import statistics
 from typing import Any
 
-from .impls import CACHE, CACHE_BYTES, COPY, FRESH, HEAP_REUSE, MEMORY, MEMORY_BYTES
+from .impls import CACHE, CACHE_BYTES, COPY, FRESH, HEAP_REUSE, MEMORY, MEMORY_BYTES, TITLES
 
 #: Section headings of the data regimes.
 REGIME_TITLES = {
@@ -37,7 +37,7 @@ def format_table(report: dict[str, Any]) -> str:
     header = (f"{'shape':>11}  {'implementation':<27} {'output':<11} {'µs':>9} "
               f"{'GB/s':>7} {'% copy':>7} {'speed-up':>9}")
     for (phase, data, threads, op, direction, dtype), recs in groups.items():
-        name = {"layer_norm": "LayerNorm", "rms_norm": "RMSNorm"}[op]
+        name = TITLES[op]
         outputs = ("outputs as they come" if phase == FRESH
                    else "malloc reuses freed memory (no mmap, no trim)")
         lines += ["", f"{name} {direction}, {dtype}, {threads} thread(s); "
@@ -62,15 +62,16 @@ def format_table(report: dict[str, Any]) -> str:
         lines.extend(_summary_lines(recs))
     lines += [
         "",
-        "GB/s: forward reads x and writes y; backward reads grad_y, x and writes grad_x.",
+        "GB/s: forward reads x and writes y (add + norm: also reads the residual and "
+        "writes h); backward reads grad_y, x and writes grad_x.",
         "% copy: of the best preallocated baseline moving the same bytes in the same data "
-        "regime, timed in the same rounds (marked *): a copy for forward, grad_y + x into "
-        "out= for backward.",
+        "regime, timed in the same rounds (marked *): a copy for forward (add + norm: "
+        "x and the residual copied, timed as one), grad_y + x into out= for backward.",
         "Data regimes: cache = one working set reused (rows cut to fit; bound by "
         "arithmetic); memory = the shape as given, inputs rotated over copies so every "
         "call reads from DRAM (bound by bandwidth; single rows are too small for it).",
         "speed-up: the peer's time / layernorm numba's with the same data and output "
-        "regimes (>1: layernorm is faster).",
+        "regimes (prealloc: layernorm numba out=; >1: layernorm is faster).",
         "Output regimes: prealloc = into memory allocated before timing (out=); fresh = a new "
         "output per call; heap reuse = fresh, with freed memory reused by malloc.",
         "Medians of interleaved rounds; JAX uses XLA's own threads whatever --threads says.",

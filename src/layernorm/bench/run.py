@@ -22,7 +22,13 @@ How it measures
   which reads two arrays and writes one like the backward does. It is the best regime
   such an operation has: no allocation, no page faults.
 * "speed-up" is a peer's time divided by ours with the same output regime
-  (``fresh`` with ``fresh``, ``heap reuse`` with ``heap reuse``); > 1 means we are faster.
+  (``fresh`` with ``fresh``, ``heap reuse`` with ``heap reuse``, ``prealloc`` with our
+  ``out=`` call); > 1 means we are faster.
+* The fusions (``add_layer_norm``, ``add_rms_norm``; forward only) read ``x`` and
+  ``residual`` and write ``h`` and ``y``: their floor is two preallocated copies timed
+  as one call (``x`` into one buffer, ``residual`` into another), and their peers are
+  the unfused add then norm (into preallocated arrays, and with fresh ones) and torch's
+  ``x + residual`` then ``F.layer_norm`` / ``F.rms_norm``.
 * After every ``fresh`` measurement, when torch is installed on glibc, a second pass
   switches malloc to reuse freed memory (see :mod:`.impls`) and times torch and
   us again in that regime.
@@ -36,7 +42,19 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from . import impls as impls_mod
-from .impls import COPY, FRESH, HEAP_REUSE, MEMORY, OURS, PEER, PREALLOC, Case, Impl
+from .impls import (
+    COPY,
+    FRESH,
+    HEAP_REUSE,
+    MEMORY,
+    OURS,
+    OURS_FRESH,
+    OURS_OUT,
+    PEER,
+    PREALLOC,
+    Case,
+    Impl,
+)
 from .machine import installed
 from .settings import Settings
 from .timing import rotating, time_interleaved
@@ -107,7 +125,7 @@ def summarize(case: Case, impls: Sequence[Impl], timings: dict[str, dict[str, An
                 best_copy, best_copy_gbps = impl.name, gbps
     ours_by_output = {
         impl.output: timings[impl.name].get("median_s")
-        for impl in impls if impl.kind == OURS and impl.name == "layernorm numba"
+        for impl in impls if impl.kind == OURS and impl.name in (OURS_FRESH, OURS_OUT)
     }
     records = []
     for impl in impls:
@@ -144,10 +162,12 @@ def summarize(case: Case, impls: Sequence[Impl], timings: dict[str, dict[str, An
 
 
 def _cases(settings: Settings) -> list[tuple[str, str, str, str, tuple[int, int]]]:
+    # The fusions have no backward of their own (it is the norm's, with grad_residual).
     return [(regime, op, direction, dtype, shape)
             for regime in settings.regimes
             for direction in settings.directions for op in settings.ops
-            for dtype in settings.dtypes for shape in settings.shapes]
+            for dtype in settings.dtypes for shape in settings.shapes
+            if direction == "forward" or not impls_mod.is_add(op)]
 
 
 def time_cell(impls: Sequence[Impl], repeats: int, target_s: float

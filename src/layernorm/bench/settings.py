@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 #: The operations, directions and dtypes a run can time.
 OPS = ("layer_norm", "rms_norm")
+#: The transformer-block fusions (forward only): ``h = x + residual``, then the norm of h.
+ADD_OPS = ("add_layer_norm", "add_rms_norm")
 DIRECTIONS = ("forward", "backward")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 #: Where the inputs are when a call starts: one reused working set of at most 1.5 MB,
@@ -96,7 +98,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     shapes = tuple(parse_shape(s) for s in args.shape or ()) or (
         QUICK_SHAPES if args.quick else FULL_SHAPES)
     dtypes = split_choices(args.dtype, DTYPES, "--dtype") or ("float32",)
-    ops = split_choices(args.op, OPS, "--op") or OPS
+    ops = split_choices(args.op, OPS + ADD_OPS, "--op") or OPS
     available = numba.config.NUMBA_NUM_THREADS
     try:
         threads = tuple(int(t) for t in _split(args.threads)) or (numba.get_num_threads(),)

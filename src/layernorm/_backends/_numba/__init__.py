@@ -258,3 +258,39 @@ def rms_norm_backward(gy3, x3, rstd, weight, gx3, dtype):
         _run(k.backward_cols_serial, k.backward_cols_parallel, x.size, LN_BACKWARD_WRITES,
              gy, x, rstd, rstd, w, gx, partials, True)
     return entry.call(k.sum_blocks, (), partials)[0]
+
+
+#: Positions of the arrays the fused add-and-normalize kernels write.
+ADD_LN_WRITES = (5, 6, 7, 8)  # h, y, mean, rstd
+ADD_RMS_WRITES = (4, 5, 6)  # h, y, rstd
+
+
+def _add_streams(x: Any, res: Any, y: Any) -> bool:
+    # y in place of either input is in the cache already (see use_streaming_stores).
+    return use_streaming_stores(x, y) and not np.may_share_memory(res, y)
+
+
+def _add_arrays(x3, r3, h3, y3, dtypes):
+    x_name, r_name, h_name = dtypes
+    return (_as_kernel_array(x3[:, :, 0], x_name), _as_kernel_array(r3[:, :, 0], r_name),
+            _as_kernel_array(h3[:, :, 0], h_name), _as_kernel_array(y3[:, :, 0], x_name))
+
+
+def add_layer_norm_forward(x3, r3, weight, bias, eps, h3, y3, mean, rstd, dtypes) -> None:
+    """``h3 = x3 + r3`` and the LayerNorm of ``h3`` into ``y3``, in one pass (:mod:`.fused`)."""
+    k = load_kernels()
+    x, r, h, y = _add_arrays(x3, r3, h3, y3, dtypes)
+    e = _acc_scalar(eps, dtypes[2])
+    w, b = kernel_params(weight, bias, x.shape[1], mean.dtype)
+    _run(k.add_ln_forward_serial, k.add_ln_forward_parallel, x.size, ADD_LN_WRITES,
+         x, r, w, b, e, h, y, mean, rstd, _add_streams(x, r, y))
+
+
+def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
+    """``h3 = x3 + r3`` and the RMSNorm of ``h3`` into ``y3``, in one pass (:mod:`.fused`)."""
+    k = load_kernels()
+    x, r, h, y = _add_arrays(x3, r3, h3, y3, dtypes)
+    e = _acc_scalar(eps, dtypes[2])
+    w = kernel_params(weight, None, x.shape[1], rstd.dtype)[0]
+    _run(k.add_rms_forward_serial, k.add_rms_forward_parallel, x.size, ADD_RMS_WRITES,
+         x, r, w, e, h, y, rstd, _add_streams(x, r, y))

@@ -36,6 +36,8 @@ one, and nothing else. Modules, by job:
   paths, serial and parallel);
 * :mod:`.forward_cols`: the channels-first forward (column path);
 * :mod:`.backward`: row and column backward and the ordered block sum ``sum_blocks``;
+* :mod:`.fused`: residual add then LayerNorm/RMSNorm of rows in one pass (the row
+  functions of :mod:`.forward_rows` on the freshly added rows);
 * :mod:`.passes`: the forward's two passes alone, for the roofline tool;
 * :mod:`._simd`, :mod:`._scalars`: the SIMD vectors and 16-bit conversions they are
   written with (:mod:`.python_simd`: their NumPy stand-ins under
@@ -74,6 +76,12 @@ from .forward_rows import (
     rms_forward_parallel,
     rms_forward_serial,
 )
+from .fused import (
+    add_ln_forward_parallel,
+    add_ln_forward_serial,
+    add_rms_forward_parallel,
+    add_rms_forward_serial,
+)
 from .rowmath import LANES
 
 __all__ = [
@@ -81,6 +89,10 @@ __all__ = [
     "COL_BLOCK",
     "LANES",
     "PAIR_MIN_N",
+    "add_ln_forward_parallel",
+    "add_ln_forward_serial",
+    "add_rms_forward_parallel",
+    "add_rms_forward_serial",
     "backward_cols_parallel",
     "backward_cols_serial",
     "ln_backward_parallel",

@@ -1,0 +1,139 @@
+"""Residual add then LayerNorm/RMSNorm in one pass over memory (the pre-norm block).
+
+``h = x + residual`` and ``y = norm(h)`` of 2-D ``(rows, n)`` arrays whose rows have
+unit stride, block of rows by block of rows: a block's ``h`` is computed in the
+accumulation type (an IEEE add per element of the widened inputs), rounded once to h's
+element type and stored, then the block is normalized by the same compiled row function
+as the unfused forward (:func:`.forward_rows.ln_raw_rows` /
+:func:`.forward_rows.rms_raw_rows`) reading those just-stored, cache-resident ``h``
+values. The same operations on the same values: ``y`` is bit for bit
+``layer_norm(h)`` / ``rms_norm(h)``, rounded to y's element type.
+
+``h`` is stored with plain stores and read back from the cache: streaming it to memory
+from the same vector while the row function read a scratch copy (so that h's lines are
+never read from memory before they are written) was measured slower (float32, 1 thread,
+(8192, 1024) and (4096, 4096) from DRAM: 7-12%); ``y`` takes streaming stores where the
+unfused forward does. Blocks are large (``BLOCK_ELEMENTS``): the add streams from memory
+while the row function computes from the cache, and switching between the two less
+often pays (measured: 1 << 13 elements per block 15-25% slower than 1 << 16).
+
+Every row of a block is read (``x``, ``residual``) before any row of it is written
+(``h``, ``y``), and rows never interact, so ``h`` and ``y`` may be ``x`` or ``residual``
+themselves (the same memory, in place); they may not partly overlap them (the driver
+checks). All element types share one accumulation type (float32 for
+float16/bfloat16/float32, float64 for float64): the driver only fuses such calls.
+
+Each kernel comes serial and parallel (blocks over Numba's threads): the same
+arithmetic per row, the same bits.
+"""
+
+from __future__ import annotations
+
+from numba import njit, prange
+
+from ._scalars import narrow, widen
+from ._simd import (
+    get,
+    put,
+    raw,
+    runtime,
+    vload,
+    vstore,
+)
+from .diskcache import cached_njit
+from .forward_rows import ln_raw_rows, rms_raw_rows
+from .rowmath import LANES, row_constants, widened, widened_pair
+
+#: Elements per block of rows (no effect on results): the block's ``h`` stays in L2
+#: between the add and the two passes of the row function over it.
+BLOCK_ELEMENTS = 1 << 16
+#: The parallel kernels cut an input into at least this many blocks (when it has that
+#: many rows), so that every thread gets work.
+PARALLEL_BLOCKS = 16
+
+
+@njit(inline="always", error_model="numpy")
+def _add_row(xv, rv, hv, r, n):
+    """Row ``r`` of ``h = x + residual`` into ``hv`` (plain stores)."""
+    body = n // LANES * LANES
+    for i in range(0, body, LANES):
+        vstore(hv, vload(xv, r, i) + vload(rv, r, i), r, i)
+    for i in range(body, n):
+        put(hv, r, i, narrow(widen(get(xv, r, i)) + widen(get(rv, r, i)), hv))
+
+
+@njit(error_model="numpy")
+def _add_block(x, res, h, r0, r1):
+    """``h`` of rows ``r0 .. r1``; returns its view (rows ``0 .. r1 - r0``)."""
+    n = x.shape[1]
+    xv, rv, hv = raw(x[r0:r1]), raw(res[r0:r1]), raw(h[r0:r1])
+    for r in range(r1 - r0):
+        _add_row(xv, rv, hv, r, n)
+    return hv
+
+
+@njit(error_model="numpy")
+def _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt, r0, r1):
+    hv = _add_block(x, res, h, r0, r1)
+    ln_raw_rows(hv, raw(y[r0:r1]), raw(w), raw(b), raw(tab), eps, x.shape[1], nt, mean_out,
+                 rstd_out, runtime(0), r1 - r0, r0)
+
+
+@njit(error_model="numpy")
+def _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, r1):
+    hv = _add_block(x, res, h, r0, r1)
+    rms_raw_rows(hv, raw(y[r0:r1]), raw(w), eps, x.shape[1], nt, rstd_out, runtime(0),
+                 r1 - r0, r0)
+
+
+@njit(inline="always", error_model="numpy")
+def block_rows(rows, n, blocks):
+    """Rows per block: ``BLOCK_ELEMENTS`` worth, fewer where that would leave fewer than
+    ``blocks`` blocks (work for every thread), at least one."""
+    return max(1, min(BLOCK_ELEMENTS // max(n, 1), -(-rows // blocks)))
+
+
+@cached_njit(error_model="numpy")
+def add_ln_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, nt):
+    """``h = x + res`` and the LayerNorm of ``h`` into ``y``, on the calling thread."""
+    rows, n = x.shape
+    tab = row_constants(n, eps)
+    w, b = widened_pair(w, b)
+    rb = block_rows(rows, n, 1)
+    for r0 in range(0, rows, rb):
+        _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt, r0,
+                      min(rows, r0 + rb))
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def add_ln_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, nt):
+    """:func:`add_ln_forward_serial` with blocks of rows over Numba's threads."""
+    rows, n = x.shape
+    tab = row_constants(n, eps)
+    w, b = widened_pair(w, b)
+    rb = block_rows(rows, n, PARALLEL_BLOCKS)
+    for blk in prange((rows + rb - 1) // rb):
+        r0 = blk * rb
+        _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt, r0,
+                      min(rows, r0 + rb))
+
+
+@cached_njit(error_model="numpy")
+def add_rms_forward_serial(x, res, w, eps, h, y, rstd_out, nt):
+    """``h = x + res`` and the RMSNorm of ``h`` into ``y``, on the calling thread."""
+    rows, n = x.shape
+    w = widened(w)
+    rb = block_rows(rows, n, 1)
+    for r0 in range(0, rows, rb):
+        _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, min(rows, r0 + rb))
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def add_rms_forward_parallel(x, res, w, eps, h, y, rstd_out, nt):
+    """:func:`add_rms_forward_serial` with blocks of rows over Numba's threads."""
+    rows, n = x.shape
+    w = widened(w)
+    rb = block_rows(rows, n, PARALLEL_BLOCKS)
+    for blk in prange((rows + rb - 1) // rb):
+        r0 = blk * rb
+        _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, min(rows, r0 + rb))
