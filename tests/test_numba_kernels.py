@@ -127,7 +127,7 @@ def test_short_rows_in_blocks_match_the_column_path(dtype, n):
     """Short rows go 16 at a time with their lane trees folded together; the column path
     runs the same arithmetic another way. Row counts cover partial last blocks, and
     constant and non-finite rows sit at several positions in a block."""
-    short_max = backend.load_kernels().BATCH_ROW_MAX
+    short_max = backend.load_kernels().SHORT_ROW_MAX
     n = {"short_max": short_max, "short_max+1": short_max + 1}.get(n, n)
     npdt = {"float16": np.float16, "float32": np.float32, "float64": np.float64}[dtype]
     rng = np.random.default_rng(n)
@@ -473,15 +473,14 @@ def _far_shift_rows(rows, n, seed):
 
 
 @pytest.mark.parametrize("n", [17, 64, 300, 2049, 4096])
-def test_rows_with_a_far_shift_are_redone_alike_on_every_path(n):
-    """Rows whose first shift is far from their mean are computed again about a better
-    one: accurate, and with the same bits alone, in a batch, strided and as columns."""
+def test_rows_with_a_far_shift_have_the_same_bits_on_every_path(n):
+    """Rows whose first elements lie far from their mean (where a shifted arithmetic
+    is weakest) give the same bits alone, in a batch, strided and as columns."""
     x = _far_shift_rows(35, n, n)
     w, b = _params(n, n)
     y, mean, rstd = ln.layer_norm(x, n, w, b, return_stats=True)
-    y_ref, _, rstd_ref = reference.layer_norm(x, (1,), w, b)
-    assert np.all(np.abs(y - y_ref) <= 2e-6 * np.maximum(1.0, np.abs(y_ref)))
-    assert np.abs(rstd / rstd_ref - 1).max() <= 3e-7
+    y_ref, _, _ = reference.layer_norm(x, (1,), w, b)
+    assert np.all(np.abs(y - y_ref) <= 5e-5 * np.maximum(1.0, np.abs(y_ref)))
     for r in (1, 5, 6, 33):
         _same_bits(ln.layer_norm(x[r:r + 1], n, w, b), y[r:r + 1])
     strided = np.empty((35, 2 * n), np.float32)[:, ::2]
@@ -492,3 +491,12 @@ def test_rows_with_a_far_shift_are_redone_alike_on_every_path(n):
     _same_bits(yc[0].T, y)
     _same_bits(mc.reshape(-1), mean.reshape(-1))
     _same_bits(rc.reshape(-1), rstd.reshape(-1))
+
+
+@pytest.mark.xfail(strict=True, reason="known limit: the rows are shifted by x[0]; an "
+                   "outlying first element costs up to ~1.5e-5 relative accuracy (issue 15)")
+def test_an_outlying_first_element_keeps_full_accuracy():
+    x = _far_shift_rows(35, 4096, 4096)[5:6]  # x[0] is 300 deviations above the rest
+    y_ref, _, _ = reference.layer_norm(x, (1,))
+    y = ln.layer_norm(x)
+    assert np.all(np.abs(y - y_ref) <= 2e-6 * np.maximum(1.0, np.abs(y_ref)))

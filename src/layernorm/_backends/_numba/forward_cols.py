@@ -19,17 +19,37 @@ from ._simd import WIDTH, copy2, fma, lane, load2, splat, store2
 from .diskcache import cached_njit
 from .rescale import ln_column_rescaled, rms_column_rescaled
 from .rowmath import (
-    BLOCK,
     CHUNK,
     LANES,
     PER_LANE,
-    SPAN,
+    TAB_COUNTS,
+    TAB_INV_N,
+    TAB_REM_C,
+    TAB_REM_F,
     WORK_ELEMENTS,
-    centred,
+    chunk_tree,
+    chunk_weights,
     finish,
-    needs_new_shift,
+    merge,
+    merge_weights,
     square_tree,
 )
+
+
+@njit(error_model="numpy")
+def _col_chunk(x2, row0, c0, g, kv, inv, pad, zero):
+    # Leaves written out: a helper called with the constants 0 .. 7 would be compiled
+    # once per constant.
+    return chunk_tree(
+        load2(x2, row0, c0) - kv if g > 0 else pad,
+        load2(x2, row0 + LANES, c0) - kv if g > 1 else pad,
+        load2(x2, row0 + 2 * LANES, c0) - kv if g > 2 else pad,
+        load2(x2, row0 + 3 * LANES, c0) - kv if g > 3 else pad,
+        load2(x2, row0 + 4 * LANES, c0) - kv if g > 4 else pad,
+        load2(x2, row0 + 5 * LANES, c0) - kv if g > 5 else pad,
+        load2(x2, row0 + 6 * LANES, c0) - kv if g > 6 else pad,
+        load2(x2, row0 + 7 * LANES, c0) - kv if g > 7 else pad,
+        g, inv, zero)
 
 
 @njit(inline="always", error_model="numpy")
@@ -43,95 +63,68 @@ def _lane_tree_sum(lt):
 
 
 @njit(inline="always", error_model="numpy")
-def _add_combined(acc, first, tot):
-    """Rows ``tot .. tot+LANES`` of ``acc`` plus ``(A0 + A1) + (A2 + A3)``, accumulator
-    ``a``'s lane ``j`` being row ``first + a * LANES + j`` (a span's lane totals)."""
-    for j in range(LANES):
-        c = ((load2(acc, first + j, 0) + load2(acc, first + LANES + j, 0))
-             + (load2(acc, first + 2 * LANES + j, 0) + load2(acc, first + 3 * LANES + j, 0)))
-        store2(acc, load2(acc, tot + j, 0) + c, tot + j, 0)
-
-
-@njit(inline="always", error_model="numpy")
-def _col_shift(x2, c0, lt, eps):
-    """The row path's shift ``K`` of ``WIDTH`` columns (:func:`.rowmath.first_shift`)."""
-    n = x2.shape[0]
-    if n < LANES:
-        return load2(x2, 0, c0)
-    for j in range(LANES):
-        store2(lt, load2(x2, j, c0), j, 0)
-    _lane_tree_sum(lt)
-    return load2(lt, 0, 0) * splat(cast(1.0 / LANES, eps))
-
-
-@njit(inline="always", error_model="numpy")
-def _col_moments(x2, c0, kv, acc, lt, zero, eps):
-    """Steps 2-3 of the row arithmetic for ``WIDTH`` columns: ``(mu, q)`` vectors.
-
-    As on the row path, element ``i`` of a column goes to row ``i % BLOCK`` of the sums'
-    accumulators (accumulator ``(i // LANES) % ACCS``, lane ``i % LANES``) and of the
-    squares' (rows ``BLOCK ..``), each span's accumulators are added to the lane totals
-    (rows ``2 * BLOCK ..`` and ``2 * BLOCK + LANES ..``), and the padding of the row
-    path's last partial vector (``v = +0.0``) is added too.
-    """
-    n = x2.shape[0]
-    ts, tq = 2 * BLOCK, 2 * BLOCK + LANES
-    for j in range(2 * BLOCK + 2 * LANES):
-        store2(acc, zero, j, 0)
-    for start in range(0, n, SPAN):
-        end = min(n, start + SPAN)
-        for j in range(2 * BLOCK):
-            store2(acc, zero, j, 0)
-        for base in range(start, end, BLOCK):
-            for j in range(min(BLOCK, end - base)):
-                v = load2(x2, base + j, c0) - kv
-                store2(acc, load2(acc, j, 0) + v, j, 0)
-                store2(acc, fma(v, v, load2(acc, BLOCK + j, 0)), BLOCK + j, 0)
-        if end == n:
-            for i in range(n, -(-n // LANES) * LANES):
-                store2(acc, load2(acc, i % BLOCK, 0) + zero, i % BLOCK, 0)
-        _add_combined(acc, 0, ts)
-        _add_combined(acc, BLOCK, tq)
-    for j in range(LANES):
-        store2(lt, load2(acc, ts + j, 0), j, 0)
-    _lane_tree_sum(lt)
-    s = load2(lt, 0, 0)
-    for j in range(LANES):
-        store2(lt, load2(acc, tq + j, 0), j, 0)
-    _lane_tree_sum(lt)
-    return centred(s, load2(lt, 0, 0), splat(cast(n, eps)))
-
-
-@njit(inline="always", error_model="numpy")
-def _ln_cols(x2, y2, c0, w, b, eps, acc, lt, cs, mean_out, rstd_out, r0, valid):
+def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out, r0, valid):
     """The row arithmetic for columns ``c0 .. c0+WIDTH`` of ``x2`` (unit column stride).
 
     Writes the outputs of the first ``valid`` columns' statistics at ``r0 ..``.
     """
     n = x2.shape[0]
-    zero = splat(cast(0.0, eps))
-    kv = _col_shift(x2, c0, lt, eps)
-    mu, q = _col_moments(x2, c0, kv, acc, lt, zero, eps)
-    # cs rows: 0 shifted mean, 1 rstd, 2 shift, 3 sum of squared deviations (per column)
-    store2(cs, kv, 2, 0)
+    like = eps
+    kv = load2(x2, 0, c0)
+    zero = splat(cast(0.0, like))
+    pad = splat(cast(-0.0, like))
+    for j in range(LANES):
+        store2(lm, zero, j, 0)
+        store2(lm2, zero, j, 0)
+    groups = n // LANES
+    full = groups // PER_LANE
+    inv_full = splat(cast(1.0, like) / cast(PER_LANE, like))
+    for c in range(full):
+        f, cc = chunk_weights(c, PER_LANE, like)
+        fv = splat(f)
+        cv = splat(cc)
+        for j in range(LANES):
+            m, q = _col_chunk(x2, c * CHUNK + j, c0, PER_LANE, kv, inv_full, pad, zero)
+            mean, m2 = merge(load2(lm, j, 0), load2(lm2, j, 0), m, q, fv, cv)
+            store2(lm, mean, j, 0)
+            store2(lm2, m2, j, 0)
+    g = groups - full * PER_LANE
+    if g > 0:
+        f, cc = chunk_weights(full, g, like)
+        fv = splat(f)
+        cv = splat(cc)
+        inv = splat(cast(1.0, like) / cast(g, like))
+        for j in range(LANES):
+            m, q = _col_chunk(x2, full * CHUNK + j, c0, g, kv, inv, pad, zero)
+            mean, m2 = merge(load2(lm, j, 0), load2(lm2, j, 0), m, q, fv, cv)
+            store2(lm, mean, j, 0)
+            store2(lm2, m2, j, 0)
+    start = groups * LANES
+    r = n - start
+    if r > 0:
+        for j in range(LANES):
+            v = (load2(x2, start + j, c0) - kv) if j < r else (kv - kv)
+            d = v - v
+            mean, m2 = merge(load2(lm, j, 0), load2(lm2, j, 0), v, d * d,
+                              splat(tab[TAB_REM_F, j]), splat(tab[TAB_REM_C, j]))
+            store2(lm, mean, j, 0)
+            store2(lm2, m2, j, 0)
+    # Lanes to columns: the row path's two tree sums, lane j of a vector being row j of
+    # the lane-state tiles here.
+    for j in range(LANES):
+        store2(lt, splat(tab[TAB_COUNTS, j]) * load2(lm, j, 0), j, 0)
+    _lane_tree_sum(lt)
+    mu = load2(lt, 0, 0) * splat(tab[TAB_INV_N, 0])
+    for j in range(LANES):
+        d = load2(lm, j, 0) - mu
+        store2(lt, fma(splat(tab[TAB_COUNTS, j]) * d, d, load2(lm2, j, 0)), j, 0)
+    _lane_tree_sum(lt)
     store2(cs, mu, 0, 0)
-    store2(cs, q, 3, 0)
-    redo = False
-    nf = cast(n, eps)
-    for k in range(WIDTH):
-        if needs_new_shift(cs[0, k], cs[3, k], nf):
-            cs[2, k] = cs[2, k] + cs[0, k]  # step 4: a new shift for this column
-            redo = True
-    if redo:  # the other columns keep their shift, and so their bits
-        kv = load2(cs, 2, 0)
-        mu, q = _col_moments(x2, c0, kv, acc, lt, zero, eps)
-        for k in range(WIDTH):
-            if needs_new_shift(cs[0, k], cs[3, k], nf):
-                cs[0, k] = lane(mu, k)
-                cs[3, k] = max(lane(q, k), cast(0.0, eps))
-        kv = load2(cs, 2, 0)
+    # cs rows: 0 shifted mean, 1 rstd (per column)
     for k in range(LANES):
-        mo, rstd = finish(cs[2, k], cs[0, k], cs[3, k], n, eps)
+        mean = cs[0, k]
+        mo, rstd = finish(lane(kv, k), mean, lt[0, k], n, eps)
+        cs[0, k] = mean
         cs[1, k] = rstd
         if k < valid:
             mean_out[r0 + k] = mo
@@ -180,8 +173,8 @@ def _store_tile(yt, y2, c0, valid, unit):
 
 
 @njit(error_model="numpy")
-def _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, scratch, tiles, item):
-    acc, lt, cs = scratch
+def _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item):
+    lm, lm2, lt, cs = scratch
     xt, yt = tiles
     inner = x.shape[2]
     tw = xt.shape[1]
@@ -192,7 +185,7 @@ def _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, scratch, tiles, item):
     unit = x.strides[2] == x.itemsize and y.strides[2] == y.itemsize
     _load_tile(x[o], xt, c0, valid, unit)
     for s in range(0, valid, WIDTH):
-        _ln_cols(xt, yt, s, w, b, eps, acc, lt, cs, mean_out, rstd_out,
+        _ln_cols(xt, yt, s, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out,
                  o * inner + c0 + s, min(WIDTH, valid - s))
     _store_tile(yt, y[o], c0, valid, unit)
 
@@ -201,8 +194,8 @@ def _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, scratch, tiles, item):
 def _col_scratch(x, y, acc):
     n = x.shape[1]
     tw = _tile_columns(n)
-    scratch = (np.empty((2 * BLOCK + 2 * LANES, WIDTH), dtype=acc),
-               np.empty((LANES, WIDTH), dtype=acc), np.empty((4, WIDTH), dtype=acc))
+    scratch = (np.empty((LANES, WIDTH), dtype=acc), np.empty((LANES, WIDTH), dtype=acc),
+               np.empty((LANES, WIDTH), dtype=acc), np.empty((2, WIDTH), dtype=acc))
     tiles = (np.empty((n, tw), dtype=x.dtype), np.empty((n, tw), dtype=y.dtype))
     return scratch, tiles
 
@@ -216,20 +209,22 @@ def _col_items(x):
 @cached_njit(error_model="numpy")
 def ln_forward_cols_serial(x, w, b, eps, y, mean_out, rstd_out):
     """LayerNorm forward over axis 1 of a 3-D ``(outer, n, inner)`` array."""
+    tab = merge_weights(x.shape[1], eps)
     items, _ = _col_items(x)
     scratch, tiles = _col_scratch(x, y, mean_out.dtype)
     for item in range(items):
-        _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, scratch, tiles, item)
+        _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item)
 
 
 @cached_njit(parallel=True, error_model="numpy")
 def ln_forward_cols_parallel(x, w, b, eps, y, mean_out, rstd_out):
     """Channels-first LayerNorm forward, column tiles spread over Numba's threads."""
+    tab = merge_weights(x.shape[1], eps)
     items, per_work = _col_items(x)
     for wk in prange((items + per_work - 1) // per_work):
         scratch, tiles = _col_scratch(x, y, mean_out.dtype)
         for item in range(wk * per_work, min(items, (wk + 1) * per_work)):
-            _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, scratch, tiles, item)
+            _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item)
 
 
 @njit(error_model="numpy")
@@ -292,7 +287,7 @@ def _rms_cols(x2, y2, c0, w, eps, lanes, cs, rstd_out, r0, valid):
 
 @njit(error_model="numpy")
 def _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item):
-    lanes, _, cs = scratch
+    lanes, _, _, cs = scratch
     xt, yt = tiles
     inner = x.shape[2]
     tw = xt.shape[1]

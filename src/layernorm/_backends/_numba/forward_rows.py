@@ -2,11 +2,11 @@
 
 * **row path** (row with unit stride): the ``LANES`` lanes of the row arithmetic
   (:mod:`.rowmath`) are the lanes of one SIMD vector (:mod:`._simd`), loaded straight
-  from the row. In the LayerNorm forward, rows of at most ``BATCH_ROW_MAX`` elements go
-  ``LANES`` at a time (the batched path): each row's lane vectors are computed alone,
-  then the shifts, lane trees, divisions and ``rstd`` are evaluated for all of them at
-  once on folded vectors (row ``i`` in lane ``i``, the same additions in the same
-  tree), which removes most of a row's latency;
+  from the row. In the LayerNorm forward, rows of at most ``SHORT_ROW_MAX`` elements go
+  ``LANES`` at a time: each row's lane state is computed alone, then the lane trees of
+  step 4 and the ``rstd`` of step 5 are evaluated for all of them at once on folded
+  vectors (row ``i`` in lane ``i``, the same additions in the same tree), which removes
+  most of a short row's latency;
 * **gather path** (any other 2-D row): rows are copied into contiguous scratch rows,
   run through the row path, and the results copied out.
 
@@ -22,6 +22,7 @@ from numba import njit, prange
 from ._scalars import cast, narrow, widen
 from ._simd import (
     alive,
+    fma,
     fold1,
     fold2,
     fold4,
@@ -45,19 +46,16 @@ from .rowmath import (
     CHUNK,
     LANES,
     PER_LANE,
-    TAB_N,
+    TAB_COUNTS,
+    TAB_INV_N,
     WORK_ELEMENTS,
     affine,
-    centred,
     copy_row,
     finish,
-    first_shift,
-    moment_lanes,
-    needs_new_shift,
+    lane_moments,
+    merge_weights,
     put_stat,
-    redo_stats,
-    row_constants,
-    row_stats,
+    row_moments,
     square_tree,
     times_w,
     tree_sum,
@@ -66,18 +64,17 @@ from .rowmath import (
     widened_pair,
 )
 
-#: Rows up to this long take the LayerNorm forward's batched path, ``LANES`` rows at a
-#: time (no effect on results): 16 rows of 2048 float32 (128 KiB) stay in L2 between
-#: their two passes. Measured, float32, 1 thread, kernel alone, in cache, against the
-#: per-row path: 1.1-1.3x faster for rows of 256-1024.
-BATCH_ROW_MAX = 2048
-#: Rows of the batched path's scratch block: per-row lane vectors of the shifted sums and
-#: of their squares (LANES rows each), then one row each (row ``i`` in lane ``i``) of
-#: shifts, shifted means, sums of squared deviations, rstd and means.
-_S_SUM, _S_SQUARES = 0, LANES
-_S_SHIFT, _S_MU, _S_M2 = 2 * LANES, 2 * LANES + 1, 2 * LANES + 2
-_S_RSTD, _S_MEAN_OUT = 2 * LANES + 3, 2 * LANES + 4
-_S_ROWS = 2 * LANES + 5
+#: Rows up to this long take the LayerNorm forward's short-row path, ``LANES`` rows at a
+#: time (no effect on results). Measured, float32, 1 thread, kernel alone: 16-20% faster
+#: at (4096, 64) and 10% at (65536, 64), 25% at (32768, 100); even at (16384, 128); at
+#: n = 160-256 faster from L2 but 10-45% slower from L3, so longer rows keep the row
+#: path. Such rows never take streaming stores (``STREAM_MIN_ROW`` is larger).
+SHORT_ROW_MAX = 128
+#: Rows of the short-row path's scratch block: lane means, lane M2s, per-row work
+#: vectors (LANES rows each), then one row each of shifts, shifted means, rstd, means.
+_S_MEAN, _S_M2, _S_WORK = 0, LANES, 2 * LANES
+_S_SHIFT, _S_MU, _S_RSTD, _S_MEAN_OUT = 3 * LANES, 3 * LANES + 1, 3 * LANES + 2, 3 * LANES + 3
+_S_ROWS = 3 * LANES + 4
 
 
 @njit(inline="always", error_model="numpy")
@@ -124,35 +121,26 @@ def _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, r0, r1):
 
 
 @njit(error_model="numpy")
-def _ln_emit_row(xv, yv, r, n, eps, wv, bv, nt, mean_out, rstd_out, s, shift, mean, rstd, mo):
-    """Row ``r``'s output pass and statistics, from its row arithmetic's results."""
-    # A finite row whose squares overflow is written by ln_row_rescaled instead. A call,
-    # not inlined: inlined into the long-row loop, Numba 0.68 dropped the put_stat stores.
-    if rstd > 0 or not ln_row_rescaled(xv, yv, r, n, eps, wv, bv, mean_out, rstd_out, s):
-        ln_row_out(xv, yv, r, n, shift, mean, rstd, wv, bv, nt)
-        put_stat(mean_out, s, mo)
-        put_stat(rstd_out, s, rstd)
-
-
-@njit(error_model="numpy")
 def ln_raw_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r0, r1, s0):
     """Rows ``r0 .. r1`` of unit-stride :class:`._simd.Raw` views; their statistics go to
     ``s0 ..``. Compiled once per dtype: the contiguous rows and the gathered ones (whose
     views are of scratch rows) share it."""
     rem = np.full((1, LANES), eps)
     remv = raw(rem)
-    if n <= BATCH_ROW_MAX:
-        _ln_rows_batched(xv, yv, wv, bv, tv, remv, eps, n, nt, mean_out, rstd_out, r0, r1,
-                         s0)
+    if n <= SHORT_ROW_MAX:
+        _ln_rows_short(xv, yv, wv, bv, tv, remv, eps, n, mean_out, rstd_out, r0, r1, s0)
         alive(rem)
-        if nt:
-            store_fence()
         return
     for r in range(r0, r1):
-        shift, mu, q = row_stats(xv, r, n, tv, remv)
-        mo, rs = finish(shift, mu, q, n, eps)
-        _ln_emit_row(xv, yv, r, n, eps, wv, bv, nt, mean_out, rstd_out, s0 + (r - r0),
-                     shift, mu, rs, mo)
+        shift = widen(get(xv, r, 0))
+        mean, m2 = row_moments(xv, r, n, shift, tv, remv)
+        mo, rstd = finish(shift, mean, m2, n, eps)
+        if not rstd > 0 and ln_row_rescaled(xv, yv, r, n, eps, wv, bv, mean_out, rstd_out,
+                                            s0 + (r - r0)):
+            continue  # a finite row whose squares overflow
+        ln_row_out(xv, yv, r, n, shift, mean, rstd, wv, bv, nt)
+        put_stat(mean_out, s0 + (r - r0), mo)
+        put_stat(rstd_out, s0 + (r - r0), rstd)
     alive(rem)
     if nt:
         store_fence()  # streaming stores done before another thread reads y
@@ -178,61 +166,50 @@ def _folded_tree_sums(sv, first):
 
 
 @njit(inline="always", error_model="numpy")
-def _ln_rows_batched(xv, yv, wv, bv, tv, remv, eps, n, nt, mean_out, rstd_out, r0, r1, s0):
-    """:func:`ln_raw_rows` for rows of at most ``BATCH_ROW_MAX``, ``LANES`` rows at a time.
+def _ln_rows_short(xv, yv, wv, bv, tv, remv, eps, n, mean_out, rstd_out, r0, r1, s0):
+    """:func:`_ln_rows` for rows of at most ``SHORT_ROW_MAX``, ``LANES`` rows at a time.
 
-    A row's statistics end in a latency chain: two lane trees, a division, a square root
-    and another division, about as long as the whole arithmetic of a row of 256. Here
-    each row's lane vectors are parked in a scratch block, the trees of ``LANES`` rows
-    are folded together (row ``i`` in lane ``i``) and finished in one vector: the same
-    IEEE operations per row, so the same bits as :func:`.rowmath.row_stats`. A row that
-    fails the shift check is redone alone (:func:`.rowmath.redo_stats`). A last partial
-    block fills its unused lanes with its last row again (loops of constant length run
-    faster) and stores that row once.
+    A short row's time goes to the latency of its two lane trees and of its ``rstd``.
+    Here each row's lane state is computed as on the row path and parked in a scratch
+    block; the trees of ``LANES`` rows are then folded together (row ``i`` in lane ``i``)
+    and ``rstd`` is computed for all of them in one vector: the same IEEE operations per
+    row, so the same bits. A last partial block fills its unused lanes with its last row
+    again (loops of constant length run faster) and stores that row once.
     """
     scratch = np.full((_S_ROWS, LANES), eps)
     sv = raw(scratch)
-    nf = get(tv, TAB_N, 0)
-    n_vec = splat(nf)
+    counts = vload(tv, TAB_COUNTS, 0)
+    inv_n = splat(get(tv, TAB_INV_N, 0))
+    n_vec = splat(cast(n, eps))
     eps_vec = splat(eps)
     one = splat(cast(1.0, eps))
     last = r1 - 1
-    sixteenth = splat(cast(1.0 / LANES, eps))
     for first in range(r0, r1, LANES):
-        if n >= LANES:  # the shifts of LANES rows in one folded tree (first_shift's sums)
-            for i in range(LANES):
-                vstore(sv, vload(xv, min(first + i, last), 0), _S_SUM + i, 0)
-            vstore(sv, _folded_tree_sums(sv, _S_SUM) * sixteenth, _S_SHIFT, 0)
         for i in range(LANES):
             row = min(first + i, last)
-            if n < LANES:
-                put(sv, _S_SHIFT, i, first_shift(xv, row, n))
-            s, ss = moment_lanes(xv, row, n, get(sv, _S_SHIFT, i), remv)
-            vstore(sv, s, _S_SUM + i, 0)
-            vstore(sv, ss, _S_SQUARES + i, 0)
-        mu, q = centred(_folded_tree_sums(sv, _S_SUM), _folded_tree_sums(sv, _S_SQUARES), n_vec)
+            shift = widen(get(xv, row, 0))
+            put(sv, _S_SHIFT, i, shift)
+            mean, m2 = lane_moments(xv, row, n, shift, tv, remv)
+            vstore(sv, mean, _S_MEAN + i, 0)
+            vstore(sv, m2, _S_M2 + i, 0)
+            vstore(sv, counts * mean, _S_WORK + i, 0)
+        mu = _folded_tree_sums(sv, _S_WORK) * inv_n
         vstore(sv, mu, _S_MU, 0)
-        vstore(sv, q, _S_M2, 0)
-        count = min(LANES, r1 - first)
-        for i in range(count):
-            if needs_new_shift(get(sv, _S_MU, i), get(sv, _S_M2, i), nf):
-                shift, mu_i, q_i = redo_stats(xv, first + i, n,
-                                              get(sv, _S_SHIFT, i) + get(sv, _S_MU, i), nf,
-                                              remv)
-                put(sv, _S_SHIFT, i, shift)
-                put(sv, _S_MU, i, mu_i)
-                put(sv, _S_M2, i, q_i)
-        vstore(sv, one / sqrt(vload(sv, _S_M2, 0) / n_vec + eps_vec), _S_RSTD, 0)
-        vstore(sv, vload(sv, _S_SHIFT, 0) + vload(sv, _S_MU, 0), _S_MEAN_OUT, 0)
-        for i in range(count):
+        for i in range(LANES):
+            d = vload(sv, _S_MEAN + i, 0) - splat(get(sv, _S_MU, i))
+            vstore(sv, fma(counts * d, d, vload(sv, _S_M2 + i, 0)), _S_WORK + i, 0)
+        m2 = _folded_tree_sums(sv, _S_WORK)
+        vstore(sv, one / sqrt(m2 / n_vec + eps_vec), _S_RSTD, 0)
+        vstore(sv, vload(sv, _S_SHIFT, 0) + mu, _S_MEAN_OUT, 0)
+        for i in range(min(LANES, r1 - first)):
             rstd = get(sv, _S_RSTD, i)
-            # A finite row whose squares overflow is written by ln_row_rescaled instead.
-            if rstd > 0 or not ln_row_rescaled(xv, yv, first + i, n, eps, wv, bv, mean_out,
-                                               rstd_out, s0 + (first - r0) + i):
-                ln_row_out(xv, yv, first + i, n, get(sv, _S_SHIFT, i), get(sv, _S_MU, i),
-                           rstd, wv, bv, nt)
-                put_stat(mean_out, s0 + (first - r0) + i, get(sv, _S_MEAN_OUT, i))
-                put_stat(rstd_out, s0 + (first - r0) + i, rstd)
+            if not rstd > 0 and ln_row_rescaled(xv, yv, first + i, n, eps, wv, bv, mean_out,
+                                                rstd_out, s0 + (first - r0) + i):
+                continue  # a finite row whose squares overflow
+            ln_row_out(xv, yv, first + i, n, get(sv, _S_SHIFT, i), get(sv, _S_MU, i), rstd,
+                        wv, bv, False)
+            put_stat(mean_out, s0 + (first - r0) + i, get(sv, _S_MEAN_OUT, i))
+            put_stat(rstd_out, s0 + (first - r0) + i, rstd)
     alive(scratch)
 
 
@@ -264,7 +241,7 @@ def _row_block(rows, n):
 @cached_njit(error_model="numpy")
 def ln_forward_serial(x, w, b, eps, y, mean_out, rstd_out, nt):
     """LayerNorm forward of a 2-D ``(rows, n)`` array on the calling thread."""
-    tab = row_constants(x.shape[1], eps)
+    tab = merge_weights(x.shape[1], eps)
     w, b = widened_pair(w, b)
     _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, runtime(0), x.shape[0])
 
@@ -273,7 +250,7 @@ def ln_forward_serial(x, w, b, eps, y, mean_out, rstd_out, nt):
 def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, nt):
     """LayerNorm forward of a 2-D array, blocks of rows spread over Numba's threads."""
     rows = x.shape[0]
-    tab = row_constants(x.shape[1], eps)
+    tab = merge_weights(x.shape[1], eps)
     w, b = widened_pair(w, b)
     rb = _row_block(rows, x.shape[1])
     for blk in prange((rows + rb - 1) // rb):

@@ -42,7 +42,7 @@ from ._simd import (
 )
 from .diskcache import cached_njit
 from .forward_rows import ln_raw_rows, rms_raw_rows
-from .rowmath import LANES, row_constants, widened, widened_pair
+from .rowmath import LANES, merge_weights, widened, widened_pair
 
 #: Elements per block of rows (no effect on results): the block's ``h`` stays in L2
 #: between the add and the two passes of the row function over it.
@@ -97,7 +97,7 @@ def block_rows(rows, n, blocks):
 def add_ln_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, nt):
     """``h = x + res`` and the LayerNorm of ``h`` into ``y``, on the calling thread."""
     rows, n = x.shape
-    tab = row_constants(n, eps)
+    tab = merge_weights(n, eps)
     w, b = widened_pair(w, b)
     rb = block_rows(rows, n, 1)
     for r0 in range(0, rows, rb):
@@ -109,7 +109,7 @@ def add_ln_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, nt):
 def add_ln_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, nt):
     """:func:`add_ln_forward_serial` with blocks of rows over Numba's threads."""
     rows, n = x.shape
-    tab = row_constants(n, eps)
+    tab = merge_weights(n, eps)
     w, b = widened_pair(w, b)
     rb = block_rows(rows, n, PARALLEL_BLOCKS)
     for blk in prange((rows + rb - 1) // rb):

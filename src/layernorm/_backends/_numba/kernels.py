@@ -6,10 +6,11 @@ of threads, so each row's result is bitwise reproducible. Three code paths perfo
 
 * **row path** (2-D, row with unit stride): the ``LANES`` lanes of the row arithmetic
   are the lanes of one SIMD vector (:mod:`._simd`), loaded straight from the row. In the
-  LayerNorm forward, rows of at most ``BATCH_ROW_MAX`` elements go ``LANES`` at a time:
-  each row's lane vectors are computed alone, then the lane trees, the divisions and
-  ``rstd`` are evaluated for all of them at once on folded vectors (row ``i`` in lane
-  ``i``, the same additions in the same tree), which removes most of a row's latency;
+  LayerNorm forward, rows of at most ``SHORT_ROW_MAX`` elements go ``LANES`` at a time:
+  each row's lane state is computed alone, then the lane trees of step 4 and the
+  ``rstd`` of step 5 are evaluated for all of them at once on folded vectors (row ``i``
+  in lane ``i``, the same additions in the same tree), which removes most of a short
+  row's latency;
 * **gather path** (any other 2-D row): rows are copied into contiguous scratch rows,
   run through the row path, and the results copied out;
 * **column path** (3-D, ``inner > 1``, the channels-first case): ``WIDTH`` neighbouring
@@ -31,7 +32,7 @@ The kernels see a 2-D ``(rows, n)`` array, or the columns of a 3-D ``(outer, n, 
 one, and nothing else. Modules, by job:
 
 * :mod:`.rowmath`: the row arithmetic every path shares (constants, widening of 16-bit
-  parameters, affine step, shifted sums and their check, tree sums, row statistics);
+  parameters, affine step, moment merge and finish, tree sums, row moments);
 * :mod:`.forward_rows`: LayerNorm/RMSNorm forward of rows (row, short-row and gather
   paths, serial and parallel);
 * :mod:`.forward_cols`: the channels-first forward (column path);
@@ -70,7 +71,7 @@ from .forward_cols import (
     rms_forward_cols_serial,
 )
 from .forward_rows import (
-    BATCH_ROW_MAX,
+    SHORT_ROW_MAX,
     ln_forward_parallel,
     ln_forward_serial,
     rms_forward_parallel,
@@ -85,10 +86,10 @@ from .fused import (
 from .rowmath import LANES
 
 __all__ = [
-    "BATCH_ROW_MAX",
     "COL_BLOCK",
     "LANES",
     "PAIR_MIN_N",
+    "SHORT_ROW_MAX",
     "add_ln_forward_parallel",
     "add_ln_forward_serial",
     "add_rms_forward_parallel",

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._simd import alive, lane, raw, splat, store_fence, vload, vstore
+from ._scalars import widen
+from ._simd import alive, get, lane, raw, splat, store_fence, vload, vstore
 from .diskcache import cached_njit
 from .forward_rows import ln_row_out
-from .rowmath import LANES, finish, row_constants, row_stats
+from .rowmath import LANES, finish, merge_weights, row_moments
 
 #: Vector accumulators of the read pass (enough to hide the add latency).
 READ_UNROLL = 4
@@ -24,11 +25,12 @@ def statistics_pass(x, eps, shift_out, mu_out, rstd_out):
     """The forward kernel's statistics pass alone: per row its shift ``K``, shifted
     mean and ``rstd`` (what the output pass takes)."""
     n = x.shape[1]
-    tab = row_constants(n, eps)
+    tab = merge_weights(n, eps)
     rem = np.full((1, LANES), eps)
     xv, tv, remv = raw(x), raw(tab), raw(rem)
     for r in range(x.shape[0]):
-        shift, mean, m2 = row_stats(xv, r, n, tv, remv)
+        shift = widen(get(xv, r, 0))
+        mean, m2 = row_moments(xv, r, n, shift, tv, remv)
         _, rstd = finish(shift, mean, m2, n, eps)
         shift_out[r] = shift
         mu_out[r] = mean

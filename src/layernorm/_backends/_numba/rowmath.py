@@ -6,45 +6,41 @@ of threads, so each row's result is bitwise reproducible. This module holds the 
 of it that more than one layout uses; :mod:`.forward_rows`, :mod:`.forward_cols` and
 :mod:`.backward` put them together (:mod:`.kernels` has the overview).
 
-Row arithmetic, LayerNorm statistics (shifted sums, checked)
------------------------------------------------------------
-Accumulation type ``T`` is float32 (float64 for float64 input). The row is read twice:
-once for its statistics, once (from L1/L2) for the output.
+Row arithmetic, LayerNorm statistics (one pass over memory)
+----------------------------------------------------------
+Accumulation type ``T`` is float32 (float64 for float64 input). Values are shifted by
+``K = x[0]``, so a constant row has centred values exactly 0. Element ``i`` belongs to
+lane ``i % LANES``; ``G = n // LANES`` full groups give every lane ``G`` elements and
+the ``r = n % LANES`` remaining elements go one each to lanes ``0 .. r-1``.
 
-1. **Shift.** ``K`` is the mean of the row's first ``LANES`` elements: the lane tree
-   ``T`` (lane ``j`` plus lane ``j + h`` for ``h = 8, 4, 2, 1``) of the first vector,
-   times ``1/16`` (``K = x[0]`` for rows shorter than ``LANES``). A sum of equal values
-   in a tree of pairs is exact, so a constant row has ``K`` equal to its value and
-   shifted values ``v_i = x_i - K`` exactly 0.
-2. **Shifted sums.** The row is cut into spans of ``SPAN = 512`` elements. In a span,
-   element ``i`` goes to lane ``i % LANES`` of accumulator ``(i // LANES) % ACCS``
-   (``ACCS = 4`` vector accumulators hide the add latency), in order of ``i``: ``S += v``
-   and ``Q = fma(v, v, Q)``; a last partial vector is padded with ``v = K - K = +0.0``.
-   Each span's ``(S0 + S1) + (S2 + S3)`` (and the same of the ``Q``) is added, in order,
-   to the lane totals, so no chain of roundings is longer than a span's (a chain of 128
-   float32 squares biased ``rstd`` by 2e-7 at n = 8192). Then ``s = T(totals of S)``,
-   ``ss = T(totals of Q)``.
-3. ``mu = s / n`` (the shifted mean) and ``q = fma(s, -mu, ss)`` (the sum of squared
-   deviations, ``ss - s * mu`` rounded once).
-4. **Check.** ``ss - s * mu`` cancels ``n * mu**2`` of ``ss``, which costs accuracy only
-   when ``K`` is far from the mean. A row with ``mu**2 * n > SHIFT_REDO * q``
-   (``SHIFT_REDO = 1/4``: its shift more than half a standard deviation from its mean,
-   or ``q < 0``) is computed again from step 2 about ``K' = K + mu``, which lies at the
-   mean, and keeps ``max(q', 0)``. For rows of random data this happens for a few rows
-   in a hundred (the mean of 16 samples is rarely half a deviation off); for sorted or
-   trending rows, or an outlying first vector, always. Every other row is computed
-   once. The test depends on the row alone, so its result does too.
-5. ``rstd = 1 / sqrt(q / n + eps)``, ``mean = K + mu``, and the output pass computes
-   ``y = fma(((x - K) - mu) * rstd, w, b)`` element by element. The
+1. Groups are taken ``PER_LANE`` (8) at a time (a chunk of ``CHUNK`` elements; the last
+   chunk may hold ``g < PER_LANE`` groups). Per chunk and lane, with ``v_k = x - K``
+   of the lane's ``g`` elements (``v_k = -0.0`` for ``k >= g``, which adds exactly
+   nothing): ``s = ((v_0 + v_1) + (v_2 + v_3)) + ((v_4 + v_5) + (v_6 + v_7))``,
+   ``m = s * (1/g)``, ``d_k = v_k - m`` (``+0.0`` for ``k >= g``) and
+   ``q = (fma(d_0, d_0, d_1 * d_1) + fma(d_2, d_2, d_3 * d_3)) + (fma(d_4, d_4, d_5 * d_5)
+   + fma(d_6, d_6, d_7 * d_7))``. The fixed trees (not running sums) keep the
+   dependency chains short: a running sum over the chunk was latency-bound.
+2. The chunk is merged into the lane state ``(mean, M2)`` (both start at 0) with Chan's
+   formula and scalar weights ``f = g / (a + g)``, ``c = a * f`` where ``a`` is the
+   lane's count so far: ``d = m - mean; mean = mean + d * f; M2 = (M2 + q) + (d * d) * c``.
+3. The remainder is merged the same way, as a chunk of one element per lane (``m = v``,
+   ``q = (v - v)**2``) with per-lane weights that are 0 for lanes ``>= r`` (those lanes
+   see ``v = K - K``).
+4. Lanes are combined with counts ``c_j`` (``G`` or ``G + 1`` elements): with
+   ``T(v)``, the sum of a vector's lanes in the fixed tree (lane ``j`` plus lane
+   ``j + h`` for ``h = 8, 4, 2, 1``), ``mean_shifted = T(c * mean) * (1/n)``,
+   ``d = mean - mean_shifted`` and ``M2 = T(fma(c * d, d, M2))``: the exact
+   decomposition of the total ``M2``, with two short tree sums instead of a chain of
+   merges. All weights depend on ``n`` only and are computed once per call
+   (:func:`merge_weights`).
+5. ``rstd = 1 / sqrt(M2 / n + eps)``, ``mean = K + mean_shifted``, and the output pass
+   computes ``y = fma(((x - K) - mean_shifted) * rstd, w, b)`` element by element. The
    backend passes ``w = 1`` for an absent weight and ``b = -0.0`` for an absent bias:
    ``fma(v, 1, -0.0) = v``, ``fma(v, w, -0.0) = v * w`` and ``fma(v, 1, b) = v + b``
    exactly, so one compiled kernel serves every combination. Float16/bfloat16 ``w`` and
    ``b`` arrive as raw bits and are widened exactly to float32: once per call on the row
    path (:func:`widened`), where they are loaded on the column path.
-
-This replaced a one-pass arithmetic that merged per-chunk moments with Chan's formula
-about ``K = x[0]``: the same accuracy (max ``|y - y_float64|`` 6-8e-7 on ``1e4 + randn``
-float32 rows of 256-16384), for 1.1-1.2x less time per row of 256 or more from cache.
 
 ``fma`` is IEEE fusedMultiplyAdd, written explicitly: one rounding, the same bits on
 every machine. The compiler is never allowed to contract or reorder anything itself.
@@ -82,30 +78,39 @@ from ._simd import (
 from .diskcache import cached_njit
 
 LANES = WIDTH
-#: Vector accumulators of the LayerNorm statistics (``ACCS * LANES`` elements a step).
-ACCS = 4
-BLOCK = ACCS * LANES
-#: Elements per span: each span's accumulators are added to the lane totals, so no lane
-#: sums more than ``SPAN // BLOCK`` terms in one chain (rounding errors stay those of
-#: short sums: a chain of 128 float32 squares biased rstd by 2e-7 at n = 8192).
-SPAN = 8 * BLOCK
-#: A row whose shifted mean ``mu`` has ``mu**2 * n > SHIFT_REDO * q`` (its shift more
-#: than half a standard deviation from its mean) is computed again about ``K + mu``.
-SHIFT_REDO = 0.25
-#: Elements per chunk of the RMSNorm sum of squares (``PER_LANE`` vectors in a fixed tree).
 PER_LANE = 8
 CHUNK = LANES * PER_LANE
 #: Elements per parallel work item (no effect on results).
 WORK_ELEMENTS = 1 << 15
-#: Rows of the table of per-``n`` constants (:func:`row_constants`): ``n`` in every lane.
-TAB_ROWS = 1
-TAB_N = 0
+#: Rows of the merge-weight table: the remainder's (f, c) per lane, the partial chunk's
+#: (f, c, 1/g), the lanes' element counts, and 1/n.
+TAB_ROWS = 5
+TAB_REM_F, TAB_REM_C, TAB_PARTIAL, TAB_COUNTS, TAB_INV_N = 0, 1, 2, 3, 4
 
 
 @cached_njit(error_model="numpy")
-def row_constants(n, like):
-    """The LayerNorm statistics' constants that depend on ``n`` only (rows: ``TAB_*``)."""
-    return np.full((TAB_ROWS, LANES), cast(n, like))
+def merge_weights(n, like):
+    """Weights of the row arithmetic that depend on ``n`` only (rows: ``TAB_*``)."""
+    groups = n // LANES
+    r = n % LANES
+    tab = np.full((TAB_ROWS, LANES), cast(0.0, like))
+    one = cast(1.0, like)
+    for j in range(LANES):
+        tab[TAB_COUNTS, j] = cast(groups + (1 if j < r else 0), like)
+        if j < r:
+            f = one / cast(groups + 1, like)
+            tab[TAB_REM_F, j] = f
+            tab[TAB_REM_C, j] = cast(groups, like) * f
+    full = groups // PER_LANE
+    g = groups - full * PER_LANE
+    if g > 0:
+        # The partial chunk's weights, hoisted out of the row loop (same formula).
+        f, c = chunk_weights(full, g, like)
+        tab[TAB_PARTIAL, 0] = f
+        tab[TAB_PARTIAL, 1] = c
+        tab[TAB_PARTIAL, 2] = one / cast(g, like)
+    tab[TAB_INV_N, 0] = one / cast(max(n, 1), like)
+    return tab
 
 
 def widened(param):
@@ -212,6 +217,19 @@ def _affine(v, w, b, i):
 
 
 @njit(inline="always", error_model="numpy")
+def merge(mean, m2, m, q, f, c):
+    d = m - mean
+    return mean + d * f, (m2 + q) + (d * d) * c
+
+
+@njit(inline="always", error_model="numpy")
+def chunk_weights(chunk, g, like):
+    a = chunk * PER_LANE
+    f = cast(g, like) / cast(a + g, like)
+    return f, cast(a, like) * f
+
+
+@njit(inline="always", error_model="numpy")
 def finish(shift, mean, m2, n, eps):
     rstd = cast(1.0, eps) / np.sqrt(m2 / cast(n, eps) + eps)
     return shift + mean, rstd
@@ -227,6 +245,22 @@ def tree_sum(v):
 
 
 @njit(error_model="numpy")
+def chunk_tree(v0, v1, v2, v3, v4, v5, v6, v7, g, inv, zero):
+    """(m, q) of one chunk from its ``PER_LANE`` shifted leaves (absent ones are -0.0)."""
+    s = ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))
+    m = s * inv
+    d0 = v0 - m
+    d1 = v1 - m if g > 1 else zero
+    d2 = v2 - m if g > 2 else zero
+    d3 = v3 - m if g > 3 else zero
+    d4 = v4 - m if g > 4 else zero
+    d5 = v5 - m if g > 5 else zero
+    d6 = v6 - m if g > 6 else zero
+    d7 = v7 - m if g > 7 else zero
+    return m, square_tree(d0, d1, d2, d3, d4, d5, d6, d7)
+
+
+@njit(error_model="numpy")
 def square_tree(d0, d1, d2, d3, d4, d5, d6, d7):
     """``d0**2 + ... + d7**2`` in the fixed tree (pairs fused: ``fma(d0, d0, d1 * d1)``).
 
@@ -237,109 +271,63 @@ def square_tree(d0, d1, d2, d3, d4, d5, d6, d7):
             + (fma(d4, d4, d5 * d5) + fma(d6, d6, d7 * d7)))
 
 
-@njit(inline="always", error_model="numpy")
-def _tail(xr, r, i, n, shift, kv, rem):
-    """``x[i:n] - K`` as a vector, padded with ``K - K = +0.0`` (``rem``: a scratch row)."""
-    for j in range(LANES):
-        put(rem, 0, j, widen(get(xr, r, i + j)) if i + j < n else shift)
-    return vload(rem, 0, 0) - kv
+@njit(error_model="numpy")
+def _row_chunk(xr, r, base, g, kv, inv, pad, zero):
+    # Leaves written out: a helper called with the constants 0 .. 7 would be compiled
+    # once per constant.
+    return chunk_tree(
+        vload(xr, r, base) - kv if g > 0 else pad,
+        vload(xr, r, base + LANES) - kv if g > 1 else pad,
+        vload(xr, r, base + 2 * LANES) - kv if g > 2 else pad,
+        vload(xr, r, base + 3 * LANES) - kv if g > 3 else pad,
+        vload(xr, r, base + 4 * LANES) - kv if g > 4 else pad,
+        vload(xr, r, base + 5 * LANES) - kv if g > 5 else pad,
+        vload(xr, r, base + 6 * LANES) - kv if g > 6 else pad,
+        vload(xr, r, base + 7 * LANES) - kv if g > 7 else pad,
+        g, inv, zero)
 
 
 @njit(inline="always", error_model="numpy")
-def _plus_moments(s, ss, xr, r, i, n, shift, kv, rem):
-    """Accumulators ``(s, ss)`` plus the shifted vector at ``i`` and its squares (the
-    padded tail if partial, nothing past the row's end)."""
-    if i + LANES <= n:
-        v = vload(xr, r, i) - kv
-        return s + v, fma(v, v, ss)
-    if i < n:
-        v = _tail(xr, r, i, n, shift, kv, rem)
-        return s + v, fma(v, v, ss)
-    return s, ss
+def row_moments(xr, r, n, shift, tab, rem):
+    """(shifted mean, M2) of a unit-stride row; ``rem`` is a LANES scratch."""
+    mean, m2 = lane_moments(xr, r, n, shift, tab, rem)
+    counts = vload(tab, TAB_COUNTS, 0)
+    mu = tree_sum(counts * mean) * get(tab, TAB_INV_N, 0)
+    d = mean - splat(mu)
+    return mu, tree_sum(fma(counts * d, d, m2))
 
 
 @njit(inline="always", error_model="numpy")
-def first_shift(xr, r, n):
-    """The shift ``K`` of a row: the mean of its first ``LANES`` elements (step 1)."""
-    if n < LANES:
-        return widen(get(xr, r, 0))
-    return tree_sum(vload(xr, r, 0)) * cast(1.0 / LANES, widen(get(xr, r, 0)))
-
-
-@njit(inline="always", error_model="numpy")
-def moment_lanes(xr, r, n, shift, rem):
-    """Step 2 before the lane trees: the lane totals of the shifted sums and of their
-    squares, for a unit-stride row."""
+def lane_moments(xr, r, n, shift, tab, rem):
+    """Per-lane (shifted mean, M2) of a unit-stride row: steps 1-3 of the row arithmetic."""
+    like = shift
     kv = splat(shift)
-    zero = splat(cast(0.0, shift))
-    ts = tq = zero
-    for start in range(0, n, SPAN):
-        end = min(n, start + SPAN)
-        s0 = s1 = s2 = s3 = zero
-        q0 = q1 = q2 = q3 = zero
-        body = start + (end - start) // BLOCK * BLOCK
-        for i in range(start, body, BLOCK):
-            v0 = vload(xr, r, i) - kv
-            v1 = vload(xr, r, i + LANES) - kv
-            v2 = vload(xr, r, i + 2 * LANES) - kv
-            v3 = vload(xr, r, i + 3 * LANES) - kv
-            s0 = s0 + v0
-            s1 = s1 + v1
-            s2 = s2 + v2
-            s3 = s3 + v3
-            q0 = fma(v0, v0, q0)
-            q1 = fma(v1, v1, q1)
-            q2 = fma(v2, v2, q2)
-            q3 = fma(v3, v3, q3)
-        if body < end:
-            s0, q0 = _plus_moments(s0, q0, xr, r, body, n, shift, kv, rem)
-            s1, q1 = _plus_moments(s1, q1, xr, r, body + LANES, n, shift, kv, rem)
-            s2, q2 = _plus_moments(s2, q2, xr, r, body + 2 * LANES, n, shift, kv, rem)
-            s3, q3 = _plus_moments(s3, q3, xr, r, body + 3 * LANES, n, shift, kv, rem)
-        ts = ts + ((s0 + s1) + (s2 + s3))
-        tq = tq + ((q0 + q1) + (q2 + q3))
-    return ts, tq
-
-
-@njit(inline="always", error_model="numpy")
-def centred(s, ss, nf):
-    """Step 3: ``(mu, q)`` from the shifted sums ``s`` and ``ss`` (scalars or vectors)."""
-    mu = s / nf
-    # ss - s * mu rounded once; (nf - nf) - mu is -mu exactly (+0.0 for mu = 0).
-    q = fma(s, (nf - nf) - mu, ss)
-    return mu, q
-
-
-@njit(inline="always", error_model="numpy")
-def needs_new_shift(mu, q, nf):
-    """Step 4: the shift ``K`` is too far from the mean for ``ss - s * mu`` to keep full
-    accuracy (``q`` below zero included)."""
-    return (mu * mu) * nf > cast(SHIFT_REDO, mu) * q
-
-
-@njit(error_model="numpy")
-def _moments(xr, r, n, shift, nf, rem):
-    s, ss = moment_lanes(xr, r, n, shift, rem)
-    return centred(tree_sum(s), tree_sum(ss), nf)
-
-
-@njit(error_model="numpy")
-def row_stats(xr, r, n, tab, rem):
-    """``(K, mu, q)`` of a unit-stride row: shift, shifted mean and the sum of squared
-    deviations (steps 1-4). ``tab`` is :func:`row_constants`, ``rem`` a LANES scratch."""
-    nf = get(tab, TAB_N, 0)
-    shift = first_shift(xr, r, n)
-    mu, q = _moments(xr, r, n, shift, nf, rem)
-    if needs_new_shift(mu, q, nf):
-        shift, mu, q = redo_stats(xr, r, n, shift + mu, nf, rem)
-    return shift, mu, q
-
-
-@njit(error_model="numpy")
-def redo_stats(xr, r, n, shift, nf, rem):
-    """Step 4's second pass, about the better ``shift``: ``(K', mu', max(q', 0))``."""
-    mu, q = _moments(xr, r, n, shift, nf, rem)
-    return shift, mu, max(q, cast(0.0, q))
+    zero = splat(cast(0.0, like))
+    pad = splat(cast(-0.0, like))
+    mean = zero
+    m2 = zero
+    groups = n // LANES
+    full = groups // PER_LANE
+    inv_full = splat(cast(1.0, like) / cast(PER_LANE, like))
+    for c in range(full):
+        m, q = _row_chunk(xr, r, c * CHUNK, PER_LANE, kv, inv_full, pad, zero)
+        f, cc = chunk_weights(c, PER_LANE, like)
+        mean, m2 = merge(mean, m2, m, q, splat(f), splat(cc))
+    g = groups - full * PER_LANE
+    if g > 0:
+        m, q = _row_chunk(xr, r, full * CHUNK, g, kv, splat(get(tab, TAB_PARTIAL, 2)), pad,
+                          zero)
+        mean, m2 = merge(mean, m2, m, q, splat(get(tab, TAB_PARTIAL, 0)),
+                          splat(get(tab, TAB_PARTIAL, 1)))
+    start = groups * LANES
+    if start < n:
+        for j in range(LANES):
+            put(rem, 0, j, widen(get(xr, r, start + j)) if start + j < n else shift)
+        v = vload(rem, 0, 0) - kv
+        d = v - v
+        mean, m2 = merge(mean, m2, v, d * d, vload(tab, TAB_REM_F, 0),
+                          vload(tab, TAB_REM_C, 0))
+    return mean, m2
 
 
 @njit(error_model="numpy")
