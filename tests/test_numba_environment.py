@@ -11,7 +11,6 @@ import sys
 import textwrap
 
 import numpy as np
-import pytest
 
 import layernorm as ln
 from layernorm._backends import _numba as backend
@@ -163,35 +162,3 @@ def test_numba_disable_jit_runs_the_kernels_as_python():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["ok"]
-
-
-_LAYER = textwrap.dedent(
-    """
-    import numba
-    import numpy as np
-    import layernorm as ln
-
-    x = np.linspace(-3.0, 5.0, 64 * 4096, dtype=np.float32).reshape(64, 4096)
-    ln.layer_norm(x)  # large enough for the parallel kernel
-    print(numba.threading_layer())
-    """
-)
-
-
-def _threading_layer(**env_changes):
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
-    env.update(env_changes)
-    proc = subprocess.run([sys.executable, "-c", _LAYER], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.split()[-1]
-
-
-def test_the_tbb_wheel_makes_tbb_the_default_threading_layer():
-    """With the ``tbb`` wheel installed, Numba's default layer is TBB (it does not
-    collapse when the machine is busy); an explicit choice is left alone."""
-    if not os.path.exists(os.path.join(sys.prefix, "lib", "libtbb.so.12")):
-        pytest.skip("no tbb wheel in this environment")
-    assert _threading_layer(NUMBA_NUM_THREADS="2") == "tbb"
-    assert _threading_layer(NUMBA_NUM_THREADS="2", NUMBA_THREADING_LAYER="workqueue") == \
-        "workqueue"

@@ -41,7 +41,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
-from .._backends._numba import load_tbb
 from . import impls as impls_mod
 from .impls import (
     COPY,
@@ -106,7 +105,6 @@ def set_threads(threads: int) -> None:
     """Thread count for Numba and, when loaded, torch."""
     import numba
 
-    load_tbb()  # before Numba starts its threads, as the library's first call does
     numba.set_num_threads(threads)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(threads)

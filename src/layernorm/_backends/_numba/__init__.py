@@ -7,10 +7,8 @@ imported on first use, and every kernel is compiled lazily per signature, cached
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
-import sys
 import threading
 from typing import Any
 
@@ -53,7 +51,6 @@ if hasattr(os, "register_at_fork"):
 @functools.cache
 def load_kernels() -> Any:
     """The :mod:`.kernels` module (imports Numba and defines the kernels on first use)."""
-    load_tbb()
     from . import kernels
 
     return kernels
@@ -113,38 +110,7 @@ def run_rows(serial: Any, parallel: Any, writes: tuple[int, ...], *args: Any) ->
 def _num_threads() -> int:
     import numba
 
-    load_tbb()
     return numba.get_num_threads()
-
-
-@functools.cache
-def load_tbb() -> bool:
-    """Make the TBB library of the ``tbb`` wheel loadable, so that Numba's default
-    threading layer is TBB; True if it was loaded.
-
-    Numba prefers TBB, then GNU OpenMP, but only finds a TBB on the loader's path, and
-    pip puts the wheel's library in the environment's ``lib``. Measured (2 cores, another
-    process keeping both busy, (2048, 512) float32 forward): the 2-thread call's p90 was
-    5.7x the serial call's with OpenMP, whose parallel regions wait at their barrier for
-    a descheduled worker, and 1.3x with TBB; on a quiet machine both run 1.5x faster
-    than serial. An explicit ``NUMBA_THREADING_LAYER`` (or a layer already started) is
-    left alone. Must run before Numba starts its threads: importing this module runs it
-    (a 2 ms ``dlopen``; Numba itself is not imported), and so does :func:`load_kernels`.
-    """
-    numba = sys.modules.get("numba")
-    layer = (numba.config.THREADING_LAYER if numba is not None
-             else os.environ.get("NUMBA_THREADING_LAYER", "default"))
-    if layer != "default" or not sys.platform.startswith("linux"):
-        return False
-    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
-        path = os.path.join(prefix, "lib", "libtbb.so.12")
-        if os.path.exists(path):
-            try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            except OSError:
-                continue
-            return True
-    return False
 
 
 def _grad_partials(blocks: int, n: int, acc: Any, count: int) -> Any:
@@ -328,6 +294,3 @@ def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
     w = kernel_params(weight, None, x.shape[1], rstd.dtype)[0]
     _run(k.add_rms_forward_serial, k.add_rms_forward_parallel, x.size, ADD_RMS_WRITES,
          x, r, w, e, h, y, rstd, _add_streams(x, r, y))
-
-
-load_tbb()
