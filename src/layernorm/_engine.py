@@ -789,7 +789,7 @@ def _rows_view(xp: Any, arr: Any, layout: _layout.Layout) -> Any:
 
 
 def fused_add(xp: Any, x: Any, residual: Any, req: Request, h_name: str, gain_: Any,
-              bias: Any, eps: float, rms: bool, out: Any, residual_out: Any
+              bias: Any, eps: Any, rms: bool, out: Any, residual_out: Any
               ) -> tuple[Any, Any, Any, Any] | None:
     """``(y, h, mean, rstd)`` of a validated ``add_`` call by the backend's one-pass kernel,
     or None where there is none for this call (then the caller composes).
@@ -800,8 +800,9 @@ def fused_add(xp: Any, x: Any, residual: Any, req: Request, h_name: str, gain_: 
     dtype; ``y`` has x's dtype. An output may be ``x`` or
     ``residual`` itself; one that partly overlaps an input, a parameter or the other
     output leaves the call to the composition (which copies through temporaries).
-    ``eps`` is resolved, ``gain_`` is the gain (:func:`gain`); statistics come back in
-    keepdims shape (``mean`` None for RMSNorm).
+    ``gain_`` is the gain (:func:`gain`); statistics come back in
+    keepdims shape (``mean`` None for RMSNorm). ``eps`` is the caller's, resolved here
+    for ``h`` (the array normalized), as the composition resolves it.
     """
     layout = req.layout
     if req.backend == "array_api" or layout.inner != 1 or layout.perm is not None \
@@ -819,6 +820,7 @@ def fused_add(xp: Any, x: Any, residual: Any, req: Request, h_name: str, gain_: 
     x3, r3 = _layout.canonical(x, layout), _layout.canonical(residual, layout)
     if layout.n > 1 and (x3.strides[1] != x3.itemsize or r3.strides[1] != r3.itemsize):
         return None
+    eps = resolve_eps(eps, replace(req, dtype=h_name), rms)
     with _device_scope(backend, x):
         outs = []
         for given, dtype in ((out, x.dtype), (residual_out, dtype_of(xp, h_name))):
@@ -875,10 +877,8 @@ def add_normalize(x: Any, residual: Any, route: Route, normalized_shape: Any, we
         check_residual_out(residual_out, req_x, h_name)
         check_distinct_outputs(xp.may_share_memory, out, residual_out)
     if quantize is None and accumulation_name(h_name) == req_x.acc:
-        eps_h = resolve_eps(eps, replace(req_x, dtype=h_name), rms)
-        g = gain(xp, weight, offset, req_x.acc)
-        fused = fused_add(xp, x, residual, req_x, h_name, g, None if rms else bias, eps_h,
-                          rms, out, residual_out)
+        fused = fused_add(xp, x, residual, req_x, h_name, gain(xp, weight, offset, req_x.acc),
+                          None if rms else bias, eps, rms, out, residual_out)
         if fused is not None:
             y, h, mean, rstd = fused
             return y, h, None, mean, rstd

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -425,7 +424,6 @@ def _fused_add(route: Route, rms: bool, x: Any, residual: Any, ns: Any, gain: An
     req = _engine.request(x, route, ns, axis, weight=gain, bias=bias)
     if accumulation_name(h_name) != req.acc:
         return None
-    eps = _engine.resolve_eps(eps, replace(req, dtype=h_name), rms)
     bridge, scope = _bridge_and_scope(route, x)
     with scope:
         xa = bridge.array(x)
