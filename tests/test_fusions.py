@@ -206,6 +206,30 @@ def fused_calls(stream=None):
         yield calls
 
 
+@contextlib.contextmanager
+def quantized_calls(strict=False):
+    """Counts the Numba backend's quantizing one-pass calls (their formats); ``strict``:
+    a quantization the engine composes instead raises."""
+    from layernorm import _engine
+    from layernorm._backends import _numba as backend
+
+    calls = []
+    real = backend.quantized_forward
+
+    def spy(*args):
+        calls.append(args[9])
+        return real(*args)
+
+    def composed(*args, **kwargs):
+        raise AssertionError("quantized by the composition, not the kernel")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend, "quantized_forward", spy)
+        if strict:
+            mp.setattr(_engine, "quantize_rows", composed)
+        yield calls
+
+
 def unfused(x, r, hname, rms, **kwargs):
     """(y, h, stats) of the composition the contract defines, computed in the test."""
     add = np.float64 if "float64" in (x.dtype.name, r.dtype.name, hname) else np.float32
@@ -347,11 +371,11 @@ def test_one_pass_kernel_in_place_on_views():
 
 
 @pytest.mark.parametrize("make", ["overlapping residual_out", "strided out", "columns",
-                                  "float64 stream", "quantize"])
+                                  "float64 stream", "float64 quantize"])
 def test_other_calls_compose(make):
     # Calls the kernel does not take give the composition's result all the same.
     x, r = data((6, 16), "float32", 0), data((6, 16), "float32", 1)
-    h_ref = x.astype(np.float64) + r if make == "float64 stream" else x + r
+    h_ref = x.astype(np.float64) + r if make.startswith("float64") else x + r
     kwargs = {}
     if make == "overlapping residual_out":  # rows 1..6 of the buffer the residual is 0..5 of
         buf = np.empty((7, 16), np.float32)
@@ -363,15 +387,16 @@ def test_other_calls_compose(make):
         kwargs["axis"] = 0
     elif make == "float64 stream":
         kwargs["residual_dtype"] = "float64"
-    elif make == "quantize":
+    elif make == "float64 quantize":
         kwargs["quantize"] = "int8"
-    with fused_calls() as calls:
+        kwargs["residual_dtype"] = "float64"
+    with fused_calls() as calls, quantized_calls() as qcalls:
         got = ln.add_layer_norm(x, r, **kwargs)
-    assert not calls
+    assert not calls and not qcalls
     if make == "columns":
         y_ref = ln.layer_norm(h_ref, axis=0)
-    elif make == "quantize":
-        y_ref = ln.layer_norm(h_ref, quantize="int8")[0]
+    elif make == "float64 quantize":
+        y_ref = qref(ln.layer_norm(h_ref), "int8")[0]
     else:
         y_ref = ln.layer_norm(h_ref).astype(np.float32)
     assert_bitwise(got[1], h_ref)
@@ -981,3 +1006,144 @@ def test_torch_in_place_and_grad_errors():
         ln.add_layer_norm(xg, r0, out=torch.empty(3, 8))
     with pytest.raises(ValueError, match="out and residual_out share memory"):
         ln.add_layer_norm(x0, r0, out=x, residual_out=x)
+
+
+# The quantizing one-pass kernels (Numba): rows normalized into float32 scratch, then
+# quantized from the cache. The expected values are the test's own quantization (qref)
+# of the unfused float32 output.
+
+KERNEL_DTYPES = [("float32", "float32", "float32"), ("bfloat16", "bfloat16", "bfloat16"),
+                 ("float16", "float32", "float32")]
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("rms", [False, True])
+def test_quantize_kernel_is_the_composition(rms, add, fmt, static):
+    # Row lengths around a vector (16 lanes) and blocks of rows (BLOCK_ELEMENTS) apart.
+    for (xd, rd, hd), (rows, n) in zip(KERNEL_DTYPES * 2, [(3, 1), (5, 15), (70, 300),
+                                                          (9, 16), (4, 17), (2, 2100)],
+                                       strict=True):
+        x = data((rows, n), xd, 0, 3.0)
+        x[0, n // 2] = np.nan if rows > 2 else x[0, n // 2]
+        x[rows - 1] = 0.25  # a constant row: y32 = bias (or 0: scale 1)
+        r = data((rows, n), rd, 1)
+        w = data((n,), "float32", 2)
+        b = data((n,), "float32", 3)
+        scale = data((rows, 1), "float32", 4) ** 2 + 0.01 if static else None
+        params = {"weight": w} if rms else {"weight": w, "bias": b}
+        with quantized_calls(strict=True) as calls:
+            if add:
+                fn = ln.add_rms_norm if rms else ln.add_layer_norm
+                got = fn(x, r, quantize=fmt, scale=scale, residual_dtype=hd,
+                         return_stats=True, **params)
+                y, h, s, *stats = got
+            else:
+                fn = ln.rms_norm if rms else ln.layer_norm
+                y, s, *stats = fn(x, quantize=fmt, scale=scale, return_stats=True, **params)
+        assert calls == [fmt]
+        base = x
+        if add:
+            base = (x.astype(np.float32) + r.astype(np.float32)).astype(DT[hd])
+            assert_bitwise(h, base)
+        norm = ln.rms_norm if rms else ln.layer_norm
+        y32, *stats_ref = norm(base.astype(np.float32), return_stats=True, **params)
+        q_ref, s_ref = qref(y32, fmt, scale)
+        assert_bitwise(y, q_ref)
+        if static:
+            assert s is scale
+        else:
+            assert_bitwise(s, s_ref)
+        for got_stat, want in zip(stats, stats_ref, strict=True):
+            assert_bitwise(got_stat, want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_kernel_serial_and_parallel_agree(fmt):
+    numba = pytest.importorskip("numba")
+    x = data((300, 1000), "float32", 0)  # above PARALLEL_MIN_ELEMENTS; a partial vector
+    r = data((300, 1000), "float32", 1)
+    threads = numba.get_num_threads()
+    got = []
+    try:
+        for t in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(t)
+            with quantized_calls(strict=True):
+                got.append(ln.add_layer_norm(x, r, quantize=fmt))
+    finally:
+        numba.set_num_threads(threads)
+    q_ref, s_ref = qref(ln.layer_norm(x + r), fmt)
+    for y, h, s in got:
+        assert_bitwise(h, x + r)
+        assert_bitwise(y, q_ref)
+        assert_bitwise(s, s_ref)
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_quantize_kernel_float8_codes_of_every_kind_of_value(fmt):
+    # y32 = bias exactly: LayerNorm of +-1 rows (mean 0, var 1, eps 0) with weight 0. The
+    # bias runs over random bit patterns (saturated by the quantizer, NaN kept), the
+    # subnormal range and its boundaries, ties between neighbours and signed zeros.
+    qmax = np.float32(QMAX[fmt])
+    rng = np.random.default_rng(7)
+    table = np.arange(256, dtype=np.uint8).view(FP8[fmt]).astype(np.float32)
+    finite = np.sort(table[np.isfinite(table)])
+    ties = (finite[1:] + finite[:-1]) / 2  # exact in float32
+    near = np.concatenate([np.nextafter(ties, np.float32(np.inf)),
+                           np.nextafter(ties, np.float32(-np.inf))])
+    randoms = rng.integers(0, 2**32, 1 << 18, dtype=np.uint64).astype(np.uint32)
+    tiny = rng.random(1 << 14, dtype=np.float32) * np.float32(2.0**-5)
+    values = np.concatenate([randoms.view(np.float32), tiny, -tiny, ties, near, finite,
+                             np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan])])
+    values = values.astype(np.float32)
+    n = values.size + values.size % 2
+    values = np.resize(values, n).astype(np.float32)
+    x = np.tile(np.float32([1.0, -1.0]), n // 2)[None, :]
+    with quantized_calls(strict=True):
+        q, _ = ln.layer_norm(x, weight=np.zeros(n, np.float32), bias=values, eps=0.0,
+                             quantize=fmt, scale=1.0)
+    y32 = ln.layer_norm(x, weight=np.zeros(n, np.float32), bias=values, eps=0.0)[0]
+    np.testing.assert_array_equal(y32, values)  # up to the sign of a zero sum
+    want = np.where(y32 > qmax, qmax, np.where(y32 < -qmax, -qmax, y32))
+    assert_bitwise(q[0], want.astype(np.float32).astype(FP8[fmt]))
+
+
+def test_quantize_kernel_int8_ties_saturation_and_nan():
+    values = np.float32([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.5, 1e30, -128.5, -1e30,
+                         np.nan, np.inf, -np.inf, -0.0, 3.4999998, 2**-140])
+    n = values.size + 1
+    values = np.resize(values, n).astype(np.float32)
+    x = np.tile(np.float32([1.0, -1.0]), n // 2)[None, :]
+    with quantized_calls(strict=True):
+        q, _ = ln.layer_norm(x, weight=np.zeros(n, np.float32), bias=values, eps=0.0,
+                             quantize="int8", scale=1.0)
+    y32 = ln.layer_norm(x, weight=np.zeros(n, np.float32), bias=values, eps=0.0)[0]
+    np.testing.assert_array_equal(y32, values)
+    want = np.clip(np.rint(np.where(np.isnan(y32), 0, y32)), -128, 127)
+    assert_bitwise(q[0], want.astype(np.int8))
+
+
+@pytest.mark.parametrize("case", ["codes over x", "float64", "columns"])
+def test_quantize_kernel_leaves_other_calls_to_the_composition(case):
+    x = data((6, 32), "float32", 0)
+    if case == "columns":  # normalized (and quantized) down each column
+        want_q, want_s = (a.T for a in qref(ln.layer_norm(x, axis=0).T, "int8"))
+    else:
+        want_q, want_s = qref(ln.layer_norm(x.astype(np.float64) if case == "float64" else x),
+                              "int8")
+    kwargs = {}
+    if case == "codes over x":  # the codes would overwrite rows not yet read
+        buf = x.copy()
+        x, kwargs["out"] = buf, buf.view(np.int8)[:, 64:96]
+        want = x.copy()
+        want_q, want_s = qref(ln.layer_norm(want), "int8")
+    elif case == "float64":
+        x = x.astype(np.float64)
+    else:
+        kwargs["axis"] = 0
+    with quantized_calls() as calls:
+        q, s = ln.layer_norm(x, quantize="int8", **kwargs)
+    assert not calls
+    assert_bitwise(q, want_q)
+    assert_bitwise(s, want_s)

@@ -148,6 +148,16 @@ _NO_JIT = textwrap.dedent(
             want = reference.layer_norm_backward(gy, x, axes, w)
             for got, expected in zip(grads, want):
                 np.testing.assert_allclose(got, expected, rtol=20 * tol, atol=20 * tol)
+    # The quantizing kernels (their SIMD stand-ins) against the engine's composition.
+    from layernorm import _engine
+    for fmt in ("int8", "float8_e4m3fn", "float8_e5m2"):
+        x = (rng.standard_normal((3, 37)) * 2).astype(np.float32)
+        q, _h, s = ln.add_rms_norm(x, x, quantize=fmt)
+        want_q, want_s = _engine.quantize_rows(np, ln.rms_norm(x + x), (1,), fmt, None,
+                                               "float32")
+        assert q.dtype == want_q.dtype
+        np.testing.assert_array_equal(q.view(np.uint8), want_q.view(np.uint8))
+        np.testing.assert_array_equal(s, want_s)
     # Really Python: the kernels are plain functions, not dispatchers.
     assert isinstance(backend.load_kernels().ln_forward_serial, types.FunctionType)
     print("ok")

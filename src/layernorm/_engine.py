@@ -623,17 +623,16 @@ def quantize_rows(xp: Any, y32: Any, axes: tuple[int, ...], fmt: str, scale: Any
     """
     qmax = QUANTIZE_QMAX[fmt]
     target = dtype_of(xp, fmt)  # TypeError early for libraries without the format
-    acc_dtype = dtype_of(xp, acc)
     if scale is None:
         amax = xp.max(xp.abs(y32), axis=axes, keepdims=True)
         s = amax / qmax
         s = xp.where(amax == 0, xp.ones_like(s), s)
         returned = s
     else:
-        s = astype(xp, xp.asarray(scale), acc) if hasattr(scale, "shape") \
-            else xp.asarray(scale, dtype=acc_dtype)
+        inv = static_inverse(xp, scale, acc)
         returned = scale
-    inv = 1.0 / s
+    if scale is None:
+        inv = 1.0 / s
     v = y32 * inv
     if fmt == "int8":
         v = xp.where(xp.isnan(v), xp.zeros_like(v), v)
@@ -735,6 +734,10 @@ def normalize_ex(x: Any, route: Route, normalized_shape: Any, weight: Any, bias:
     offset, quantize = check_extras(xp, req, weight, weight_offset, quantize, scale, out)
     g = gain(xp, weight, offset, req.acc)
     b = None if rms else bias
+    if quantize is not None:
+        fused = fused_rows(xp, x, None, req, None, g, b, eps, rms, out, None, quantize, scale)
+        if fused is not None:
+            return fused[0], fused[2], fused[3], fused[4]
 
     def norm(a: Any, o: Any) -> tuple[Any, Any, Any]:
         r = req if a is x else request(a, route, normalized_shape, axis, weight=g, bias=b)
@@ -804,26 +807,74 @@ def fused_add(xp: Any, x: Any, residual: Any, req: Request, h_name: str, gain_: 
     keepdims shape (``mean`` None for RMSNorm). ``eps`` is the caller's, resolved here
     for ``h`` (the array normalized), as the composition resolves it.
     """
+    fused = fused_rows(xp, x, residual, req, h_name, gain_, bias, eps, rms, out,
+                       residual_out)
+    return None if fused is None else (fused[0], fused[1], fused[3], fused[4])
+
+
+def _fusable_rows(xp: Any, req: Request, *arrays: Any) -> tuple[Any, ...] | None:
+    """The canonical 2-D row views of ``arrays`` if the call is one a one-pass kernel
+    takes (native backend, ``inner == 1``, no transpose, no empty axis, rows of unit
+    stride), else None."""
     layout = req.layout
     if req.backend == "array_api" or layout.inner != 1 or layout.perm is not None \
             or layout.n == 0 or layout.rows == 0:
         return None
-    backend = native(req.backend)
-    kernel = getattr(backend, "add_rms_norm_forward" if rms else "add_layer_norm_forward",
-                     None)
-    r_name = dtype_name(residual.dtype)
-    # y is norm(h) rounded to h's dtype, then to x's: one rounding to x's dtype only when
-    # h's dtype is x's or the accumulation dtype itself.
-    if kernel is None or h_name not in (req.dtype, req.acc) \
-            or accumulation_name(r_name) != req.acc:
+    views = tuple(_layout.canonical(a, layout) for a in arrays)
+    if layout.n > 1 and any(v.strides[1] != v.itemsize for v in views):
         return None
-    x3, r3 = _layout.canonical(x, layout), _layout.canonical(residual, layout)
-    if layout.n > 1 and (x3.strides[1] != x3.itemsize or r3.strides[1] != r3.itemsize):
+    return views
+
+
+def static_inverse(xp: Any, scale: Any, acc: str) -> Any:
+    """``1 / scale`` of a static ``scale``, computed in ``acc`` (as the contract says:
+    once per row, in the statistics dtype)."""
+    s = astype(xp, xp.asarray(scale), acc) if hasattr(scale, "shape") \
+        else xp.asarray(scale, dtype=dtype_of(xp, acc))
+    return 1.0 / s
+
+
+def fused_rows(xp: Any, x: Any, residual: Any, req: Request, h_name: str | None,
+               gain_: Any, bias: Any, eps: Any, rms: bool, out: Any, residual_out: Any,
+               quantize: str | None = None, scale: Any = None
+               ) -> tuple[Any, Any, Any, Any, Any] | None:
+    """``(y, h, scale, mean, rstd)`` by a one-pass kernel of the backend, or None.
+
+    Serves :func:`fused_add` (``h = x + residual`` then the norm) and the quantized
+    forwards, with or without a residual (``residual`` None: ``h`` is None and ``eps`` is
+    already resolved). With ``quantize`` the backend's kernel normalizes into float32
+    and quantizes from the cache (accumulation dtype float32 only); ``y`` (the codes)
+    may share no memory with an input, ``scale`` is the per-row scale (dynamic) or the
+    caller's. Statistics come back in keepdims shape (``mean`` None for RMSNorm).
+    """
+    layout = req.layout
+    backend = None if req.backend == "array_api" else native(req.backend)
+    if quantize is not None:
+        kernel = getattr(backend, "quantized_forward", None)
+        if req.acc != "float32":
+            return None
+    else:
+        kernel = getattr(backend, "add_rms_norm_forward" if rms else "add_layer_norm_forward",
+                         None)
+    inputs = (x,) if residual is None else (x, residual)
+    views = None if kernel is None else _fusable_rows(xp, req, *inputs)
+    if views is None:
         return None
-    eps = resolve_eps(eps, replace(req, dtype=h_name), rms)
+    x3 = views[0]
+    r3 = None if residual is None else views[1]
+    r_name = None if residual is None else dtype_name(residual.dtype)
+    if residual is not None:
+        # y is norm(h) rounded to h's dtype, then to x's: one rounding to x's dtype only
+        # when h's dtype is x's or the accumulation dtype itself.
+        if h_name not in (req.dtype, req.acc) or accumulation_name(r_name) != req.acc:
+            return None
+        eps = resolve_eps(eps, replace(req, dtype=h_name), rms)
+    y_dtype = x.dtype if quantize is None else dtype_of(xp, quantize)
+    wanted = [(out, y_dtype)] + ([] if residual is None
+                                 else [(residual_out, dtype_of(xp, h_name))])
     with _device_scope(backend, x):
         outs = []
-        for given, dtype in ((out, x.dtype), (residual_out, dtype_of(xp, h_name))):
+        for given, dtype in wanted:
             view = None if given is None else _rows_view(xp, given, layout)
             if given is not None and view is None:
                 return None
@@ -831,25 +882,41 @@ def fused_add(xp: Any, x: Any, residual: Any, req: Request, h_name: str, gain_: 
                 given = xp.empty(layout.shape, dtype=dtype)
                 view = given.reshape(layout.outer, layout.n, 1)
             outs.append((given, view))
-        (y, y3), (h, h3) = outs
         params = [p for p in (gain_, bias) if p is not None]
-        for o3, other in ((y3, h3), (h3, y3)):
-            if any(xp.may_share_memory(o3, a) and not _same_view(o3, a) for a in (x3, r3)) \
-                    or xp.may_share_memory(o3, other) \
+        views_out = [v for _, v in outs]
+        for k, o3 in enumerate(views_out):
+            exact_ok = quantize is None or k == 1  # the codes never alias an input
+            if any(xp.may_share_memory(o3, a) and not (exact_ok and _same_view(o3, a))
+                   for a in views) \
+                    or any(xp.may_share_memory(o3, other)
+                           for j, other in enumerate(views_out) if j != k) \
                     or any(xp.may_share_memory(o3, p) for p in params):
                 return None
+        y, y3 = outs[0]
+        h, h3 = outs[1] if residual is not None else (None, None)
         w = _flat_param(xp, gain_, req)
+        b = None if rms else _flat_param(xp, bias, req)
         rstd = xp.empty(layout.rows, dtype=req.acc)
+        mean = None if rms else xp.empty(layout.rows, dtype=req.acc)
         dtypes = (req.dtype, r_name, h_name)
-        if rms:
-            mean = None
-            backend.add_rms_norm_forward(x3, r3, w, eps, h3, y3, rstd, dtypes)
+        returned = None
+        if quantize is not None:
+            scale_out = xp.empty(layout.rows if scale is None else 0, dtype=req.acc)
+            inv = None
+            if scale is not None:
+                inv = xp.ascontiguousarray(xp.broadcast_to(
+                    static_inverse(xp, scale, req.acc), layout.stats_shape)).reshape(-1)
+                returned = scale
+            kernel(x3, r3, w, b, eps, h3, y3, mean, rstd, quantize, inv, scale_out, dtypes)
+            if scale is None:
+                returned = scale_out.reshape(layout.stats_shape)
+        elif rms:
+            kernel(x3, r3, w, eps, h3, y3, rstd, dtypes)
         else:
-            mean = xp.empty(layout.rows, dtype=req.acc)
-            backend.add_layer_norm_forward(x3, r3, w, _flat_param(xp, bias, req), eps, h3, y3,
-                                           mean, rstd, dtypes)
+            kernel(x3, r3, w, b, eps, h3, y3, mean, rstd, dtypes)
     stats = layout.stats_shape
-    return y, h, (None if mean is None else mean.reshape(stats)), rstd.reshape(stats)
+    return (y, h, returned, None if mean is None else mean.reshape(stats),
+            rstd.reshape(stats))
 
 
 def add_normalize(x: Any, residual: Any, route: Route, normalized_shape: Any, weight: Any,
@@ -876,12 +943,11 @@ def add_normalize(x: Any, residual: Any, route: Route, normalized_shape: Any, we
     if residual_out is not None:
         check_residual_out(residual_out, req_x, h_name)
         check_distinct_outputs(xp.may_share_memory, out, residual_out)
-    if quantize is None and accumulation_name(h_name) == req_x.acc:
-        fused = fused_add(xp, x, residual, req_x, h_name, gain(xp, weight, offset, req_x.acc),
-                          None if rms else bias, eps, rms, out, residual_out)
+    if accumulation_name(h_name) == req_x.acc:
+        fused = fused_rows(xp, x, residual, req_x, h_name, gain(xp, weight, offset, req_x.acc),
+                           None if rms else bias, eps, rms, out, residual_out, quantize, scale)
         if fused is not None:
-            y, h, mean, rstd = fused
-            return y, h, None, mean, rstd
+            return fused
     h = residual_sum(xp, x, residual, add, h_name)
     if residual_out is not None:
         h = _into(residual_out, h)

@@ -294,3 +294,52 @@ def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
     w = kernel_params(weight, None, x.shape[1], rstd.dtype)[0]
     _run(k.add_rms_forward_serial, k.add_rms_forward_parallel, x.size, ADD_RMS_WRITES,
          x, r, w, e, h, y, rstd, _add_streams(x, r, y))
+
+
+#: Format codes of the quantizing kernels (:mod:`.quantized`), by dtype name.
+QUANTIZE_FORMATS = {"int8": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
+LN_QUANT_WRITES = (4, 5, 6, 10)  # q, mean, rstd, scale
+RMS_QUANT_WRITES = (3, 4, 8)  # q, rstd, scale
+ADD_LN_QUANT_WRITES = (5, 6, 7, 8, 12)  # h, q, mean, rstd, scale
+ADD_RMS_QUANT_WRITES = (4, 5, 6, 10)  # h, q, rstd, scale
+
+_NO_ROWS = np.empty(0, dtype=np.float32)
+
+
+def quantized_forward(x3, r3, weight, bias, eps, h3, q3, mean, rstd, fmt, inv_rows,
+                      scale_out, dtypes) -> None:
+    """The norm of ``x3`` (of ``h3 = x3 + r3`` with a residual ``r3``) quantized into ``q3``.
+
+    ``fmt`` is ``"int8"``, ``"float8_e4m3fn"`` or ``"float8_e5m2"``; ``mean`` None selects
+    RMSNorm. A static scale comes as ``inv_rows`` (``1 / scale`` per row, float32),
+    otherwise (``inv_rows`` None) each row's scale goes to ``scale_out``. ``dtypes`` are
+    the names of x's, the residual's and h's dtypes (the last two unused without a
+    residual). Rows of unit stride; the accumulation dtype must be float32.
+    """
+    k = load_kernels()
+    x_name, r_name, h_name = dtypes
+    x = _as_kernel_array(x3[:, :, 0], x_name)
+    q = q3[:, :, 0].view(np.uint8)
+    e = _acc_scalar(eps, x_name)
+    code = QUANTIZE_FORMATS[fmt]
+    dynamic = inv_rows is None
+    inv = _NO_ROWS if dynamic else inv_rows
+    rms = mean is None
+    w, b = kernel_params(weight, bias, x.shape[1], rstd.dtype)
+    tail = (code, dynamic, inv, scale_out)
+    if r3 is None:
+        if rms:
+            _run(k.rms_quant_forward_serial, k.rms_quant_forward_parallel, x.size,
+                 RMS_QUANT_WRITES, x, w, e, q, rstd, *tail)
+        else:
+            _run(k.ln_quant_forward_serial, k.ln_quant_forward_parallel, x.size,
+                 LN_QUANT_WRITES, x, w, b, e, q, mean, rstd, *tail)
+        return
+    res = _as_kernel_array(r3[:, :, 0], r_name)
+    h = _as_kernel_array(h3[:, :, 0], h_name)
+    if rms:
+        _run(k.add_rms_quant_forward_serial, k.add_rms_quant_forward_parallel, x.size,
+             ADD_RMS_QUANT_WRITES, x, res, w, e, h, q, rstd, *tail)
+    else:
+        _run(k.add_ln_quant_forward_serial, k.add_ln_quant_forward_parallel, x.size,
+             ADD_LN_QUANT_WRITES, x, res, w, b, e, h, q, mean, rstd, *tail)

@@ -30,6 +30,11 @@ Only jitted code can use what this module defines:
   blocks first. Folding 16 row vectors pairwise with ``h = 8, 4, 2, 1`` leaves row
   ``i``'s tree sum in lane ``i``, computed by the same additions as the tree of one row;
 * :func:`sqrt` of every lane;
+* :func:`vabsmax` / :func:`hmax_bits` (the running and final ``max |v|`` of float32
+  vectors, NaN-propagating, on bit patterns) and :func:`store_int8`,
+  :func:`store_float8_e4m3fn`, :func:`store_float8_e5m2` (saturate, round half to even
+  and store a vector's 8-bit codes into a ``uint8`` :class:`Raw`), for the quantized
+  outputs;
 * :func:`vaddress` of an element, for alignment decisions;
 * :func:`runtime` of an integer constant, so that passing it to a helper does not compile
   a specialization per value;
@@ -646,6 +651,144 @@ def copy2(typingctx, dst, di, dj, src, si, sj):
         return context.get_dummy_value()
 
     return types.none(dst, di, dj, src, si, sj), codegen
+
+
+# --------------------------------------------------------------------------- 8-bit codes
+# Quantization of float32 vectors (:mod:`.quantized`). Integer operations on the lanes'
+# bit patterns, IEEE comparisons and one exact round-half-to-even step; no
+# reassociation, so every lane gets what the scalar formula gives.
+
+_I32 = ir.IntType(32)
+_ROUNDER = 12582912.0  # 1.5 * 2**23: (v + R) - R is v rounded half to even (|v| < 2**22)
+
+
+def _f32_splat(value: float) -> ir.Constant:
+    return ir.Constant(ir.VectorType(ir.FloatType(), WIDTH), [value] * WIDTH)
+
+
+def _bits_of(builder, vec):
+    return builder.bitcast(vec, ir.VectorType(_I32, WIDTH))
+
+
+def _is_f32_vec(vec: types.Type) -> bool:
+    return isinstance(vec, Vec) and vec.dtype == types.float32
+
+
+@intrinsic
+def vabsmax(typingctx, acc, vec):
+    """Lanes with the largest bit pattern of ``acc`` and ``|vec|`` (float32 vectors).
+
+    For non-negative floats the integer order of the bit patterns is the float order and
+    NaN patterns lie above infinity's: starting from zeros, this is the running
+    ``max(|v|)`` that a NaN makes NaN.
+    """
+    if not (_is_f32_vec(acc) and acc == vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = _bits_of(builder, args[0])
+        b = builder.and_(_bits_of(builder, args[1]), _splat_i32(0x7FFFFFFF))
+        top = builder.select(builder.icmp_signed(">", b, a), b, a)
+        return builder.bitcast(top, args[0].type)
+
+    return acc(acc, vec), codegen
+
+
+@intrinsic
+def hmax_bits(typingctx, vec):
+    """The lane of a :func:`vabsmax` vector with the largest bit pattern, as a float32."""
+    if not _is_f32_vec(vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        bits = _bits_of(builder, args[0])
+        top = builder.extract_element(bits, ir.Constant(_I32, 0))
+        for j in range(1, WIDTH):
+            v = builder.extract_element(bits, ir.Constant(_I32, j))
+            top = builder.select(builder.icmp_signed(">", v, top), v, top)
+        return builder.bitcast(top, ir.FloatType())
+
+    return types.float32(vec), codegen
+
+
+def _store_bytes(context, builder, view, args, r, i, codes_i32):
+    ptr = _raw_pointer(context, builder, view, args[0], _as_i64(builder, args[2], r),
+                       _as_i64(builder, args[3], i))
+    codes = builder.trunc(codes_i32, ir.VectorType(ir.IntType(8), WIDTH))
+    builder.store(codes, builder.bitcast(ptr, codes.type.as_pointer()), align=1)
+    return context.get_dummy_value()
+
+
+def _saturate(builder, v, low: float, high: float):
+    # Ordered comparisons are false for NaN: NaN passes through.
+    v = builder.select(builder.fcmp_ordered("<", v, _f32_splat(low)), _f32_splat(low), v)
+    return builder.select(builder.fcmp_ordered(">", v, _f32_splat(high)), _f32_splat(high), v)
+
+
+def _round_half_even(builder, v):
+    return builder.fsub(builder.fadd(v, _f32_splat(_ROUNDER)), _f32_splat(_ROUNDER))
+
+
+@intrinsic
+def store_int8(typingctx, view, vec, r, i):
+    """Store int8 codes of a float32 vector at ``[r, i]`` of a uint8 :class:`Raw`.
+
+    NaN becomes 0; the rest saturates to [-128, 127] and rounds half to even (the bounds
+    are integers, so saturating first gives the same integer).
+    """
+    if not (isinstance(view, Raw) and view.dtype == types.uint8 and _is_f32_vec(vec)
+            and _int_ok(r, i)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[1]
+        v = builder.select(builder.fcmp_unordered("uno", v, v), _f32_splat(0.0), v)
+        v = _round_half_even(builder, _saturate(builder, v, -128.0, 127.0))
+        codes = builder.fptosi(v, ir.VectorType(_I32, WIDTH))
+        return _store_bytes(context, builder, view, args, r, i, codes)
+
+    return types.none(view, vec, r, i), codegen
+
+
+def _float8_store(drop: int, rebias: int, min_normal: int, nan: int, unit: float, qmax: float):
+    """An intrinsic storing float8 codes: saturate to ``+-qmax`` (NaN kept), then round
+    the float32 bits half to even to ``23 - drop`` mantissa bits. Normal results rebias
+    the exponent (a rounding carry lands in the next binade, as it should); subnormal
+    ones are the magnitude in units of the smallest subnormal (``* unit``, exact),
+    rounded half to even. NaN keeps its sign and becomes ``nan``."""
+
+    def typer(typingctx, view, vec, r, i):
+        if not (isinstance(view, Raw) and view.dtype == types.uint8 and _is_f32_vec(vec)
+                and _int_ok(r, i)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            v = _saturate(builder, args[1], -qmax, qmax)
+            bits = _bits_of(builder, v)
+            sign = builder.and_(builder.lshr(bits, _splat_i32(24)), _splat_i32(0x80))
+            mag = builder.and_(bits, _splat_i32(0x7FFFFFFF))
+            odd = builder.and_(builder.lshr(mag, _splat_i32(drop)), _splat_i32(1))
+            up = builder.add(builder.add(mag, _splat_i32((1 << (drop - 1)) - 1)), odd)
+            normal = builder.sub(builder.lshr(up, _splat_i32(drop)), _splat_i32(rebias))
+            small = builder.fmul(builder.bitcast(mag, v.type), _f32_splat(unit))
+            small = builder.select(builder.fcmp_ordered("<", small, _f32_splat(16.0)), small,
+                                   _f32_splat(16.0))
+            sub = builder.fptosi(_round_half_even(builder, small), ir.VectorType(_I32, WIDTH))
+            code = builder.select(builder.icmp_unsigned("<", mag, _splat_i32(min_normal)),
+                                  sub, normal)
+            code = builder.select(builder.icmp_unsigned(">", mag, _splat_i32(0x7F800000)),
+                                  _splat_i32(nan), code)
+            return _store_bytes(context, builder, view, args, r, i, builder.or_(sign, code))
+
+        return types.none(view, vec, r, i), codegen
+
+    return typer
+
+
+#: ``store_float8_e4m3fn(view, vec, r, i)``: float8 e4m3fn codes of ``vec`` (|v| <= 448).
+store_float8_e4m3fn = intrinsic(_float8_store(20, 120 << 3, 0x3C800000, 0x7F, 512.0, 448.0))
+#: ``store_float8_e5m2(view, vec, r, i)``: float8 e5m2 codes of ``vec`` (|v| <= 57344).
+store_float8_e5m2 = intrinsic(_float8_store(21, 112 << 2, 0x38800000, 0x7E, 65536.0, 57344.0))
 
 
 if config.DISABLE_JIT:

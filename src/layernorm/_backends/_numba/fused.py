@@ -63,7 +63,7 @@ def _add_row(xv, rv, hv, r, n):
 
 
 @njit(error_model="numpy")
-def _add_block(x, res, h, r0, r1):
+def add_block(x, res, h, r0, r1):
     """``h`` of rows ``r0 .. r1``; returns its view (rows ``0 .. r1 - r0``)."""
     n = x.shape[1]
     xv, rv, hv = raw(x[r0:r1]), raw(res[r0:r1]), raw(h[r0:r1])
@@ -74,14 +74,14 @@ def _add_block(x, res, h, r0, r1):
 
 @njit(error_model="numpy")
 def _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt, r0, r1):
-    hv = _add_block(x, res, h, r0, r1)
+    hv = add_block(x, res, h, r0, r1)
     ln_raw_rows(hv, raw(y[r0:r1]), raw(w), raw(b), raw(tab), eps, x.shape[1], nt, mean_out,
                  rstd_out, runtime(0), r1 - r0, r0)
 
 
 @njit(error_model="numpy")
 def _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, r1):
-    hv = _add_block(x, res, h, r0, r1)
+    hv = add_block(x, res, h, r0, r1)
     rms_raw_rows(hv, raw(y[r0:r1]), raw(w), eps, x.shape[1], nt, rstd_out, runtime(0),
                  r1 - r0, r0)
 

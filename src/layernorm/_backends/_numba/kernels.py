@@ -39,6 +39,8 @@ one, and nothing else. Modules, by job:
 * :mod:`.backward`: row and column backward and the ordered block sum ``sum_blocks``;
 * :mod:`.fused`: residual add then LayerNorm/RMSNorm of rows in one pass (the row
   functions of :mod:`.forward_rows` on the freshly added rows);
+* :mod:`.quantized`: the same with int8/float8 output (rows normalized into a float32
+  scratch block, quantized from L2);
 * :mod:`.passes`: the forward's two passes alone, for the roofline tool;
 * :mod:`._simd`, :mod:`._scalars`: the SIMD vectors and 16-bit conversions they are
   written with (:mod:`.python_simd`: their NumPy stand-ins under
@@ -83,6 +85,16 @@ from .fused import (
     add_rms_forward_parallel,
     add_rms_forward_serial,
 )
+from .quantized import (
+    add_ln_quant_forward_parallel,
+    add_ln_quant_forward_serial,
+    add_rms_quant_forward_parallel,
+    add_rms_quant_forward_serial,
+    ln_quant_forward_parallel,
+    ln_quant_forward_serial,
+    rms_quant_forward_parallel,
+    rms_quant_forward_serial,
+)
 from .rowmath import LANES
 
 __all__ = [
@@ -92,8 +104,12 @@ __all__ = [
     "SHORT_ROW_MAX",
     "add_ln_forward_parallel",
     "add_ln_forward_serial",
+    "add_ln_quant_forward_parallel",
+    "add_ln_quant_forward_serial",
     "add_rms_forward_parallel",
     "add_rms_forward_serial",
+    "add_rms_quant_forward_parallel",
+    "add_rms_quant_forward_serial",
     "backward_cols_parallel",
     "backward_cols_serial",
     "ln_backward_parallel",
@@ -102,11 +118,15 @@ __all__ = [
     "ln_forward_cols_serial",
     "ln_forward_parallel",
     "ln_forward_serial",
+    "ln_quant_forward_parallel",
+    "ln_quant_forward_serial",
     "rms_backward_parallel",
     "rms_backward_serial",
     "rms_forward_cols_parallel",
     "rms_forward_cols_serial",
     "rms_forward_parallel",
     "rms_forward_serial",
+    "rms_quant_forward_parallel",
+    "rms_quant_forward_serial",
     "sum_blocks",
 ]

@@ -30,6 +30,7 @@ __all__ = [
     "fold4",
     "fold8",
     "get",
+    "hmax_bits",
     "lane",
     "load2",
     "put",
@@ -39,6 +40,10 @@ __all__ = [
     "sqrt",
     "store2",
     "store_fence",
+    "store_float8_e4m3fn",
+    "store_float8_e5m2",
+    "store_int8",
+    "vabsmax",
     "vaddress",
     "vload",
     "vstore",
@@ -152,3 +157,40 @@ def vaddress(view: np.ndarray, r: int, i: int) -> int:
 def copy2(dst: np.ndarray, di: int, dj: int, src: np.ndarray, si: int, sj: int) -> None:
     """``dst[di, dj:dj+WIDTH] = src[si, sj:sj+WIDTH]``, bits unchanged."""
     dst[di, dj:dj + WIDTH] = src[si, sj:sj + WIDTH]
+
+
+def vabsmax(acc: np.ndarray, vec: np.ndarray) -> np.ndarray:
+    """Lanes with the larger bit pattern of ``acc`` and ``|vec|`` (float32)."""
+    bits = np.maximum(acc.view(np.int32), vec.view(np.int32) & 0x7FFFFFFF)
+    return bits.view(np.float32)
+
+
+def hmax_bits(vec: np.ndarray) -> Any:
+    """The lane with the largest bit pattern, as a float32."""
+    return vec.view(np.int32).max().view(np.float32)
+
+
+def _saturated(vec: np.ndarray, low: float, high: float) -> np.ndarray:
+    v = np.where(vec < low, np.float32(low), vec)
+    return np.where(v > high, np.float32(high), v).astype(np.float32)
+
+
+def store_int8(view: np.ndarray, vec: np.ndarray, r: int, i: int) -> None:
+    """int8 codes of ``vec`` (NaN -> 0, saturated, rounded half to even) as uint8."""
+    v = _saturated(np.where(np.isnan(vec), np.float32(0), vec), -128.0, 127.0)
+    view[r, i:i + WIDTH] = np.rint(v).astype(np.int8).view(np.uint8)
+
+
+def _float8(name: str, qmax: float) -> Any:
+    def store(view: np.ndarray, vec: np.ndarray, r: int, i: int) -> None:
+        import ml_dtypes
+
+        v = _saturated(vec, -qmax, qmax)
+        view[r, i:i + WIDTH] = v.astype(getattr(ml_dtypes, name)).view(np.uint8)
+
+    store.__doc__ = f"{name} codes of ``vec`` (saturated to +-{qmax:g}) as uint8."
+    return store
+
+
+store_float8_e4m3fn = _float8("float8_e4m3fn", 448.0)
+store_float8_e5m2 = _float8("float8_e5m2", 57344.0)
