@@ -577,6 +577,46 @@ def test_grad_residual(dtype, rms):
     assert_bitwise(fused[0], (wide[0] + gr.astype(np.float32)).astype(DT[dtype]))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", ["short rows", "rows", "long rows in pairs",
+                                    "strided rows", "columns", "parallel"])
+@pytest.mark.parametrize("rms", [False, True])
+def test_grad_residual_in_every_backward_path(rms, layout, dtype):
+    from layernorm._backends import _numba as backend
+
+    shape, axis = {"short rows": ((9, 20), -1), "rows": ((7, 300), -1),
+                   "long rows in pairs": ((5, 2100), -1), "strided rows": ((6, 90), -1),
+                   "columns": ((3, 40, 5), 1), "parallel": ((130, 1024), -1)}[layout]
+    x, gy, gr = (data(shape, dtype, seed, 2.0) for seed in (0, 1, 2))
+    if layout == "strided rows":  # every other column of wider arrays
+        x, gy, gr = (np.repeat(a, 2, axis=1)[:, ::2] for a in (x, gy, gr))
+    n = shape[axis]
+    w = data((n,), "float32", 3) + 1.0
+    fwd, bwd = (ln.rms_norm, ln.rms_norm_backward) if rms else (ln.layer_norm,
+                                                                ln.layer_norm_backward)
+    stats = fwd(x, weight=w, axis=axis, return_stats=True)[1:]
+    seen = []
+    name = "rms_norm_backward" if rms else "layer_norm_backward"
+    real = getattr(backend, name)
+
+    def spy(*args, **kwargs):
+        seen.append("grad_residual" in kwargs)
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend, name, spy)
+        fused = bwd(gy, x, *stats, w, axis=axis, grad_residual=gr)
+    assert seen == [True]
+    plain = bwd(gy, x, *stats, w, axis=axis)
+    for a, b in zip(fused[1:], plain[1:], strict=True):
+        assert_bitwise(a, b)
+    if dtype == "float32":
+        assert_bitwise(fused[0], plain[0] + gr)
+    else:  # one rounding of the float32 sum
+        wide = bwd(gy.astype(np.float32), x.astype(np.float32), *stats, w, axis=axis)
+        assert_bitwise(fused[0], (wide[0] + gr.astype(np.float32)).astype(DT[dtype]))
+
+
 def test_grad_residual_errors():
     x = np.ones((2, 4), np.float32)
     stats = ln.layer_norm(x, return_stats=True)[1:]

@@ -240,7 +240,7 @@ def test_serial_and_parallel_kernels_agree():
         gx = np.empty_like(x)
         partials = np.zeros((2, -(-rows // backend.GRAD_ROW_BLOCK), n), np.float32)
         backend.entry.call(fn, backend.LN_BACKWARD_WRITES, gy, x, mean, rstd, w, gx,
-                            partials, backend.GRAD_ROW_BLOCK)
+                            partials, backend.GRAD_ROW_BLOCK, x, False)
         grads.append((gx, partials))
     for a, e in zip(*grads, strict=False):
         _same_bits(a, e)

@@ -111,7 +111,7 @@ def test_in_cache_backward_views_compute_every_row_from_one_row():
     partials = np.zeros((2, -(-rows // GRAD_ROW_BLOCK), n), np.float32)
     entry.call(k.ln_backward_serial, LN_BACKWARD_WRITES, views[0], views[1],
                 np.repeat(mean.ravel(), rows), np.repeat(rstd.ravel(), rows), w, views[2],
-                partials, GRAD_ROW_BLOCK)
+                partials, GRAD_ROW_BLOCK, views[1], False)
     np.testing.assert_array_equal(views[2][0], expected)
 
 

@@ -358,7 +358,7 @@ def _param_grad(xp: Any, grad: Any, layout: _layout.Layout, dtype: Any) -> Any:
 
 
 def backward(xp: Any, grad_y: Any, x: Any, req: Request, mean: Any, rstd: Any, weight: Any,
-             rms: bool) -> tuple[Any, ...]:
+             rms: bool, grad_residual: Any = None) -> tuple[Any, ...]:
     """Run a validated backward call.
 
     Parameters
@@ -376,6 +376,9 @@ def backward(xp: Any, grad_y: Any, x: Any, req: Request, mean: Any, rstd: Any, w
         The forward weight.
     rms : bool
         RMSNorm instead of LayerNorm.
+    grad_residual : array or None
+        Added to ``grad_x`` by the kernels (x's shape and dtype); only for a native
+        backend that fuses it (:func:`fuses_grad_residual`).
 
     Returns
     -------
@@ -406,12 +409,15 @@ def backward(xp: Any, grad_y: Any, x: Any, req: Request, mean: Any, rstd: Any, w
             x3 = _layout.canonical(x, layout)
             w = _flat_param(xp, weight, req)
             r = _flat_stat(xp, rstd, req)
+            extra = {} if grad_residual is None else {
+                "grad_residual": _layout.canonical(grad_residual, layout)}
             if rms:
-                gw = backend.rms_norm_backward(gy3, x3, r, w, target.view, req.dtype)
+                gw = backend.rms_norm_backward(gy3, x3, r, w, target.view, req.dtype, **extra)
                 gb = None
             else:
                 m = _flat_stat(xp, mean, req)
-                gw, gb = backend.layer_norm_backward(gy3, x3, m, r, w, target.view, req.dtype)
+                gw, gb = backend.layer_norm_backward(gy3, x3, m, r, w, target.view, req.dtype,
+                                                     **extra)
         gx = target.result()
     if rms:
         return gx, gw.reshape(layout.param_shape)
@@ -442,7 +448,10 @@ def gradients(grad_y: Any, x: Any, route: Route, mean: Any, rstd: Any, weight: A
         r = req if xx is x else request(xx, route, normalized_shape, axis, weight=g)
         return backward(xp, gy, xx, r, mean, rstd, g, rms)
 
-    grads = with_grad_residual(xp, grad_y, x, req, run, grad_residual)
+    if grad_residual is not None and fuses_grad_residual(req):
+        grads = backward(xp, grad_y, x, req, mean, rstd, g, rms, grad_residual)
+    else:
+        grads = with_grad_residual(xp, grad_y, x, req, run, grad_residual)
     dtype = (weight if weight is not None else x).dtype
     return (grads[0], *(xp.astype(g, dtype) if route.backend == "array_api"
                         else g.astype(dtype, copy=False) for g in grads[1:]))
@@ -525,6 +534,12 @@ def check_grad_residual(grad_residual: Any, req: Request) -> None:
     got = check_float_dtype(grad_residual, "grad_residual")
     if got != req.dtype:
         raise TypeError(f"grad_residual must have the dtype of x ({req.dtype}), got dtype {got}")
+
+
+def fuses_grad_residual(req: Request) -> bool:
+    """Whether the call's backend adds ``grad_residual`` inside its backward kernels."""
+    return req.backend != "array_api" and getattr(native(req.backend), "FUSES_GRAD_RESIDUAL",
+                                                   False)
 
 
 def with_grad_residual(xp: Any, grad_y: Any, x: Any, req: Request, run: Any,

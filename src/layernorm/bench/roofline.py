@@ -148,7 +148,8 @@ def measure_backward(shape: tuple[int, int], repeats: int = 11, target_s: float 
     partials = np.zeros((2, -(-rows // GRAD_ROW_BLOCK), n), np.float32)
 
     def kernel_of(*arrays: np.ndarray) -> Callable[[], Any]:
-        args = (*arrays[:2], mean, rstd, w, arrays[2], partials, GRAD_ROW_BLOCK)
+        args = (*arrays[:2], mean, rstd, w, arrays[2], partials, GRAD_ROW_BLOCK, arrays[1],
+                False)
         entry = entry_point(k.ln_backward_serial, LN_BACKWARD_WRITES, args)
         return lambda: entry(*args)
 

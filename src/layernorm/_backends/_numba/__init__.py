@@ -221,42 +221,59 @@ def _col_blocks(x3: Any) -> int:
     return x3.shape[0] * -(-x3.shape[2] // load_kernels().COL_BLOCK)
 
 
-def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype):
-    """LayerNorm backward into ``gx3``; returns ``(grad_weight, grad_bias)``."""
+#: The backward kernels add ``grad_residual`` to grad_x themselves (see :mod:`.backward`).
+FUSES_GRAD_RESIDUAL = True
+
+
+def _grad_residual_arg(grad_residual: Any, x: Any, dtype: str) -> tuple[Any, bool]:
+    # Without one, x itself stands in (same type, one compiled kernel); it is never read.
+    if grad_residual is None:
+        return x, False
+    return _as_kernel_array(grad_residual, dtype), True
+
+
+def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype, grad_residual=None):
+    """LayerNorm backward into ``gx3`` (plus ``grad_residual``, a view like ``x3``, when
+    given); returns ``(grad_weight, grad_bias)``."""
     k = load_kernels()
     gy = _as_kernel_array(gy3, dtype)
     x = _as_kernel_array(x3, dtype)
     gx = _as_kernel_array(gx3, dtype)
+    gres, has_res = _grad_residual_arg(grad_residual, x, dtype)
     n = x3.shape[1]
     w = kernel_params(weight, None, n, mean.dtype)[0]
     if x.shape[2] == 1:
         partials = _grad_partials(-(-mean.shape[0] // GRAD_ROW_BLOCK), n, mean.dtype, 2)
         _run(k.ln_backward_serial, k.ln_backward_parallel, x.size, LN_BACKWARD_WRITES,
-             gy[:, :, 0], x[:, :, 0], mean, rstd, w, gx[:, :, 0], partials, GRAD_ROW_BLOCK)
+             gy[:, :, 0], x[:, :, 0], mean, rstd, w, gx[:, :, 0], partials, GRAD_ROW_BLOCK,
+             gres[:, :, 0], has_res)
     else:
         partials = _grad_partials(_col_blocks(x3), n, mean.dtype, 2)
         _run(k.backward_cols_serial, k.backward_cols_parallel, x.size, LN_BACKWARD_WRITES,
-             gy, x, mean, rstd, w, gx, partials, False)
+             gy, x, mean, rstd, w, gx, partials, False, gres, has_res)
     sums = entry.call(k.sum_blocks, (), partials)
     return sums[0], sums[1]
 
 
-def rms_norm_backward(gy3, x3, rstd, weight, gx3, dtype):
-    """RMSNorm backward into ``gx3``; returns ``grad_weight``."""
+def rms_norm_backward(gy3, x3, rstd, weight, gx3, dtype, grad_residual=None):
+    """RMSNorm backward into ``gx3`` (plus ``grad_residual`` when given); returns
+    ``grad_weight``."""
     k = load_kernels()
     gy = _as_kernel_array(gy3, dtype)
     x = _as_kernel_array(x3, dtype)
     gx = _as_kernel_array(gx3, dtype)
+    gres, has_res = _grad_residual_arg(grad_residual, x, dtype)
     n = x3.shape[1]
     w = kernel_params(weight, None, n, rstd.dtype)[0]
     if x.shape[2] == 1:
         partials = _grad_partials(-(-rstd.shape[0] // GRAD_ROW_BLOCK), n, rstd.dtype, 1)
         _run(k.rms_backward_serial, k.rms_backward_parallel, x.size, RMS_BACKWARD_WRITES,
-             gy[:, :, 0], x[:, :, 0], rstd, w, gx[:, :, 0], partials, GRAD_ROW_BLOCK)
+             gy[:, :, 0], x[:, :, 0], rstd, w, gx[:, :, 0], partials, GRAD_ROW_BLOCK,
+             gres[:, :, 0], has_res)
     else:
         partials = _grad_partials(_col_blocks(x3), n, rstd.dtype, 1)
         _run(k.backward_cols_serial, k.backward_cols_parallel, x.size, LN_BACKWARD_WRITES,
-             gy, x, rstd, rstd, w, gx, partials, True)
+             gy, x, rstd, rstd, w, gx, partials, True, gres, has_res)
     return entry.call(k.sum_blocks, (), partials)[0]
 
 

@@ -8,6 +8,13 @@ block of rows (2-D: ``block_rows`` consecutive rows in order; 3-D: one partial p
 
 The column layout (``inner > 1``) gathers each column into a scratch row and runs the
 row helpers on it.
+
+``grad_residual`` (the gradient reaching the normalized input from the residual stream)
+is fused into the grad_x stores: every kernel takes it as ``gres`` with a flag
+``has_res``, adds it to grad_x in the accumulation type and rounds once, exactly the
+unfused ``grad_x + grad_residual`` for float32/float64 and the contract's single
+rounding for 16-bit types. Without it, ``gres`` is x itself (same type: one compiled
+kernel serves both) and is never read.
 """
 
 from __future__ import annotations
@@ -62,12 +69,13 @@ def _ln_bwd_means(gyr, xr, r, n, mean, rstd, w, rg, rx):
 
 
 @njit(inline="always", error_model="numpy")
-def _ln_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw, db):
+def _ln_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw, db, grr, has_res):
     """grad_x of rows ``ra`` and (if ``two``) ``rb``; their terms added to dw/db in order.
 
     ``sa``/``sb`` are (mean, rstd, mean_g, mean_gx) of each row. Two rows per pass read
     and write the partial sums once for both: ``dw = (dw + a) + b`` is exactly what two
-    single-row passes compute.
+    single-row passes compute. With ``has_res`` the same rows of ``grr`` (grad_residual)
+    are added to grad_x in the accumulation type before its one rounding.
     """
     mva, rva, mga, mgxa = splat(sa[0]), splat(sa[1]), splat(sa[2]), splat(sa[3])
     mvb, rvb, mgb, mgxb = splat(sb[0]), splat(sb[1]), splat(sb[2]), splat(sb[3])
@@ -75,13 +83,15 @@ def _ln_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw, db):
     for i in range(0, body, LANES):
         dya = vload(gyr, ra, i)
         xha = (vload(xr, ra, i) - mva) * rva
-        vstore(gxr, ((times_w(dya, w, i) - mga) - xha * mgxa) * rva, ra, i)
+        ga = ((times_w(dya, w, i) - mga) - xha * mgxa) * rva
+        vstore(gxr, ga + vload(grr, ra, i) if has_res else ga, ra, i)
         tw = vload(dw, 0, i) + dya * xha
         tb = vload(db, 0, i) + dya
         if two:
             dyb = vload(gyr, rb, i)
             xhb = (vload(xr, rb, i) - mvb) * rvb
-            vstore(gxr, ((times_w(dyb, w, i) - mgb) - xhb * mgxb) * rvb, rb, i)
+            gb = ((times_w(dyb, w, i) - mgb) - xhb * mgxb) * rvb
+            vstore(gxr, gb + vload(grr, rb, i) if has_res else gb, rb, i)
             tw = tw + dyb * xhb
             tb = tb + dyb
         vstore(dw, tw, 0, i)
@@ -89,13 +99,15 @@ def _ln_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw, db):
     for i in range(body, n):
         dya = widen(get(gyr, ra, i))
         xha = (widen(get(xr, ra, i)) - sa[0]) * sa[1]
-        put(gxr, ra, i, narrow(((times_w(dya, w, i) - sa[2]) - xha * sa[3]) * sa[1], gxr))
+        ga = ((times_w(dya, w, i) - sa[2]) - xha * sa[3]) * sa[1]
+        put(gxr, ra, i, narrow(ga + widen(get(grr, ra, i)) if has_res else ga, gxr))
         tw = get(dw, 0, i) + dya * xha
         tb = get(db, 0, i) + dya
         if two:
             dyb = widen(get(gyr, rb, i))
             xhb = (widen(get(xr, rb, i)) - sb[0]) * sb[1]
-            put(gxr, rb, i, narrow(((times_w(dyb, w, i) - sb[2]) - xhb * sb[3]) * sb[1], gxr))
+            gb = ((times_w(dyb, w, i) - sb[2]) - xhb * sb[3]) * sb[1]
+            put(gxr, rb, i, narrow(gb + widen(get(grr, rb, i)) if has_res else gb, gxr))
             tw = tw + dyb * xhb
             tb = tb + dyb
         put(dw, 0, i, tw)
@@ -103,16 +115,18 @@ def _ln_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw, db):
 
 
 @njit(inline="always", error_model="numpy")
-def _ln_bwd_vector(gyr, xr, gxr, r, i, w, mv, rv, mgv, mgxv, dwk, dbk):
-    """grad_x of one vector of row ``r``; returns the updated dw/db partial vectors."""
+def _ln_bwd_vector(gyr, xr, gxr, r, i, w, mv, rv, mgv, mgxv, dwk, dbk, grr, has_res):
+    """grad_x of one vector of row ``r`` (plus grad_residual with ``has_res``); returns
+    the updated dw/db partial vectors."""
     dy = vload(gyr, r, i)
     xh = (vload(xr, r, i) - mv) * rv
-    vstore(gxr, ((times_w(dy, w, i) - mgv) - xh * mgxv) * rv, r, i)
+    g = ((times_w(dy, w, i) - mgv) - xh * mgxv) * rv
+    vstore(gxr, g + vload(grr, r, i) if has_res else g, r, i)
     return dwk + dy * xh, dbk + dy
 
 
 @njit(error_model="numpy")
-def _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
+def _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
     """:func:`_ln_bwd_rows` for contiguous rows shorter than ``5 * LANES`` (four vectors + tail).
 
     The block's dw/db partial vectors stay in registers across its rows instead of being
@@ -124,6 +138,7 @@ def _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
     rg = np.empty((1, LANES), dtype=acc)
     rx = np.empty((1, LANES), dtype=acc)
     xv, gyv, gxv, wv, rgv, rxv = raw(x), raw(gy), raw(gx), raw(w), raw(rg), raw(rx)
+    grv = raw(gres)
     dw = raw(partials[0, blk])
     db = raw(partials[1, blk])
     zero = splat(cast(0.0, mean_in[0]))
@@ -140,20 +155,22 @@ def _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
         mg, mgx = _ln_bwd_means(gyv, xv, r, n, m, s, wv, rgv, rxv)
         mv, rv, mgv, mgxv = splat(m), splat(s), splat(mg), splat(mgx)
         if nv > 0:
-            dw0, db0 = _ln_bwd_vector(gyv, xv, gxv, r, 0, wv, mv, rv, mgv, mgxv, dw0, db0)
+            dw0, db0 = _ln_bwd_vector(gyv, xv, gxv, r, 0, wv, mv, rv, mgv, mgxv, dw0, db0,
+                                      grv, has_res)
         if nv > 1:
             dw1, db1 = _ln_bwd_vector(gyv, xv, gxv, r, LANES, wv, mv, rv, mgv, mgxv, dw1,
-                                      db1)
+                                      db1, grv, has_res)
         if nv > 2:
             dw2, db2 = _ln_bwd_vector(gyv, xv, gxv, r, 2 * LANES, wv, mv, rv, mgv, mgxv,
-                                      dw2, db2)
+                                      dw2, db2, grv, has_res)
         if nv > 3:
             dw3, db3 = _ln_bwd_vector(gyv, xv, gxv, r, 3 * LANES, wv, mv, rv, mgv, mgxv,
-                                      dw3, db3)
+                                      dw3, db3, grv, has_res)
         for i in range(nv * LANES, n):
             dy = widen(get(gyv, r, i))
             xh = (widen(get(xv, r, i)) - m) * s
-            put(gxv, r, i, narrow(((times_w(dy, wv, i) - mg) - xh * mgx) * s, gxv))
+            g = ((times_w(dy, wv, i) - mg) - xh * mgx) * s
+            put(gxv, r, i, narrow(g + widen(get(grv, r, i)) if has_res else g, gxv))
             put(dw, 0, i, get(dw, 0, i) + dy * xh)
             put(db, 0, i, get(db, 0, i) + dy)
     if nv > 0:
@@ -172,24 +189,44 @@ def _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
     alive(rx)
 
 
+@njit(inline="always", error_model="numpy")
+def _gather_rows(xs, gys, grs, x, gy, gres, r, two, has_res):
+    """Rows ``r`` (and ``r + 1`` if ``two``) of x, grad_y and (``has_res``) grad_residual
+    into the scratch rows 0 and 1 of the strided path."""
+    copy_row(xs, 0, x, r)
+    copy_row(gys, 0, gy, r)
+    if has_res:
+        copy_row(grs, 0, gres, r)
+    if two:
+        copy_row(xs, 1, x, r + 1)
+        copy_row(gys, 1, gy, r + 1)
+        if has_res:
+            copy_row(grs, 1, gres, r + 1)
+
+
 @njit(error_model="numpy")
-def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
+def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
     n = x.shape[1]
-    if n < 5 * LANES and unit_stride(x) and unit_stride(gy) and unit_stride(gx):
-        _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1)
+    unit = unit_stride(x) and unit_stride(gy) and unit_stride(gx) \
+        and (unit_stride(gres) or not has_res)
+    if n < 5 * LANES and unit:
+        _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres,
+                           has_res)
         return
     acc = mean_in.dtype
     rg = np.empty((1, LANES), dtype=acc)
     rx = np.empty((1, LANES), dtype=acc)
-    strided = not (unit_stride(x) and unit_stride(gy) and unit_stride(gx))
+    strided = not unit
     xs = np.empty((2, n if strided else 0), dtype=x.dtype)
     gys = np.empty((2, n if strided else 0), dtype=gy.dtype)
     gxs = np.empty((2, n if strided else 0), dtype=gx.dtype)
+    grs = np.empty((2, n if strided and has_res else 0), dtype=gres.dtype)
     xv, gyv, gxv, xsv, gysv, gxsv = raw(x), raw(gy), raw(gx), raw(xs), raw(gys), raw(gxs)
     wv, rgv, rxv = raw(w), raw(rg), raw(rx)
     dw = raw(partials[0, blk])
     db = raw(partials[1, blk])
     a, b, c = (gysv, xsv, gxsv) if strided else (gyv, xv, gxv)
+    d = raw(grs) if strided else raw(gres)
     # Long rows in pairs (a last single row alone): the parameter-gradient partial sums,
     # too long for L1 then, are read and written once per pair. Each row's arithmetic is
     # the same either way.
@@ -197,11 +234,7 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
     for r in range(r0, r1, step):
         two = step == 2 and r + 1 < r1
         if strided:
-            copy_row(xs, 0, x, r)
-            copy_row(gys, 0, gy, r)
-            if two:
-                copy_row(xs, 1, x, r + 1)
-                copy_row(gys, 1, gy, r + 1)
+            _gather_rows(xs, gys, grs, x, gy, gres, r, two, has_res)
         ra = 0 if strided else r
         rb = ra + 1 if two else ra
         ma, sa_ = mean_in[r], rstd_in[r]
@@ -209,7 +242,7 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
         ga, gxa = _ln_bwd_means(a, b, ra, n, ma, sa_, wv, rgv, rxv)
         gb, gxb = _ln_bwd_means(a, b, rb, n, mb, sb_, wv, rgv, rxv) if two else (ga, gxa)
         _ln_bwd_rows_out(a, b, c, ra, rb, two, n, (ma, sa_, ga, gxa), (mb, sb_, gb, gxb),
-                         wv, dw, db)
+                         wv, dw, db, d, has_res)
         if strided:
             copy_row(gx, r, gxs, 0)
             if two:
@@ -219,28 +252,34 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1):
     alive(xs)
     alive(gys)
     alive(gxs)
+    alive(grs)
 
 
 @cached_njit(error_model="numpy")
-def ln_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows):
-    """LayerNorm backward of 2-D arrays on the calling thread (same blocks as parallel)."""
+def ln_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gres, has_res):
+    """LayerNorm backward of 2-D arrays on the calling thread (same blocks as parallel).
+
+    With ``has_res``, ``gres`` (grad_residual, x's type) is added to grad_x; without,
+    ``gres`` is any array of its type (x itself), never read.
+    """
     rows = x.shape[0]
     w = widened(w)
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
-                     min(rows, r0 + block_rows))
+                     min(rows, r0 + block_rows), gres, has_res)
 
 
 @cached_njit(parallel=True, error_model="numpy")
-def ln_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows):
+def ln_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gres,
+                         has_res):
     """LayerNorm backward of 2-D arrays, row blocks spread over threads."""
     rows = x.shape[0]
     w = widened(w)
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
-                     min(rows, r0 + block_rows))
+                     min(rows, r0 + block_rows), gres, has_res)
 
 
 @njit(inline="always", error_model="numpy")
@@ -270,7 +309,7 @@ def _rms_bwd_mean(gyr, xr, r, n, rstd, w, rg, rx):
 
 
 @njit(inline="always", error_model="numpy")
-def _rms_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw):
+def _rms_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw, grr, has_res):
     """grad_x of rows ``ra`` and (if ``two``) ``rb``, like :func:`_ln_bwd_rows_out`.
 
     ``sa``/``sb`` are (rstd, mean_gx) of each row.
@@ -281,57 +320,60 @@ def _rms_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw):
     for i in range(0, body, LANES):
         dya = vload(gyr, ra, i)
         xha = vload(xr, ra, i) * rva
-        vstore(gxr, (times_w(dya, w, i) - xha * mgxa) * rva, ra, i)
+        ga = (times_w(dya, w, i) - xha * mgxa) * rva
+        vstore(gxr, ga + vload(grr, ra, i) if has_res else ga, ra, i)
         tw = vload(dw, 0, i) + dya * xha
         if two:
             dyb = vload(gyr, rb, i)
             xhb = vload(xr, rb, i) * rvb
-            vstore(gxr, (times_w(dyb, w, i) - xhb * mgxb) * rvb, rb, i)
+            gb = (times_w(dyb, w, i) - xhb * mgxb) * rvb
+            vstore(gxr, gb + vload(grr, rb, i) if has_res else gb, rb, i)
             tw = tw + dyb * xhb
         vstore(dw, tw, 0, i)
     for i in range(body, n):
         dya = widen(get(gyr, ra, i))
         xha = widen(get(xr, ra, i)) * sa[0]
-        put(gxr, ra, i, narrow((times_w(dya, w, i) - xha * sa[1]) * sa[0], gxr))
+        ga = (times_w(dya, w, i) - xha * sa[1]) * sa[0]
+        put(gxr, ra, i, narrow(ga + widen(get(grr, ra, i)) if has_res else ga, gxr))
         tw = get(dw, 0, i) + dya * xha
         if two:
             dyb = widen(get(gyr, rb, i))
             xhb = widen(get(xr, rb, i)) * sb[0]
-            put(gxr, rb, i, narrow((times_w(dyb, w, i) - xhb * sb[1]) * sb[0], gxr))
+            gb = (times_w(dyb, w, i) - xhb * sb[1]) * sb[0]
+            put(gxr, rb, i, narrow(gb + widen(get(grr, rb, i)) if has_res else gb, gxr))
             tw = tw + dyb * xhb
         put(dw, 0, i, tw)
 
 
 @njit(error_model="numpy")
-def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1):
+def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
     n = x.shape[1]
     acc = rstd_in.dtype
     rg = np.empty((1, LANES), dtype=acc)
     rx = np.empty((1, LANES), dtype=acc)
-    strided = not (unit_stride(x) and unit_stride(gy) and unit_stride(gx))
+    strided = not (unit_stride(x) and unit_stride(gy) and unit_stride(gx)
+                   and (unit_stride(gres) or not has_res))
     xs = np.empty((2, n if strided else 0), dtype=x.dtype)
     gys = np.empty((2, n if strided else 0), dtype=gy.dtype)
     gxs = np.empty((2, n if strided else 0), dtype=gx.dtype)
+    grs = np.empty((2, n if strided and has_res else 0), dtype=gres.dtype)
     xv, gyv, gxv, xsv, gysv, gxsv = raw(x), raw(gy), raw(gx), raw(xs), raw(gys), raw(gxs)
     wv, rgv, rxv = raw(w), raw(rg), raw(rx)
     dw = raw(partials[0, blk])
     a, b, c = (gysv, xsv, gxsv) if strided else (gyv, xv, gxv)
+    d = raw(grs) if strided else raw(gres)
     step = 2 if n >= PAIR_MIN_N else 1
     for r in range(r0, r1, step):
         two = step == 2 and r + 1 < r1
         if strided:
-            copy_row(xs, 0, x, r)
-            copy_row(gys, 0, gy, r)
-            if two:
-                copy_row(xs, 1, x, r + 1)
-                copy_row(gys, 1, gy, r + 1)
+            _gather_rows(xs, gys, grs, x, gy, gres, r, two, has_res)
         ra = 0 if strided else r
         rb = ra + 1 if two else ra
         sa_ = rstd_in[r]
         sb_ = rstd_in[r + 1] if two else sa_
         ma = _rms_bwd_mean(a, b, ra, n, sa_, wv, rgv, rxv)
         mb = _rms_bwd_mean(a, b, rb, n, sb_, wv, rgv, rxv) if two else ma
-        _rms_bwd_rows_out(a, b, c, ra, rb, two, n, (sa_, ma), (sb_, mb), wv, dw)
+        _rms_bwd_rows_out(a, b, c, ra, rb, two, n, (sa_, ma), (sb_, mb), wv, dw, d, has_res)
         if strided:
             copy_row(gx, r, gxs, 0)
             if two:
@@ -341,37 +383,41 @@ def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1):
     alive(xs)
     alive(gys)
     alive(gxs)
+    alive(grs)
 
 
 @cached_njit(error_model="numpy")
-def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows):
-    """RMSNorm backward of 2-D arrays on the calling thread."""
+def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_res):
+    """RMSNorm backward of 2-D arrays on the calling thread (``gres``: as for
+    :func:`ln_backward_serial`)."""
     rows = x.shape[0]
     w = widened(w)
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
-        _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows))
+        _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows),
+                      gres, has_res)
 
 
 @cached_njit(parallel=True, error_model="numpy")
-def rms_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows):
+def rms_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_res):
     """RMSNorm backward of 2-D arrays, row blocks spread over threads."""
     rows = x.shape[0]
     w = widened(w)
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
-        _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows))
+        _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows),
+                      gres, has_res)
 
 
 @njit(error_model="numpy")
-def _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols):
+def _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols, gres, has_res):
     n = x.shape[1]
     inner = x.shape[2]
     per = (inner + COL_BLOCK - 1) // COL_BLOCK
     o = item // per
     c0 = (item % per) * COL_BLOCK
-    xs, gys, gxs, rg, rx = cols
-    xsv, gysv, gxsv, rgv, rxv = raw(xs), raw(gys), raw(gxs), raw(rg), raw(rx)
+    xs, gys, gxs, rg, rx, grs = cols
+    xsv, gysv, gxsv, rgv, rxv, grsv = raw(xs), raw(gys), raw(gxs), raw(rg), raw(rx), raw(grs)
     wv = raw(w)
     dw = raw(partials[0, item])
     db = raw(partials[partials.shape[0] - 1, item])
@@ -380,44 +426,51 @@ def _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols):
         for i in range(n):
             xs[0, i] = x[o, i, c]
             gys[0, i] = gy[o, i, c]
+        if has_res:
+            for i in range(n):
+                grs[0, i] = gres[o, i, c]
         if rms:
             sd = rstd_in[r]
             mgx = _rms_bwd_mean(gysv, xsv, 0, n, sd, wv, rgv, rxv)
-            _rms_bwd_rows_out(gysv, xsv, gxsv, 0, 0, False, n, (sd, mgx), (sd, mgx), wv, dw)
+            _rms_bwd_rows_out(gysv, xsv, gxsv, 0, 0, False, n, (sd, mgx), (sd, mgx), wv, dw,
+                              grsv, has_res)
         else:
             m, sd = mean_in[r], rstd_in[r]
             mg, mgx = _ln_bwd_means(gysv, xsv, 0, n, m, sd, wv, rgv, rxv)
             _ln_bwd_rows_out(gysv, xsv, gxsv, 0, 0, False, n, (m, sd, mg, mgx),
-                             (m, sd, mg, mgx), wv, dw, db)
+                             (m, sd, mg, mgx), wv, dw, db, grsv, has_res)
         for i in range(n):
             gx[o, i, c] = gxs[0, i]
 
 
 @njit(inline="always", error_model="numpy")
-def _bwd_col_scratch(gy, x, gx, acc):
+def _bwd_col_scratch(gy, x, gx, acc, has_res):
     n = x.shape[1]
     return (np.empty((1, n), dtype=x.dtype), np.empty((1, n), dtype=gy.dtype),
             np.empty((1, n), dtype=gx.dtype), np.empty((1, LANES), dtype=acc),
-            np.empty((1, LANES), dtype=acc))
+            np.empty((1, LANES), dtype=acc), np.empty((1, n if has_res else 0), dtype=x.dtype))
 
 
 @cached_njit(error_model="numpy")
-def backward_cols_serial(gy, x, mean_in, rstd_in, w, gx, partials, rms):
+def backward_cols_serial(gy, x, mean_in, rstd_in, w, gx, partials, rms, gres, has_res):
     """Backward over axis 1 of 3-D arrays; one partial per (outer, COL_BLOCK columns).
 
-    ``rms`` selects RMSNorm (``mean_in`` is then ignored and ``partials`` has one row).
+    ``rms`` selects RMSNorm (``mean_in`` is then ignored and ``partials`` has one row);
+    ``gres``/``has_res``: as for :func:`ln_backward_serial`.
     """
-    cols = _bwd_col_scratch(gy, x, gx, rstd_in.dtype)
+    cols = _bwd_col_scratch(gy, x, gx, rstd_in.dtype, has_res)
     for item in range(partials.shape[1]):
-        _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols)
+        _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols, gres,
+                      has_res)
 
 
 @cached_njit(parallel=True, error_model="numpy")
-def backward_cols_parallel(gy, x, mean_in, rstd_in, w, gx, partials, rms):
+def backward_cols_parallel(gy, x, mean_in, rstd_in, w, gx, partials, rms, gres, has_res):
     """Parallel :func:`backward_cols_serial` (same partial blocks)."""
     for item in prange(partials.shape[1]):
-        cols = _bwd_col_scratch(gy, x, gx, rstd_in.dtype)
-        _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols)
+        cols = _bwd_col_scratch(gy, x, gx, rstd_in.dtype, has_res)
+        _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols, gres,
+                      has_res)
 
 
 @cached_njit(error_model="numpy")
