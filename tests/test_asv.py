@@ -32,6 +32,8 @@ QUICK_SUBSET = (
     r"Accuracy\.track_max_abs_error\('layer_norm', 'numba'\)",
     r"Import\.timeraw_import_layernorm",
     r"FirstCall\.timeraw_first_call\('cold', '1x768'\)",
+    r"AddNorm\.time_add_norm\('add_rms_norm', 'float32', '4096x768', 'fused'\)",
+    r"Quantized\.time_quantized\('layer_norm', 'int8', '4096x768'\)",
 )
 
 
@@ -118,6 +120,7 @@ def test_asv_quick_run(tmp_path):
         "bench_accuracy.Accuracy.track_max_abs_error",
         "bench_import.Import.timeraw_import_layernorm",
         "bench_import.FirstCall.timeraw_first_call",
+        "bench_fusions.AddNorm.time_add_norm", "bench_fusions.Quantized.time_quantized",
     }
     assert expected <= names, names
     # Each selected benchmark produced a positive number (the first entry of a result

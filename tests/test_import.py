@@ -117,7 +117,7 @@ def test_kernel_not_in_the_cache_or_unknown_internals_take_the_public_path(monke
         raise AttributeError("internals of another Numba")
 
     monkeypatch.setattr(entry, "_load_cached", broken)
-    monkeypatch.setattr(entry, "_entry_points", {})
+    monkeypatch.setattr(entry, "entry_points", {})
     monkeypatch.setattr(_fast, "_PLANS", {})
     rng = np.random.default_rng(12)
     x = (1.0 + rng.standard_normal((3, 40))).astype(np.float32)

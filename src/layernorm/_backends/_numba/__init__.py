@@ -10,12 +10,13 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
 
 from ..._dtypes import dtype_name
-from . import entry
+from . import entry, schedule
 
 #: Below this many elements a call runs on the calling thread: starting threads for a
 #: microsecond problem costs more than it saves.
@@ -80,22 +81,37 @@ def _acc_scalar(value: float, dtype: str) -> Any:
     return scalar
 
 
+#: Serial or parallel per call, from measured times (:mod:`.schedule`).
+chooser = schedule.Chooser(schedule.policy_from_environment())
+
+
 def _run(serial: Any, parallel: Any, elements: int, writes: tuple[int, ...],
          *args: Any) -> Any:
     """Run the parallel kernel when it pays and no other thread is in one, else serial.
 
     Both perform the same arithmetic per row; small inputs never touch the thread pool.
-    ``writes`` are the positions of the arrays the kernels write (see :mod:`.entry`).
+    Larger ones go parallel unless :data:`chooser` measured that parallel calls of their
+    class are slower than serial ones (a busy machine). ``writes`` are the positions of
+    the arrays the kernels write (see :mod:`.entry`).
     """
     global _parallel_ran
-    if elements >= PARALLEL_MIN_ELEMENTS and not _serial_only and _num_threads() > 1 \
-            and _parallel_lock.acquire(blocking=False):
+    if elements < PARALLEL_MIN_ELEMENTS or _serial_only or _num_threads() < 2:
+        return entry.call(serial, writes, *args)
+    key = chooser.key(serial, args[0].dtype, elements)
+    known = len(entry.entry_points)
+    start = time.perf_counter()
+    ran_parallel = False
+    if chooser.parallel(key) and _parallel_lock.acquire(blocking=False):
         try:
-            _parallel_ran = True
-            return entry.call(parallel, writes, *args)
+            _parallel_ran = ran_parallel = True
+            result = entry.call(parallel, writes, *args)
         finally:
             _parallel_lock.release()
-    return entry.call(serial, writes, *args)
+    else:
+        result = entry.call(serial, writes, *args)
+    if len(entry.entry_points) == known:  # not a call that compiled or loaded a kernel
+        chooser.record(key, ran_parallel, time.perf_counter() - start, elements)
+    return result
 
 
 def run_rows(serial: Any, parallel: Any, writes: tuple[int, ...], *args: Any) -> Any:

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-_entry_points: dict[tuple[Any, ...], Callable[..., Any]] = {}
+#: Compiled entry points by kernel and argument types (grows when a call compiles or loads).
+entry_points: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
 
 def _key(kernel: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -66,9 +67,9 @@ def entry_point(kernel: Any, writes: tuple[int, ...], args: tuple[Any, ...]) -> 
         # NUMBA_DISABLE_JIT=1 (Numba's debugging mode): the kernel is a Python function.
         return kernel
     key = _key(kernel, args)
-    entry = _entry_points.get(key)
+    entry = entry_points.get(key)
     if entry is None:
-        entry = _entry_points[key] = _compiled(kernel, _signature(writes, args))
+        entry = entry_points[key] = _compiled(kernel, _signature(writes, args))
     return entry
 
 

@@ -1,0 +1,149 @@
+"""The serial-or-parallel choice (:mod:`layernorm._backends._numba.schedule`).
+
+The chooser only moves time (both variants give the same bits: see
+``test_numba_kernels.py``), so these tests drive it with a fake clock and made-up
+durations and check each decision.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from layernorm._backends._numba import schedule
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+ELEMENTS = 1 << 20
+
+
+def make(policy="auto"):
+    clock = Clock()
+    chooser = schedule.Chooser(policy, clock)
+    return chooser, clock, chooser.key("kernel", np.dtype(np.float32), ELEMENTS)
+
+
+def test_a_new_class_measures_serial_first_then_goes_parallel():
+    chooser, _clock, key = make()
+    assert chooser.parallel(key) is False
+    chooser.record(key, False, 0.010, ELEMENTS)
+    assert chooser.parallel(key) is True
+    chooser.record(key, True, 0.005, ELEMENTS)  # twice as fast: stays parallel
+    assert chooser.parallel(key) is True
+
+
+def test_a_collapsed_parallel_call_turns_the_class_serial_until_a_probe():
+    chooser, clock, key = make()
+    chooser.record(key, False, 0.010, ELEMENTS)
+    chooser.record(key, True, 0.080, ELEMENTS)  # a busy machine: 8x the serial time
+    assert chooser.parallel(key) is False
+    # The next probe waits PROBE_COST_FACTOR times what the collapsed call cost.
+    clock.now += schedule.PROBE_COST_FACTOR * 0.080 - 0.01
+    assert chooser.parallel(key) is False
+    clock.now += 0.02
+    assert chooser.parallel(key) is True
+    chooser.record(key, True, 0.004, ELEMENTS)  # the machine is quiet again
+    assert chooser.parallel(key) is True
+
+
+def test_probes_are_at_least_the_minimum_pause_apart():
+    chooser, clock, key = make()
+    chooser.record(key, False, 1e-4, ELEMENTS)
+    chooser.record(key, True, 2e-4, ELEMENTS)
+    clock.now += schedule.PROBE_PAUSE_S / 2
+    assert chooser.parallel(key) is False
+    clock.now += schedule.PROBE_PAUSE_S
+    assert chooser.parallel(key) is True
+
+
+def test_a_parallel_class_refreshes_its_serial_time():
+    chooser, clock, key = make()
+    chooser.record(key, False, 0.010, ELEMENTS)
+    chooser.record(key, True, 0.005, ELEMENTS)
+    clock.now += schedule.SERIAL_REFRESH_S + 0.1
+    assert chooser.parallel(key) is False  # one serial call...
+    chooser.record(key, False, 0.010, ELEMENTS)
+    assert chooser.parallel(key) is True  # ...then parallel again
+
+
+def test_serial_times_are_a_running_mean():
+    chooser, _clock, key = make()
+    chooser.record(key, False, 0.010, ELEMENTS)
+    chooser.record(key, False, 0.030, ELEMENTS)
+    w = schedule.SERIAL_WEIGHT
+    expected = ((1 - w) * 0.010 + w * 0.030) / ELEMENTS
+    assert chooser.classes[key].serial == pytest.approx(expected)
+    chooser.record(key, True, 0.0149, ELEMENTS)  # just under that mean (0.015)
+    assert chooser.parallel(key) is True
+
+
+def test_classes_are_kernel_dtype_and_size():
+    chooser, _clock, key = make()
+    chooser.record(key, False, 0.010, ELEMENTS)
+    for other in (chooser.key("other", np.dtype(np.float32), ELEMENTS),
+                  chooser.key("kernel", np.dtype(np.float64), ELEMENTS),
+                  chooser.key("kernel", np.dtype(np.float32), 4 * ELEMENTS)):
+        assert chooser.parallel(other) is False  # nothing known about it yet
+    assert chooser.parallel(key) is True
+
+
+@pytest.mark.parametrize(("policy", "want"), [("always", True), ("never", False)])
+def test_fixed_policies_ignore_the_measurements(policy, want):
+    chooser, _clock, key = make(policy)
+    assert chooser.parallel(key) is want
+    chooser.record(key, False, 0.010, ELEMENTS)
+    chooser.record(key, True, 1.0, ELEMENTS)
+    assert chooser.parallel(key) is want
+    assert not chooser.classes
+
+
+def test_policy_from_the_environment(monkeypatch):
+    monkeypatch.delenv("LAYERNORM_PARALLEL", raising=False)
+    assert schedule.policy_from_environment() == "auto"
+    monkeypatch.setenv("LAYERNORM_PARALLEL", " Never ")
+    assert schedule.policy_from_environment() == "never"
+    monkeypatch.setenv("LAYERNORM_PARALLEL", "sometimes")
+    with pytest.raises(ValueError, match=r"LAYERNORM_PARALLEL must be one of auto, always, "
+                                         r"never; got 'sometimes'"):
+        schedule.policy_from_environment()
+
+
+def test_the_backend_measures_only_calls_that_did_not_compile(monkeypatch):
+    import layernorm as ln
+    from layernorm._backends import _numba as backend
+
+    monkeypatch.setattr(backend, "chooser", schedule.Chooser("auto"))
+    monkeypatch.setattr(backend.entry, "entry_points", {})  # the next call loads its kernel
+    x = np.random.default_rng(0).standard_normal((256, 512)).astype(np.float32)
+    y = ln.layer_norm(x)
+    assert not backend.chooser.classes  # the loading call is not a measurement
+    np.testing.assert_array_equal(ln.layer_norm(x), y)
+    (c,) = backend.chooser.classes.values()
+    assert c.serial is not None and c.serial > 0
+
+
+def test_every_policy_gives_the_same_bits():
+    script = (
+        "import numpy as np, layernorm as ln\n"
+        "x = np.random.default_rng(1).standard_normal((300, 1000)).astype(np.float32)\n"
+        "ys = [ln.layer_norm(x) for _ in range(4)]\n"
+        "print(ys[-1].view(np.uint32).sum(dtype=np.uint64))\n")
+    sums = set()
+    for policy in schedule.POLICIES:
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=600, env={**os.environ, "LAYERNORM_PARALLEL": policy,
+                                                "NUMBA_NUM_THREADS": "2"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        sums.add(proc.stdout.strip())
+    assert len(sums) == 1
