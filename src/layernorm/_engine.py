@@ -28,7 +28,7 @@ import numpy as np
 from . import _layout
 from ._backends import _array_api as generic
 from ._dispatch import Route, check_companions
-from ._dtypes import HALF_DTYPES, MACHINE_EPS, accumulation_name, dtype_name
+from ._dtypes import HALF_DTYPES, MACHINE_EPS, SUPPORTED, accumulation_name, dtype_name
 from ._validate import (
     QUANTIZE_QMAX,
     check_eps,
@@ -812,6 +812,12 @@ def fused_add(xp: Any, x: Any, residual: Any, req: Request, h_name: str, gain_: 
     kernel = getattr(backend, "add_rms_norm_forward" if rms else "add_layer_norm_forward",
                      None)
     r_name = dtype_name(residual.dtype)
+    if r_name not in SUPPORTED:
+        # Bits of a dtype the library lacks (torch's bfloat16 travels to CuPy as uint16):
+        # a residual stored as x is has x's dtype; any other is left to the composition.
+        if residual.dtype != x.dtype:
+            return None
+        r_name = req.dtype
     # y is norm(h) rounded to h's dtype, then to x's: one rounding to x's dtype only when
     # h's dtype is x's or the accumulation dtype itself.
     if kernel is None or h_name not in (req.dtype, req.acc) \
@@ -823,7 +829,9 @@ def fused_add(xp: Any, x: Any, residual: Any, req: Request, h_name: str, gain_: 
     eps = resolve_eps(eps, replace(req, dtype=h_name), rms)
     with _device_scope(backend, x):
         outs = []
-        for given, dtype in ((out, x.dtype), (residual_out, dtype_of(xp, h_name))):
+        # h in x's dtype is stored as x is (bits, where the library lacks the dtype).
+        h_dtype = x.dtype if h_name == req.dtype else dtype_of(xp, h_name)
+        for given, dtype in ((out, x.dtype), (residual_out, h_dtype)):
             view = None if given is None else _rows_view(xp, given, layout)
             if given is not None and view is None:
                 return None
