@@ -220,7 +220,7 @@ def test_source_is_package_data():
     src = launch.source()
     assert "namespace lnk" in src
     for kind in ("fwd_rows", "fwd_cols", "bwd_rows", "bwd_cols", "param_partials",
-                 "sum_partials"):
+                 "sum_partials", "add_fwd_rows"):
         assert f" {kind}(" in src or f"\n{kind}(" in src
 
 
@@ -239,6 +239,23 @@ def _signatures() -> dict[str, list[str]]:
     return sigs
 
 
+def _template_args(expr: str) -> tuple[str, dict[str, str]]:
+    """(kernel, {template parameter name: argument}) of a name expression, the names read
+    from the kernel's template declaration in the CUDA source."""
+    m = re.fullmatch(r"lnk::(\w+)<([^>]*)>", expr)
+    kind, targs = m.group(1), [t.strip() for t in m.group(2).split(",")]
+    decl = re.search(r"template <([^>]*)>\s*\n__global__ void __launch_bounds__\([^)]*\)"
+                     rf"\s*\n{kind}\(", launch.source())
+    names = [p.split()[-1] for p in decl.group(1).split(",")]
+    assert len(names) == len(targs), (expr, names)
+    return kind, dict(zip(names, targs, strict=True))
+
+
+def _c_type(ptype: str, args: dict[str, str]) -> str:
+    """A parameter type with the template parameters replaced by their arguments."""
+    return re.sub(r"\b\w+\b", lambda m: args.get(m.group(0), m.group(0)), ptype)
+
+
 class _FakeArray:
     """What launch.py reads from a CuPy array, backed by a NumPy array."""
 
@@ -251,6 +268,16 @@ class _FakeArray:
 
     def __getitem__(self, key):
         return _FakeArray(self.arr[key])
+
+    # The array methods launch.add_operands widens a residual with.
+    def view(self, dtype):
+        return _FakeArray(self.arr.view(dtype))
+
+    def astype(self, dtype):
+        return _FakeArray(self.arr.astype(dtype))
+
+    def __lshift__(self, bits):
+        return _FakeArray(self.arr << bits)
 
 
 def _fake_cupy() -> types.ModuleType:
@@ -272,24 +299,22 @@ def _fake_cupy() -> types.ModuleType:
 
 
 def _check_call(sigs, expr, grid, block, args):
-    m = re.fullmatch(r"lnk::(\w+)<([^>]*)>", expr)
-    kind, targs = m.group(1), [t.strip() for t in m.group(2).split(",")]
-    t_name = targs[0]
-    a_name = targs[1] if len(targs) > 1 else targs[0]
-    a_dtype = np.dtype(a_name.replace("float", "float32").replace("double", "float64"))
+    kind, targs = _template_args(expr)
+    a_dtype = np.dtype(targs["A"].replace("float", "float32").replace("double", "float64"))
     params = sigs[kind]
     assert len(args) == len(params), (expr, len(args), len(params))
     for i, (ptype, arg) in enumerate(zip(params, args, strict=True)):
         where = f"{expr} argument {i} ({ptype})"
         if ptype.endswith("*"):
+            base = ptype.replace("const", "").replace("*", "").strip()
             if isinstance(arg, np.uint64):
-                assert arg == 0 and "A" in ptype, f"{where}: only parameters may be null"
+                assert arg == 0 and base == "A", f"{where}: only parameters may be null"
                 continue
             assert isinstance(arg, _FakeArray), where
-            if "T" in ptype:
-                assert arg.itemsize == _C_SIZES[t_name], where
-            else:
+            if base == "A":
                 assert arg.dtype == a_dtype, where
+            else:
+                assert arg.itemsize == _C_SIZES[targs[base]], where
         elif ptype == "A":
             assert type(arg) is a_dtype.type, where
         elif ptype == "i64":
@@ -302,7 +327,7 @@ def _check_call(sigs, expr, grid, block, args):
     threads = int(np.prod(block))
     assert 1 <= threads <= 1024
     if kind.endswith("_rows"):
-        g = int(targs[2])
+        g = int(targs["G"])
         assert block == ((g if g > 32 else 128),), (expr, block)
     if kind.endswith("_cols"):
         assert block[0] == 32 and block[1] in (1, 2, 4, 8), (expr, block)
@@ -342,7 +367,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, dtype, n):
     """Every launch passes the kernel's parameters in order, with the right C types."""
     sigs = _signatures()
     assert set(sigs) == {"fwd_rows", "fwd_cols", "bwd_rows", "bwd_cols", "param_partials",
-                         "sum_partials"}
+                         "sum_partials", "add_fwd_rows"}
     calls = []
 
     def fake_kernel(device_id, expr):
@@ -389,6 +414,81 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, dtype, n):
             assert [int(v) for v in fwd_args[-3:]] == [cfg.g, cfg.maxc, -(-n // tile)]
 
 
+#: (x, residual, h) dtypes the engine routes to the fused kernels that have no
+#: instantiation of their own: the residual is widened to float32 first.
+WIDENED_ADD_DTYPES = (("float16", "bfloat16", "float32"), ("bfloat16", "float16", "bfloat16"),
+                      ("float32", "float16", "float32"), ("float32", "bfloat16", "float32"))
+
+
+def _np_dtype(name):
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+@pytest.mark.parametrize("dtypes", [*launch.ADD_DTYPES, *WIDENED_ADD_DTYPES])
+@pytest.mark.parametrize("n", [1, 5, 64, 1000, 40000])
+def test_add_launch_arguments_match_kernel_signature(monkeypatch, dtypes, n):
+    """add_forward passes add_fwd_rows its parameters in order with the right C types,
+    the configuration forward uses for h's dtype, and the widened residual where the
+    dtypes have no instantiation."""
+    sigs = _signatures()
+    calls = []
+
+    def fake_kernel(device_id, expr):
+        def run(grid, block, args):
+            calls.append((expr, grid, block, args))
+        return run
+
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(launch, "_kernel", fake_kernel)
+    monkeypatch.setattr(launch, "_sm_count", lambda device_id: 132)
+    x_name, r_name, h_name = dtypes
+    acc = "float64" if x_name == "float64" else "float32"
+    rng = np.random.default_rng(n)
+    rows = 6
+    base = {d: rng.standard_normal((rows, n + 9)).astype(_np_dtype(d)) for d in set(dtypes)}
+    layouts = {  # name: (x, r, h, y), each (rows, n, 1); rows of unit stride
+        "contiguous": [base[d][:, :n].copy() for d in (x_name, r_name, h_name, x_name)],
+        "misaligned": [base[d][:, 1:n + 1] for d in (x_name, r_name, h_name, x_name)],
+        "row-strided": [base[d][:, :n] for d in (x_name, r_name, h_name, x_name)],
+    }
+    w = _FakeArray(np.ones(n, acc))
+    want = dtypes if dtypes in launch.ADD_DTYPES else (x_name, "float32", h_name)
+    cfg = launch.row_config(n, h_name)
+    for name, arrays in layouts.items():
+        x3, r3, h3, y3 = (_FakeArray(a.reshape(rows, n, 1)) for a in arrays)
+        mean, rstd = _FakeArray(np.empty(rows, acc)), _FakeArray(np.empty(rows, acc))
+        calls.clear()
+        launch.add_forward(x3, r3, w, w, 1e-5, h3, y3, mean, rstd, dtypes, rms=False)
+        launch.add_forward(x3, r3, None, None, 1e-5, h3, y3, None, rstd, dtypes, rms=True)
+        assert [c[0] for c in calls] == [launch.add_expression(want, cfg[:2], rms)
+                                         for rms in (False, True)]
+        for expr, grid, block, args in calls:
+            _check_call(sigs, expr, grid, block, args)
+            assert args[0] is x3 and args[2] is h3 and args[3] is y3
+            if want == dtypes:
+                assert args[1] is r3
+            else:  # the widened copy: the same values, exactly
+                np.testing.assert_array_equal(args[1].arr, r3.arr.astype(np.float32))
+            acc_t = np.dtype(acc).type
+            assert type(args[7]) is acc_t and args[7] == acc_t(1) / acc_t(n)  # inv_n
+            strides = [int(a.strides[0]) // a.itemsize for a in args[:4]]
+            assert [int(v) for v in args[10:16]] == [rows, n, *strides]
+            # Vector accesses of h's width where every array's rows start aligned.
+            vec = launch.vector_width(h_name)
+            aligned = all(a.data.ptr % 16 == 0 and (int(a.strides[0]) // a.itemsize) % vec == 0
+                          for a in args[:4])
+            assert int(args[16]) == int(aligned), name
+            if name == "contiguous" and n % vec == 0:
+                assert aligned
+            if name == "misaligned":
+                assert not aligned
+    # Rows of another stride, or columns, are not the fused kernel's.
+    x3 = _FakeArray(base[x_name][:, :n].reshape(rows, 1, n))
+    if n > 1:
+        with pytest.raises(ValueError, match="unit stride"):
+            launch.add_forward(x3, x3, None, None, 1e-5, x3, x3, None, rstd, dtypes, rms=True)
+
+
 # ------------------------------------------------ the kernels on a host emulation of CUDA
 #
 # The CUDA source itself, compiled with g++ against a tiny emulation of the CUDA features
@@ -425,7 +525,7 @@ struct dim3 { unsigned x = 1, y = 1, z = 1; };
 thread_local dim3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
 
-struct EmuWarp { std::barrier<>* bar; unsigned char slots[32][16]; };
+struct EmuWarp { std::barrier<>* bar; unsigned size; unsigned char slots[32][16]; };
 thread_local EmuWarp* emu_warp;
 thread_local int emu_lane;
 thread_local std::barrier<>* emu_block;
@@ -439,6 +539,19 @@ template <typename V> V __shfl_xor_sync(unsigned, V v, int off) {
   std::memcpy(&o, emu_warp->slots[emu_lane ^ off], sizeof(V));
   emu_warp->bar->arrive_and_wait();
   return o;
+}
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp->bar->arrive_and_wait(); }
+inline int __any_sync(unsigned, int p) {
+  std::memcpy(emu_warp->slots[emu_lane], &p, sizeof(p));
+  emu_warp->bar->arrive_and_wait();
+  int any = 0;
+  for (unsigned l = 0; l < emu_warp->size; ++l) {
+    int v;
+    std::memcpy(&v, emu_warp->slots[l], sizeof(v));
+    any |= v != 0;
+  }
+  emu_warp->bar->arrive_and_wait();
+  return any;
 }
 template <typename V> V __ldg(const V* p) { return *p; }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
@@ -470,7 +583,8 @@ void emu_launch(unsigned grid, unsigned bx, unsigned by, F body) {
     std::vector<std::unique_ptr<std::barrier<>>> bars;
     std::vector<EmuWarp> warps(nw);
     for (unsigned w = 0; w < nw; ++w) {
-      bars.emplace_back(new std::barrier<>(std::min(32u, nt - 32 * w)));
+      warps[w].size = std::min(32u, nt - 32 * w);
+      bars.emplace_back(new std::barrier<>(warps[w].size));
       warps[w].bar = bars.back().get();
     }
     std::vector<std::thread> ts;
@@ -502,16 +616,14 @@ def _emulated_library(exprs, workdir):
     lines = [_EMULATION_PRELUDE, '#include "layernorm.cu"']
     names = {}
     for expr in exprs:
-        m = re.fullmatch(r"lnk::(\w+)<([^>]*)>", expr)
-        kind, targs = m.group(1), [t.strip() for t in m.group(2).split(",")]
-        t_name, a_name = targs[0], targs[1] if len(targs) > 1 else targs[0]
+        kind, targs = _template_args(expr)
         name = "run_" + hashlib.sha1(expr.encode()).hexdigest()[:16]
         names[expr] = name
         lines.append(f'extern "C" void {name}(unsigned g, unsigned bx, unsigned by, '
                      "const uint64_t* a) {")
         params = []
         for i, ptype in enumerate(sigs[kind]):
-            ctype = re.sub(r"\bT\b", t_name, re.sub(r"\bA\b", a_name, ptype))
+            ctype = _c_type(ptype, targs)
             lines.append(f"  {ctype.replace('i64', 'long long')} p{i}; "
                          f"std::memcpy(&p{i}, &a[{i}], sizeof(p{i}));")
             params.append(f"p{i}")
@@ -571,12 +683,18 @@ class _Emulator:
     """
 
     def __init__(self, lib, names) -> None:
-        self.lib, self.names, self.cap = lib, names, 1
+        self.names, self.cap = {}, 1
+        self.add(lib, names)
+
+    def add(self, lib, names) -> None:
+        """Kernels of another emulated library (``{expression: symbol}``)."""
+        self.names.update({expr: (lib, name) for expr, name in names.items()})
 
     def kernel(self, device_id, expr):
         import ctypes
 
-        fn = getattr(self.lib, self.names[expr])
+        lib, name = self.names[expr]
+        fn = getattr(lib, name)
 
         def run(grid, block, args):
             packed = (ctypes.c_uint64 * len(args))(*[_pack(a) for a in args])
@@ -922,6 +1040,277 @@ def test_emulation_rows_whose_squares_overflow(emulator, monkeypatch, dtype):
                     _same_bits(rstd[finite], first[2][finite], f"{what} rstd vs rows")
                     if not rms:
                         _same_bits(mean[finite], first[1][finite], f"{what} mean vs rows")
+
+
+# --------------------------------------- the fused residual add (add_fwd_rows) emulated
+
+
+@pytest.fixture(scope="module")
+def add_emulator(emulator, tmp_path_factory):
+    """The emulator, with every add_fwd_rows instantiation compiled for the host too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    exprs = [launch.add_expression(dtypes, cfg, rms) for dtypes in launch.ADD_DTYPES
+             for cfg in launch.CONFIGS for rms in (False, True)]
+    halves = [exprs[::2], exprs[1::2]]  # two g++ processes: about half the wait
+    with ThreadPoolExecutor(2) as pool:
+        libs = list(pool.map(lambda part: _emulated_library(
+            part, tmp_path_factory.mktemp("emulation-add")), halves))
+    for lib, names in libs:
+        emulator.add(lib, names)
+    return emulator
+
+
+def _emu_add(x3, r3, dtypes, rms, w, b, eps=1e-5, h3=None, y3=None):
+    """launch.add_forward on NumPy memory: (y3, h3, mean, rstd). ``h3``/``y3`` may be
+    ``x3`` or ``r3`` (in place); fresh ones are poisoned with NaN."""
+    acc = "float64" if dtypes[0] == "float64" else "float32"
+    rows = x3.shape[0]
+    if h3 is None:
+        h3 = np.full(x3.shape, np.nan, dtype=_NP[dtypes[2]])
+    if y3 is None:
+        y3 = np.full(x3.shape, np.nan, dtype=x3.dtype)
+    mean, rstd = np.full(rows, np.nan, acc), np.full(rows, np.nan, acc)
+    launch.add_forward(_FakeArray(x3), _FakeArray(r3), None if w is None else _FakeArray(w),
+                       None if b is None else _FakeArray(b), eps, _FakeArray(h3),
+                       _FakeArray(y3), None if rms else _FakeArray(mean), _FakeArray(rstd),
+                       dtypes, rms)
+    return y3, h3, mean, rstd
+
+
+def _same_bits_or_nan(a, b, what):
+    """Bit for bit where ``b`` is a number; NaN exactly where ``b`` is NaN (the payload of a
+    NaN rounded to 16 bits is the converter's, not the kernel's)."""
+    fa, fb = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    nan = np.isnan(fb)
+    assert np.array_equal(np.isnan(fa), nan), f"{what}: NaN in other places"
+    _same_bits(np.where(nan, 0, a).astype(a.dtype), np.where(nan, 0, b).astype(b.dtype), what)
+
+
+def _check_add_against_unfused(dtypes, x, r, rms, w, b, what, eps=1e-5, **outs):
+    """The fused kernel's h is NumPy's rounded sum and its y, mean and rstd are, bit for bit,
+    the emulated unfused forward of that h (y rounded to x's dtype)."""
+    x_name, _, h_name = dtypes
+    rows, n = x.shape
+    acc = np.float64 if x_name == "float64" else np.float32
+    h_ref = (x.astype(acc) + r.astype(acc)).astype(_NP[h_name])
+    y_u, mean_u, rstd_u = _emu_forward(h_ref.reshape(rows, n, 1).copy(), h_name, rms, w, b,
+                                       eps)
+    y_ref = y_u[:, :, 0].astype(_NP[x_name])
+    y, h, mean, rstd = _emu_add(x.reshape(rows, n, 1), r.reshape(rows, n, 1), dtypes, rms, w,
+                                b, eps, **outs)
+    _same_bits_or_nan(h[:, :, 0], h_ref, f"{what} h")
+    _same_bits_or_nan(y[:, :, 0], y_ref, f"{what} y vs unfused forward of h")
+    _same_bits_or_nan(rstd, rstd_u, f"{what} rstd")
+    if not rms:
+        _same_bits_or_nan(mean, mean_u, f"{what} mean")
+    return y, h, mean, rstd
+
+
+def _add_inputs(dtypes, rows, n, seed):
+    x_name, r_name, _ = dtypes
+    rng = np.random.default_rng(seed)
+    x = (0.5 + 2 * rng.standard_normal((rows, n))).astype(_NP[x_name])
+    x[::5] = (300 + 20 * rng.standard_normal((len(x[::5]), n))).astype(_NP[x_name])
+    r = (rng.standard_normal((rows, n)) - 0.25).astype(_NP[r_name])
+    acc = np.float64 if x_name == "float64" else np.float32
+    w = (1 + 0.3 * rng.standard_normal(n)).astype(acc)
+    b = (0.5 * rng.standard_normal(n)).astype(acc)
+    return x, r, w, b
+
+
+def _every_configuration(dtypes):
+    """{(G, MAXC): row lengths} of h's dtype, as for the unfused kernels."""
+    return _config_lengths(dtypes[2])
+
+
+def _widened_lengths(dtypes):
+    """A few lanes per row, a warp, a block, and three tiles (for the widened residual,
+    whose kernels the instantiated dtypes test in every configuration)."""
+    vec = launch.vector_width(dtypes[2])
+    return {launch.row_config(n, dtypes[2])[:2]: [n]
+            for n in (3 * vec + 1, 64 * vec, 700 * vec - 3, 2 * 2048 * vec + 3)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtypes, lengths",
+                         [*((d, _every_configuration) for d in launch.ADD_DTYPES),
+                          *((d, _widened_lengths) for d in WIDENED_ADD_DTYPES)])
+def test_emulation_add_every_configuration(add_emulator, monkeypatch, dtypes, lengths):
+    """add_fwd_rows for every (G, MAXC) configuration of h's dtype (vector path with lanes
+    past the row end, scalar tail, the tile loop), grids of one block (grid-stride loops,
+    a last partial group): h is NumPy's (x + r) in the accumulation dtype rounded once,
+    and y, mean and rstd are the unfused forward of h bit for bit, also from a misaligned
+    view (the scalar path; vector-path lengths) or rows of a wider buffer (tail lengths),
+    and for a row alone. The dtypes without an instantiation (residual widened first) on
+    a few lengths."""
+    add_emulator.install(monkeypatch)
+    add_emulator.cap = 1
+    h_name = dtypes[2]
+    for (g, _maxc), ns in lengths(dtypes).items():
+        for k, n in enumerate(ns):
+            rows = (1 if g > 32 else 128 // g) + 3
+            x, r, w, b = _add_inputs(dtypes, rows, n, n)
+            vec = launch.vector_width(h_name)
+            assert launch._aligned(_FakeArray(x.reshape(rows, n, 1)), vec) == (n % vec == 0)
+            for rms in (False, True):
+                tag = f"{dtypes} n={n} {'rms' if rms else 'layer'}_norm"
+                bias = None if rms else b
+                y, h, mean, rstd = _check_add_against_unfused(dtypes, x, r, rms, w, bias, tag)
+                # A misaligned copy of every input, or rows of a wider buffer.
+                for name, pad in [(("misaligned", (1, 1)), ("row-strided", (0, 3)))[k % 2]]:
+                    views = []
+                    for a in (x, r):
+                        big = np.zeros((rows + 1, n + 4), a.dtype)
+                        big[pad[0]:pad[0] + rows, pad[1]:pad[1] + n] = a
+                        views.append(big[pad[0]:pad[0] + rows, pad[1]:pad[1] + n])
+                    yv, hv, mv, sv = _emu_add(views[0][:, :, None], views[1][:, :, None],
+                                              dtypes, rms, w, bias)
+                    _same_bits(yv, y, f"{tag} y, {name}")
+                    _same_bits(hv, h, f"{tag} h, {name}")
+                    _same_bits(sv, rstd, f"{tag} rstd, {name}")
+                    if not rms:
+                        _same_bits(mv, mean, f"{tag} mean, {name}")
+                k = rows - 1
+                ya, ha, _, _ = _emu_add(x[k:k + 1, :, None].copy(), r[k:k + 1, :, None].copy(),
+                                        dtypes, rms, w, bias)
+                _same_bits(ya[0], y[k], f"{tag} row {k} alone")
+                _same_bits(ha[0], h[k], f"{tag} h row {k} alone")
+
+
+def _add_lengths(h_name):
+    """Row lengths for a few lanes per row, a block per row, and three tiles."""
+    vec = launch.vector_width(h_name)
+    return [5 * vec + 3, 150 * vec + 1, 2 * 2048 * vec + 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtypes", [("float32", "float32", "float32"),
+                                    ("bfloat16", "bfloat16", "bfloat16"),
+                                    ("float16", "float16", "float32"),
+                                    ("bfloat16", "float32", "float32"),
+                                    ("float64", "float64", "float64")])
+def test_emulation_add_constant_and_nan_rows(add_emulator, monkeypatch, dtypes):
+    """A row whose h is constant gives exactly the bias (y = 0 * rstd + b) and its rstd is
+    1 / sqrt(eps); a NaN in x or r makes its row's h, y and statistics NaN (LayerNorm;
+    RMSNorm: y NaN, as the unfused forward) and leaves the other rows' bits alone."""
+    add_emulator.install(monkeypatch)
+    add_emulator.cap = 1
+    x_name, r_name, h_name = dtypes
+    acc = np.float64 if x_name == "float64" else np.float32
+    for n in _add_lengths(h_name):
+        rows = 6
+        x, r, w, b = _add_inputs(dtypes, rows, n, n + 1)
+        x[1] = _NP[x_name](1e4 / 3)
+        r[1] = _NP[r_name](0.375)
+        x[3, n // 2] = np.nan
+        r[4, n - 1] = np.nan
+        for rms in (False, True):
+            tag = f"{dtypes} n={n} {'rms' if rms else 'layer'}_norm"
+            y, h, mean, rstd = _check_add_against_unfused(dtypes, x, r, rms, w,
+                                                          None if rms else b, tag)
+            h1 = (acc(x[1, 0]) + acc(r[1, 0])).astype(_NP[h_name])
+            assert np.all(h[1] == h1), tag
+            if not rms:
+                _same_bits(y[1, :, 0], b.astype(_NP[x_name]), f"{tag} constant row is bias")
+                assert rstd[1] == acc(1) / np.sqrt(acc(1e-5)) or abs(
+                    rstd[1] * np.sqrt(1e-5) - 1) < 1e-6, tag
+                assert np.all(np.isnan(mean[3:5])) and np.all(np.isnan(rstd[3:5])), tag
+            assert np.all(np.isnan(y[3:5].astype(np.float64))), tag
+            assert np.isnan(np.float64(h[3, n // 2, 0])) and np.isnan(np.float64(h[4, n - 1, 0]))
+            for k in (0, 2, 5):
+                ya, _, _, _ = _emu_add(x[k:k + 1, :, None].copy(), r[k:k + 1, :, None].copy(),
+                                       dtypes, rms, w, None if rms else b)
+                _same_bits(ya[0], y[k], f"{tag} row {k} beside NaN rows")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtypes", [("float32", "float32", "float32"),
+                                    ("bfloat16", "bfloat16", "bfloat16"),
+                                    ("bfloat16", "float32", "float32"),
+                                    ("float64", "float64", "float64")])
+def test_emulation_add_rows_whose_squares_overflow(add_emulator, monkeypatch, dtypes):
+    """Rows of h scaled by 1e30 (float64: 1e300) take the rescaled path: h is stored
+    first and the row read back from it; with a NaN or an infinity as well the rescaled
+    path declines and the packs are reloaded from h. Bit for bit the unfused forward of
+    h, for a few lanes per row, a block per row and three tiles."""
+    add_emulator.install(monkeypatch)
+    add_emulator.cap = 1
+    x_name, r_name, h_name = dtypes
+    big = 1e300 if x_name == "float64" else 1e30
+    for n in _add_lengths(h_name):
+        rng = np.random.default_rng(n)
+        rows = 6
+        x = 0.5 + 2 * rng.standard_normal((rows, n))
+        x[1] *= big
+        x[2] = big * (3 + rng.standard_normal(n))
+        x[3] = big * rng.standard_normal(n)
+        x[3, 5] = np.nan
+        x[4] = big * rng.standard_normal(n)
+        x[4, 7] = np.inf
+        x = x.astype(_NP[x_name])
+        r = (big * 1e-3 * rng.standard_normal((rows, n))).astype(_NP[r_name])
+        acc = np.float64 if x_name == "float64" else np.float32
+        w = (1 + 0.3 * rng.standard_normal(n)).astype(acc)
+        b = (0.5 * rng.standard_normal(n)).astype(acc)
+        for rms in (False, True):
+            tag = f"{dtypes} n={n} {'rms' if rms else 'layer'}_norm"
+            y, _, _, rstd = _check_add_against_unfused(dtypes, x, r, rms, w,
+                                                       None if rms else b, tag)
+            assert np.all(rstd[[1, 2]] > 0) and np.all(np.isfinite(rstd[[1, 2]])), tag
+            assert np.all(np.isfinite(y[[0, 1, 2, 5]].astype(np.float64))), tag
+
+
+#: (out, residual_out) targets: y into x or r, h into x or r, and both.
+_ALIASES = [("x", None), ("r", None), (None, "x"), (None, "r"), ("x", "r"), ("r", "x")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtypes", [("float32", "float32", "float32"),
+                                    ("float16", "float16", "float16"),
+                                    ("bfloat16", "float32", "float32"),
+                                    ("bfloat16", "bfloat16", "float32"),
+                                    ("float64", "float64", "float64")])
+def test_emulation_add_in_place(add_emulator, monkeypatch, dtypes):
+    """h and y written into x or r themselves (every pairing the dtypes allow), for a few
+    lanes per row, a block per row (registers) and three tiles (re-read for the output
+    pass), among them rows taking the rescaled path and its reload (float32, float64):
+    the bits of the out-of-place call."""
+    add_emulator.install(monkeypatch)
+    add_emulator.cap = 1
+    x_name, r_name, h_name = dtypes
+    names = {"x": x_name, "r": r_name}
+    for n in _add_lengths(h_name):
+        rows = 5
+        x0, r0, w, b = _add_inputs(dtypes, rows, n, 3 * n)
+        if h_name in ("float32", "float64"):
+            big = 1e300 if h_name == "float64" else 1e30
+            x0[1] = (big * np.random.default_rng(n).standard_normal(n)).astype(x0.dtype)
+            x0[2] = x0[1]
+            x0[2, 3] = np.nan  # the rescaled path declines: packs reloaded from h
+            r0[2, 4] = r0.dtype.type(big)
+        for rms in (False, True):
+            bias = None if rms else b
+            y_ref, h_ref, mean_ref, rstd_ref = _emu_add(x0[:, :, None], r0[:, :, None], dtypes,
+                                                        rms, w, bias)
+            for out, res_out in _ALIASES:
+                if (out and names[out] != x_name) or (res_out and names[res_out] != h_name):
+                    continue
+                tag = f"{dtypes} n={n} {'rms' if rms else 'layer'}_norm out={out} " \
+                      f"residual_out={res_out}"
+                x, r = x0[:, :, None].copy(), r0[:, :, None].copy()
+                arrays = {"x": x, "r": r}
+                y, h, mean, rstd = _emu_add(x, r, dtypes, rms, w, bias,
+                                            h3=arrays.get(res_out), y3=arrays.get(out))
+                if out:
+                    assert y is arrays[out]
+                if res_out:
+                    assert h is arrays[res_out]
+                _same_bits(y, y_ref, f"{tag} y")
+                _same_bits(h, h_ref, f"{tag} h")
+                _same_bits(rstd, rstd_ref, f"{tag} rstd")
+                if not rms:
+                    _same_bits(mean, mean_ref, f"{tag} mean")
 
 
 # ------------------------------------------ the backend's own compile-and-load path

@@ -462,3 +462,65 @@ def test_more_than_2_to_31_elements(cp):
                                    yc_ref.astype(np.float64), rtol=0,
                                    atol=ATOL["float16"] * float(np.abs(yc_ref).max()))
 
+
+
+# ------------------------------------------------------ fused residual add
+
+
+#: (x, residual, h) dtypes of the fused kernels CuPy can hold (it has no bfloat16); the
+#: last has no instantiation of its own (the residual is widened to float32 first).
+ADD_CASES = [("float32", "float32", "float32"), ("float16", "float16", "float16"),
+             ("float16", "float16", "float32"), ("float16", "float32", "float32"),
+             ("float16", "float32", "float16"), ("float64", "float64", "float64"),
+             ("float32", "float16", "float32")]
+
+
+def _backend_module(xp):
+    import importlib
+
+    return importlib.import_module("layernorm._backends." + ("_numba" if xp is np else "_cupy"))
+
+
+@pytest.mark.parametrize("dtypes", ADD_CASES)
+def test_fused_add_is_the_composition(native_xp, monkeypatch, dtypes):
+    """add_layer_norm / add_rms_norm take the backend's one-kernel fusion (every kernel
+    configuration of h's dtype on CuPy, a few lengths on NumPy) and give, bit for bit, the
+    composition h = (x + r) rounded once, then layer_norm(h) / rms_norm(h) cast to x's
+    dtype, with the statistics of h; in place too (h into r, y into x)."""
+    xp = native_xp
+    x_name, r_name, h_name = dtypes
+    backend = _backend_module(xp)
+    calls = []
+    for fn in ("add_layer_norm_forward", "add_rms_norm_forward"):
+        real = getattr(backend, fn)
+        monkeypatch.setattr(backend, fn, lambda *a, _real=real, _fn=fn: (calls.append(_fn),
+                                                                         _real(*a))[1])
+    lengths = variant_lengths(h_name) if xp is not np else [7, 300, 4099]
+    acc = np.float64 if x_name == "float64" else np.float32
+    for n in lengths:
+        rng = np.random.default_rng(n)
+        rows = 9
+        x = asarray(xp, random_rows(rng, (rows, n), x_name, loc=0.5, scale=2.0), x_name)
+        r = asarray(xp, random_rows(rng, (rows, n), r_name, loc=-0.25), r_name)
+        w = asarray(xp, (1 + 0.3 * rng.standard_normal(n)).astype(acc), acc.__name__)
+        b = asarray(xp, (0.5 * rng.standard_normal(n)).astype(acc), acc.__name__)
+        h_ref = (x.astype(acc) + r.astype(acc)).astype(h_name)
+        for rms in (False, True):
+            kw = {"weight": w} if rms else {"weight": w, "bias": b}
+            norm, add = (ln.rms_norm, ln.add_rms_norm) if rms else (ln.layer_norm,
+                                                                     ln.add_layer_norm)
+            y_ref, *stats_ref = norm(h_ref, return_stats=True, **kw)
+            y_ref = y_ref.astype(x_name)
+            calls.clear()
+            y, h, *stats = add(x, r, residual_dtype=h_name, return_stats=True, **kw)
+            assert len(calls) == 1, (n, rms)
+            assert_same_bits(h, h_ref)
+            assert_same_bits(y, y_ref)
+            for s, s_ref in zip(stats, stats_ref, strict=True):
+                assert_same_bits(s, s_ref)
+            xi, ri = x.copy(), r.copy()
+            res_out = ri if r_name == h_name else None
+            y2, h2 = add(xi, ri, residual_dtype=h_name, out=xi, residual_out=res_out, **kw)
+            assert y2 is xi and (res_out is None or h2 is ri)
+            assert_same_bits(y2, y_ref)
+            assert_same_bits(h2, h_ref)

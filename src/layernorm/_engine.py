@@ -28,7 +28,7 @@ import numpy as np
 from . import _layout
 from ._backends import _array_api as generic
 from ._dispatch import Route, check_companions
-from ._dtypes import HALF_DTYPES, MACHINE_EPS, accumulation_name, dtype_name
+from ._dtypes import HALF_DTYPES, MACHINE_EPS, SUPPORTED, accumulation_name, dtype_name
 from ._validate import (
     QUANTIZE_QMAX,
     check_eps,
@@ -879,14 +879,22 @@ def fused_rows(xp: Any, x: Any, residual: Any, req: Request, h_name: str | None,
     r3 = None if residual is None else views[1]
     r_name = None if residual is None else dtype_name(residual.dtype)
     if residual is not None:
+        if r_name not in SUPPORTED:
+            # Bits of a dtype the library lacks (torch's bfloat16 travels to CuPy as
+            # uint16): a residual stored as x is has x's dtype; any other is composed.
+            if residual.dtype != x.dtype:
+                return None
+            r_name = req.dtype
         # y is norm(h) rounded to h's dtype, then to x's: one rounding to x's dtype only
         # when h's dtype is x's or the accumulation dtype itself.
         if h_name not in (req.dtype, req.acc) or accumulation_name(r_name) != req.acc:
             return None
         eps = resolve_eps(eps, replace(req, dtype=h_name), rms)
     y_dtype = x.dtype if quantize is None else dtype_of(xp, quantize)
-    wanted = [(out, y_dtype)] + ([] if residual is None
-                                 else [(residual_out, dtype_of(xp, h_name))])
+    # h in x's dtype is stored as x is (bits, where the library lacks the dtype).
+    h_dtype = None if residual is None else (
+        x.dtype if h_name == req.dtype else dtype_of(xp, h_name))
+    wanted = [(out, y_dtype)] + ([] if residual is None else [(residual_out, h_dtype)])
     with _device_scope(backend, x):
         outs = []
         for given, dtype in wanted:

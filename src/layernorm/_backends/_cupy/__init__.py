@@ -1,9 +1,13 @@
 """CuPy backend: CUDA kernels (``kernels/layernorm.cu``) launched through :mod:`.launch`.
 
-The four functions below are the backend interface of :mod:`layernorm._backends`. They
+The functions below are the backend interface of :mod:`layernorm._backends`: the four
+of every native backend, and the fused residual add and normalization of
+:class:`~layernorm._backends.FusedAddBackend` (``add_layer_norm_forward``,
+``add_rms_norm_forward``: one kernel reads x and the residual and writes h and y). They
 take CuPy arrays on one device (16-bit data may arrive as same-size integer views, with
-``dtype`` naming the real element type) and launch on CuPy's current stream. Kernels
-are compiled on first use, per device; importing this module imports nothing heavy.
+``dtype`` or ``dtypes`` naming the real element types) and launch on CuPy's current
+stream. Kernels are compiled on first use, per device; importing this module imports
+nothing heavy.
 """
 
 from __future__ import annotations
@@ -47,3 +51,21 @@ def layer_norm_backward(gy3: Any, x3: Any, mean: Any, rstd: Any, weight: Any, gx
 def rms_norm_backward(gy3: Any, x3: Any, rstd: Any, weight: Any, gx3: Any, dtype: str) -> Any:
     """RMSNorm backward into ``gx3``; returns ``grad_weight`` (1-D, accumulation dtype)."""
     return launch.backward(gy3, x3, None, rstd, weight, gx3, dtype, rms=True)[0]
+
+
+def add_layer_norm_forward(x3: Any, r3: Any, weight: Any, bias: Any, eps: float, h3: Any,
+                           y3: Any, mean: Any, rstd: Any, dtypes: tuple[str, str, str]) -> None:
+    """``h3 = x3 + r3`` (rounded once to h's dtype), then LayerNorm of ``h3`` into ``y3``.
+
+    One kernel: rows of unit stride (``(rows, n, 1)`` views), ``dtypes`` the dtypes of
+    ``x3``, ``r3`` and ``h3``; ``y3`` has x's and is bit for bit
+    :func:`layer_norm_forward` of ``h3``. Fills ``mean`` and ``rstd``. ``h3`` and ``y3``
+    may each be ``x3`` or ``r3`` itself.
+    """
+    launch.add_forward(x3, r3, weight, bias, eps, h3, y3, mean, rstd, dtypes, rms=False)
+
+
+def add_rms_norm_forward(x3: Any, r3: Any, weight: Any, eps: float, h3: Any, y3: Any,
+                         rstd: Any, dtypes: tuple[str, str, str]) -> None:
+    """``h3 = x3 + r3``, then RMSNorm of ``h3`` into ``y3`` in one kernel; fills ``rstd``."""
+    launch.add_forward(x3, r3, weight, None, eps, h3, y3, None, rstd, dtypes, rms=True)

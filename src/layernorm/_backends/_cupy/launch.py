@@ -4,7 +4,9 @@ The CUDA source (``kernels/layernorm.cu``) is read once with :mod:`importlib.res
 and compiled lazily, one module per device and kernel instantiation, so a first call
 compiles only what it runs. Only the supported ``(T, Acc)`` pairs are instantiated:
 ``(__half, float)``, ``(__nv_bfloat16, float)``, ``(float, float)`` and
-``(double, double)``.
+``(double, double)``; the fused residual add (``add_fwd_rows``) only for the
+``(x, residual, h)`` dtypes of :data:`ADD_DTYPES` (any other residual dtype the engine
+routes here is first widened, exactly, to float32: :func:`add_operands`).
 
 Compilation: NVRTC directly, then :class:`cupy.RawModule` loads the binary
 ---------------------------------------------------------------------------
@@ -91,6 +93,18 @@ DEFINES: dict[str, int] = {
 }
 
 
+#: The ``(x, residual, h)`` dtypes ``add_fwd_rows`` is instantiated for: for 16-bit x, a
+#: residual and an h each in x's dtype or float32 (the residual stream kept in bfloat16,
+#: or in float32 under 16-bit activations); float32 and float64 alone. (Other residual
+#: dtypes are widened first; h is always x's dtype or the accumulation dtype.)
+ADD_DTYPES: tuple[tuple[str, str, str], ...] = (
+    *((x, r, h) for x in ("float16", "bfloat16") for r in (x, "float32")
+      for h in (x, "float32")),
+    ("float32", "float32", "float32"),
+    ("float64", "float64", "float64"),
+)
+
+
 class Config(NamedTuple):
     """Threads per row, vectors per thread and tile, and the row kernels' block size."""
 
@@ -170,10 +184,27 @@ def expression(kind: str, dtype: str, cfg: tuple[int, int] | None = None,
     return f"lnk::{kind}<{t}, {a}, {cfg[0]}, {cfg[1]}, {flag}>"
 
 
+def add_expression(dtypes: tuple[str, str, str], cfg: tuple[int, int],
+                   rms: bool = False) -> str:
+    """C++ name expression of one fused residual-add kernel (``(x, residual, h)`` dtypes).
+
+    Examples
+    --------
+    >>> add_expression(("bfloat16", "float32", "float32"), (32, 2))
+    'lnk::add_fwd_rows<__nv_bfloat16, float, float, float, 32, 2, false>'
+    """
+    tx, tr, th = (CPP_TYPES[d] for d in dtypes)
+    a = CPP_TYPES[ACCUMULATION[dtypes[0]]]
+    flag = "true" if rms else "false"
+    return f"lnk::add_fwd_rows<{tx}, {tr}, {th}, {a}, {cfg[0]}, {cfg[1]}, {flag}>"
+
+
 def all_expressions(dtype: str) -> list[str]:
-    """Every kernel instantiation for one element dtype (used by the compile tests)."""
+    """Every kernel instantiation for one element dtype of x (used by the compile tests)."""
     out = [expression(kind, dtype, cfg, rms)
            for kind in ("fwd_rows", "bwd_rows") for cfg in CONFIGS for rms in (False, True)]
+    out += [add_expression(dtypes, cfg, rms) for dtypes in ADD_DTYPES if dtypes[0] == dtype
+            for cfg in CONFIGS for rms in (False, True)]
     out += [expression(kind, dtype, rms=rms)
             for kind in ("fwd_cols", "bwd_cols", "param_partials") for rms in (False, True)]
     if dtype in ("float32", "float64"):
@@ -522,6 +553,62 @@ def forward(x3: Any, weight: Any, bias: Any, eps: float, y3: Any, mean: Any, rst
                 _ptr_or_null(mean), rstd, *_i64(rows, n, inner), np.float64(1.0 / inner),
                 *_i64(*_strides(x3), *_strides(y3)))
         _launch("fwd", dtype, rms, n, rows, device_id, args, (x3, y3))
+
+
+def add_operands(r3: Any, dtypes: tuple[str, str, str]) -> tuple[Any, tuple[str, str, str]]:
+    """The residual and dtypes ``add_fwd_rows`` is launched with: as given where
+    :data:`ADD_DTYPES` has them, else the residual widened to float32.
+
+    Widening a float16 or bfloat16 residual is exact, and ``h`` is the sum of the widened
+    operands either way, so ``h`` and ``y`` keep their bits. The copy is contiguous.
+    """
+    if tuple(dtypes) in ADD_DTYPES:
+        return r3, tuple(dtypes)
+    x_name, r_name, h_name = dtypes
+    if r_name == "bfloat16":  # its bits are the high half of a float32's
+        wide = (r3.view("uint16").astype("uint32") << 16).view("float32")
+    elif r_name == "float16":
+        wide = r3.view("float16").astype("float32")
+    else:
+        raise ValueError(f"no fused residual add for (x, residual, h) dtypes {dtypes}")
+    widened = (x_name, "float32", h_name)
+    if widened not in ADD_DTYPES:
+        raise ValueError(f"no fused residual add for (x, residual, h) dtypes {dtypes}")
+    return wide, widened
+
+
+def add_forward(x3: Any, r3: Any, weight: Any, bias: Any, eps: float, h3: Any, y3: Any,
+                mean: Any, rstd: Any, dtypes: tuple[str, str, str], rms: bool) -> None:
+    """Launch ``add_fwd_rows``: ``h3 = x3 + r3`` and the forward of ``h3`` into ``y3``.
+
+    The views are ``(rows, n, 1)`` with unit-stride rows; ``dtypes`` names the dtypes of
+    ``x3``, ``r3`` and ``h3`` (``y3`` has x's). The configuration is the one
+    :func:`forward` uses for ``h3``'s dtype, so ``y3`` is bit for bit ``forward(h3)``
+    rounded to x's dtype. ``h3`` and ``y3`` may each be ``x3`` or ``r3`` itself.
+    """
+    import cupy
+
+    outer, n, inner = x3.shape
+    if inner != 1 or (n > 1 and any(_strides(a)[1] != 1 for a in (x3, r3, h3, y3))):
+        raise ValueError("the fused residual add takes rows of unit stride, got shape "
+                         f"{x3.shape} and strides {[_strides(a) for a in (x3, r3, h3, y3)]}")
+    if outer == 0 or n == 0:
+        return
+    r3, dtypes = add_operands(r3, dtypes)
+    h_name = dtypes[2]
+    device_id = x3.device.id
+    with cupy.cuda.Device(device_id):
+        cfg = row_config(n, h_name)
+        kernel = _kernel(device_id, add_expression(dtypes, cfg[:2], rms))
+        inv_n = _scalar(1.0, h_name) / _scalar(n, h_name)  # IEEE, as forward's
+        vec_ok = all(_aligned(a, vector_width(h_name)) for a in (x3, r3, h3, y3))
+        per_block = 1 if cfg.g > 32 else cfg.threads // cfg.g
+        grid = _grid(device_id, outer, per_block, cfg.threads)
+        kernel((grid,), (cfg.threads,),
+               (x3, r3, h3, y3, _ptr_or_null(weight), _ptr_or_null(bias), _scalar(eps, h_name),
+                inv_n, _ptr_or_null(mean), rstd,
+                *_i64(outer, n, *(_strides(a)[0] for a in (x3, r3, h3, y3))),
+                np.int32(1 if vec_ok else 0)))
 
 
 def backward(gy3: Any, x3: Any, mean: Any, rstd: Any, weight: Any, gx3: Any, dtype: str,

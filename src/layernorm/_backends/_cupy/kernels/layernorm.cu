@@ -32,6 +32,16 @@
 // and merged into the lane's running state with Chan's formula; lanes merge the same
 // way. The output is y = ((x - K) - mean_shift) * rstd * w + b, so a constant row gives
 // exactly 0 (exactly b) and a large common offset costs no accuracy.
+//
+// Fused residual add (add_fwd_rows)
+// ---------------------------------
+// A pre-norm transformer block's h = x + r, y = norm(h) in one kernel: each element of h
+// is the IEEE sum of x and r widened to the accumulation type, rounded once to h's type
+// (which may differ from x's within one accumulation type, e.g. a float32 stream under
+// bfloat16 activations), and the row kernel then runs fwd_rows' own device code
+// (forward_rows) on those values, with the configuration of h's type: y (x's type) is
+// bit for bit fwd_rows of the stored h, rounded to x's type. h and y may be x or r
+// themselves (in place); see forward_rows for the order of loads and stores.
 
 // Constants shared with the host come from launch.py as -D defines (one definition, in
 // Python): a copy here could drift from the grid and buffer sizes the host computes.
@@ -84,8 +94,12 @@ template <typename T> struct VecWidth {
   static constexpr int value = 16 / sizeof(T);
 };
 
-template <typename T> struct alignas(16) Pack {
-  T v[VecWidth<T>::value];
+// V elements of T: one 16-byte vector by default. The fused kernels load x and r in
+// packs of h's vector width (V = VecWidth<H>), so a pack of x or r is 8 or 32 bytes when
+// its element size differs from h's.
+template <typename T, int V = VecWidth<T>::value>
+struct alignas(sizeof(T) * V < 16 ? sizeof(T) * V : 16) Pack {
+  T v[V];
 };
 
 // --------------------------------------------------------------- addressing
@@ -112,14 +126,14 @@ __device__ __forceinline__ i64 row_offset(i64 r, i64 inner, double inv_inner, i6
   return o * s0 + (r - o * inner) * s2;
 }
 
-// Elements off .. off + VEC - 1 after `base` (element stride s1), of which only the
-// first `rem - off` exist; one 16-byte access when allowed and fully inside the row.
-template <typename T>
+// Elements off .. off + V - 1 after `base` (element stride s1), of which only the
+// first `rem - off` exist; one vector access (16 bytes, or the pack's size) when allowed
+// and fully inside the row.
+template <typename T, int V>
 __device__ __forceinline__ void load_pack(const T* base, i64 s1, int off, i64 rem, bool vec,
-                                          Pack<T>& p) {
-  constexpr int V = VecWidth<T>::value;
+                                          Pack<T, V>& p) {
   if (vec && off + V <= rem) {
-    p = *reinterpret_cast<const Pack<T>*>(base + off);
+    p = *reinterpret_cast<const Pack<T, V>*>(base + off);
   } else {
 #pragma unroll
     for (int k = 0; k < V; ++k) {
@@ -143,12 +157,11 @@ __device__ __forceinline__ void opaque(Pack<T>& p) {
 #endif
 }
 
-template <typename T>
+template <typename T, int V>
 __device__ __forceinline__ void store_pack(T* base, i64 s1, int off, i64 rem, bool vec,
-                                           const Pack<T>& p) {
-  constexpr int V = VecWidth<T>::value;
+                                           const Pack<T, V>& p) {
   if (vec && off + V <= rem) {
-    *reinterpret_cast<Pack<T>*>(base + off) = p;
+    *reinterpret_cast<Pack<T, V>*>(base + off) = p;
   } else {
 #pragma unroll
     for (int k = 0; k < V; ++k) {
@@ -322,6 +335,28 @@ __device__ __forceinline__ typename Op::S group_reduce(typename Op::S s) {
   return s;
 }
 
+// Whether p holds in any thread of the group, and a barrier over the group, in code that
+// every thread of the warp (G <= 32) or of the block (G > 32: the block is one group, and
+// p is the same in all its threads) reaches. The barrier orders the group's global memory
+// accesses: writes before it are seen by reads after it.
+template <int G>
+__device__ __forceinline__ bool group_any(bool p) {
+  if constexpr (G > 32) {
+    return p;
+  } else {
+    return __any_sync(FULL_MASK, p) != 0;
+  }
+}
+
+template <int G>
+__device__ __forceinline__ void group_sync() {
+  if constexpr (G > 32) {
+    __syncthreads();
+  } else {
+    __syncwarp(FULL_MASK);
+  }
+}
+
 // The same neighbour-pairing tree over `count` states produced one after another
 // (state(l) for l = 0 .. count - 1; count a power of two <= 2^MAX_LOG), with a stack of
 // register slots: slot lvl holds the finished subtree of 2^lvl states waiting for its
@@ -416,6 +451,8 @@ __device__ __forceinline__ Mom<A> chunk_moments(int CNT, F get, B between) {
 //    elements i = part, part + parts, ... of y through the same affine step and rounding
 //    as the fast path, lets part 0 store the unscaled row's statistics (mean / s,
 //    rstd * s), and returns true.
+// y may have another element type than the row (TY: the fused kernels normalize h and
+// store y in x's type), rounded once from A as on the fast path.
 // __noinline__ keeps its registers out of the fast path's budget.
 
 // 2^k for -1074 <= k <= 1023 (a subnormal below -1022), exactly.
@@ -424,8 +461,8 @@ __device__ __forceinline__ double pow2(int k) {
                     : __longlong_as_double(1LL << (k + 1074));
 }
 
-template <typename T, typename A, bool RMS>
-__device__ __noinline__ bool rescaled_row(const T* xr, i64 xs1, T* yr, i64 ys1, i64 n, A eps,
+template <typename T, typename A, bool RMS, typename TY>
+__device__ __noinline__ bool rescaled_row(const T* xr, i64 xs1, TY* yr, i64 ys1, i64 n, A eps,
                                           const A* w, const A* b, A* mean_out, A* rstd_out,
                                           i64 row, int part, int parts) {
   double amax = 0.0;
@@ -455,7 +492,7 @@ __device__ __noinline__ bool rescaled_row(const T* xr, i64 xs1, T* yr, i64 ys1, 
     A v = A(d * rstd);
     v = v * param_or(w, i, A(1));
     if constexpr (!RMS) v = v + param_or(b, i, A(0));
-    yr[i * ys1] = Elem<T>::from(v);
+    yr[i * ys1] = Elem<TY>::from(v);
   }
   if (part == 0) {
     // mean / s as two exact power-of-two steps (2^e alone overflows at e = 1024); the
@@ -500,15 +537,24 @@ static_assert(LNK_MAX_G <= 1024, "a row group is at most one block");
 
 // One group of G threads per row (G <= 32: 128 / G rows per block; G > 32: one row
 // per block of G threads). The row stays in registers when it fits in one tile.
-template <typename T, typename A, int G, int MAXC, bool RMS>
-__global__ void __launch_bounds__(RowLaunch<G, FwdPerSm<T, G, MAXC>::value>::threads,
-                                  RowLaunch<G, FwdPerSm<T, G, MAXC>::value>::min_blocks)
-fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
-         A* rstd_out,
-         i64 rows, i64 n, i64 inner, double inv_inner, i64 xs0, i64 xs1, i64 xs2,
-         i64 ys0, i64 ys1, i64 ys2,
-         int vec_ok) {
-  constexpr int V = VecWidth<T>::value;
+//
+// The body is shared by fwd_rows (the row normalized is x: TX = TR = TH, ADD false) and
+// add_fwd_rows (ADD: the row normalized is h = x + r, each element the IEEE sum of the
+// widened x and r rounded once to TH as it is loaded, and h is stored beside y). Both
+// then run the same instructions on the packs of the row: y is bit for bit fwd_rows<TH>
+// of the stored h (the lanes own vectors of h's width, VecWidth<TH>), rounded to TX.
+// add_fwd_rows takes rows of unit stride (inner == 1, s1 == 1), and h and y may each be
+// x or r themselves: a lane stores only elements it owns, after it has read them, and
+// only in the output pass, which follows the row reduction; the one element another
+// lane reads (element 0, for the shift K) is read before that lane's part of the
+// reduction. The rescaled path, which reads the whole row, has its own order (below).
+template <typename TX, typename TR, typename TH, typename A, int G, int MAXC, bool RMS,
+          bool ADD>
+__device__ __forceinline__ void forward_rows(
+    const TX* x, const TR* res, TH* h, TX* y, const A* w, const A* b, A eps, A inv_n,
+    A* mean_out, A* rstd_out, i64 rows, i64 n, i64 inner, double inv_inner, i64 xs0,
+    i64 xs1, i64 xs2, i64 rs0, i64 hs0, i64 ys0, i64 ys1, i64 ys2, int vec_ok) {
+  constexpr int V = VecWidth<TH>::value;
   constexpr i64 TILE = (i64)G * MAXC * V;
   constexpr int GPB = G > 32 ? 1 : 128 / G;  // groups (rows) per block
   const int lane = G > 32 ? (int)threadIdx.x : (int)(threadIdx.x % G);
@@ -519,10 +565,51 @@ fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
   for (i64 base = (i64)blockIdx.x * GPB; base < rows; base += (i64)gridDim.x * GPB) {
     const i64 row = base + group;
     const bool active = row < rows;
-    const T* xr = x + (active ? row_offset(row, inner, inv_inner, xs0, xs2) : 0);
-    T* yr = y + (active ? row_offset(row, inner, inv_inner, ys0, ys2) : 0);
-    Pack<T> p[MAXC];
-    const A K = (RMS || !active) ? A(0) : to_acc(xr[0]);
+    const TX* xr = x + (active ? row_offset(row, inner, inv_inner, xs0, xs2) : 0);
+    TX* yr = y + (active ? row_offset(row, inner, inv_inner, ys0, ys2) : 0);
+    // The fused kernel's r and h rows, recomputed where used from the row and the kernel
+    // parameters (which ptxas rematerializes instead of holding two more pointers in
+    // registers across the row reduction).
+    const i64 arow = active ? row : 0;
+    auto rrow = [&]() -> const TR* { return res + arow * rs0; };
+    auto hrow = [&]() -> TH* { return h + arow * hs0; };
+    Pack<TH> p[MAXC];
+    // The stored h of this lane's vectors of a tile (from row element `first` on) into p.
+    auto load_h = [&](i64 first, i64 rem) {
+#pragma unroll
+      for (int c = 0; c < MAXC; ++c) {
+        load_pack(hrow() + first, (i64)1, c * G * V, rem, vec, p[c]);
+      }
+    };
+    // This lane's vectors of a tile into p: x, or x + r.
+    auto load = [&](i64 first, i64 rem) {
+      const TX* xt = xr + first * xs1;
+      if constexpr (ADD) {
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) {
+          Pack<TX, V> px;
+          Pack<TR, V> pr;
+          load_pack(xt, xs1, c * G * V, rem, vec, px);
+          load_pack(rrow() + first, (i64)1, c * G * V, rem, vec, pr);
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            p[c].v[k] = Elem<TH>::from(to_acc(px.v[k]) + to_acc(pr.v[k]));
+          }
+        }
+      } else {
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) load_pack(xt, xs1, c * G * V, rem, vec, p[c]);
+      }
+    };
+    // h[0] (the shift K): from x and r in the fused kernel, whose row h is not stored yet.
+    auto first_value = [&]() -> A {
+      if constexpr (ADD) {
+        return to_acc(Elem<TH>::from(to_acc(xr[0]) + to_acc(rrow()[0])));
+      } else {
+        return to_acc(xr[0]);
+      }
+    };
+    const A K = (RMS || !active) ? A(0) : first_value();
 
     typedef typename Select<RMS, SumOp<A>, MomOp<A>>::type Op;
     typename Op::S st = Op::identity();
@@ -533,9 +620,7 @@ fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
       for (i64 t = 0; t < tiles; ++t) {
         const i64 first = t * TILE + (i64)lane * V;
         const i64 rem = n - first;
-        const T* xt = xr + first * xs1;
-#pragma unroll
-        for (int c = 0; c < MAXC; ++c) load_pack(xt, xs1, c * G * V, rem, vec, p[c]);
+        load(first, rem);
         if constexpr (RMS) {
 #pragma unroll
           for (int c = 0; c < MAXC; ++c) {
@@ -571,11 +656,45 @@ fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
       shift_mean = st.mean;
       rstd = inv_sqrt(st.m2 * inv_n + eps);
     }
-    bool reload = false;
-    if constexpr (Elem<T>::can_overflow) {
-      if (active && !(rstd > A(0))) {  // overflowed squares, or a NaN / infinity
-        if (rescaled_row<T, A, RMS>(xr, xs1, yr, ys1, n, eps, w, b, mean_out, rstd_out, row,
-                                    lane, G)) {
+    bool reload = false;  // fwd_rows: the packs are loaded again in the output pass
+    bool from_h = false;  // add_fwd_rows: the output pass reads the stored h, not x + r
+    if constexpr (Elem<TH>::can_overflow) {
+      const bool rescale = active && !(rstd > A(0));  // overflowed squares, or NaN / inf
+      if constexpr (ADD) {
+        // rescaled_row reads the whole row while other lanes store y, which may be x or r:
+        // so h is stored first (each lane its own elements, read just before), the group
+        // waits, and the row is read back from h (never y). If it declines, the output
+        // pass reads h too: x or r may be h by then.
+        if (group_any<G>(rescale)) {
+          if (rescale) {
+            for (i64 t = 0; t < tiles; ++t) {
+              const i64 first = t * TILE + (i64)lane * V;
+              const i64 rem = n - first;
+              if (tiles > 1) load(first, rem);
+#pragma unroll
+              for (int c = 0; c < MAXC; ++c) {
+                if (c * G * V < rem) {
+                  store_pack(hrow() + first, (i64)1, c * G * V, rem, vec, p[c]);
+                }
+              }
+            }
+          }
+          group_sync<G>();
+          if (rescale) {
+            if (rescaled_row<TH, A, RMS>(hrow(), (i64)1, yr, ys1, n, eps, w, b, mean_out,
+                                         rstd_out, row, lane, G)) {
+              continue;
+            }
+            from_h = true;
+            // Tile 0 reloaded here, whatever the number of tiles, rather than in the
+            // output pass: then no pack is live across the call (whose saved registers
+            // would spill).
+            load_h((i64)lane * V, n - (i64)lane * V);
+          }
+        }
+      } else if (rescale) {
+        if (rescaled_row<TH, A, RMS>(xr, xs1, yr, ys1, n, eps, w, b, mean_out, rstd_out, row,
+                                     lane, G)) {
           continue;
         }
         reload = true;  // the packs are not kept across the call: load them again
@@ -589,13 +708,13 @@ fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
       for (i64 t = 0; t < tiles; ++t) {
         const i64 first = t * TILE + (i64)lane * V;
         const i64 rem = n - first;
-        const T* xt = xr + first * xs1;
-        T* yt = yr + first * ys1;
+        TX* yt = yr + first * ys1;
         const A* wt = w == nullptr ? nullptr : w + first;
         const A* bt = b == nullptr ? nullptr : b + first;
-        if (tiles > 1 || reload) {
-#pragma unroll
-          for (int c = 0; c < MAXC; ++c) load_pack(xt, xs1, c * G * V, rem, vec, p[c]);
+        if (ADD && from_h && tiles > 1) {
+          load_h(first, rem);
+        } else if (tiles > 1 || reload) {
+          load(first, rem);
         } else {
 #pragma unroll
           for (int c = 0; c < MAXC; ++c) opaque(p[c]);
@@ -604,7 +723,7 @@ fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
         for (int c = 0; c < MAXC; ++c) {
           const int off = c * G * V;
           if (off < rem) {
-            Pack<T> o;
+            Pack<TX, V> o;
 #pragma unroll
             for (int k = 0; k < V; ++k) {
               const int e = off + k < rem ? off + k : off;  // stays inside w and b
@@ -616,14 +735,42 @@ fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
               }
               v = v * param_or(wt, e, A(1));
               if constexpr (!RMS) v = v + param_or(bt, e, A(0));
-              o.v[k] = Elem<T>::from(v);
+              o.v[k] = Elem<TX>::from(v);
             }
             store_pack(yt, ys1, off, rem, vec, o);
+            if constexpr (ADD) store_pack(hrow() + first, (i64)1, off, rem, vec, p[c]);
           }
         }
       }
     }
   }
+}
+
+template <typename T, typename A, int G, int MAXC, bool RMS>
+__global__ void __launch_bounds__(RowLaunch<G, FwdPerSm<T, G, MAXC>::value>::threads,
+                                  RowLaunch<G, FwdPerSm<T, G, MAXC>::value>::min_blocks)
+fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
+         A* rstd_out,
+         i64 rows, i64 n, i64 inner, double inv_inner, i64 xs0, i64 xs1, i64 xs2,
+         i64 ys0, i64 ys1, i64 ys2,
+         int vec_ok) {
+  forward_rows<T, T, T, A, G, MAXC, RMS, false>(
+      x, nullptr, nullptr, y, w, b, eps, inv_n, mean_out, rstd_out, rows, n, inner,
+      inv_inner, xs0, xs1, xs2, 0, 0, ys0, ys1, ys2, vec_ok);
+}
+
+// h = x + r (TR r, TH h) and y = the forward of h (TX y, x's type) for rows of unit
+// stride; row r of an array a starts at a + r * as0. The configuration (G, MAXC) and the
+// occupancy are those of fwd_rows<TH>, whose arithmetic this is.
+template <typename TX, typename TR, typename TH, typename A, int G, int MAXC, bool RMS>
+__global__ void __launch_bounds__(RowLaunch<G, FwdPerSm<TH, G, MAXC>::value>::threads,
+                                  RowLaunch<G, FwdPerSm<TH, G, MAXC>::value>::min_blocks)
+add_fwd_rows(const TX* x, const TR* r, TH* h, TX* y, const A* w, const A* b, A eps,
+             A inv_n, A* mean_out, A* rstd_out, i64 rows, i64 n, i64 xs0, i64 rs0,
+             i64 hs0, i64 ys0, int vec_ok) {
+  forward_rows<TX, TR, TH, A, G, MAXC, RMS, true>(
+      x, r, h, y, w, b, eps, inv_n, mean_out, rstd_out, rows, n, 1, 1.0, xs0, 1, 0, rs0,
+      hs0, ys0, 1, 0, vec_ok);
 }
 
 // ================================================================== forward, cols
