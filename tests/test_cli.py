@@ -543,6 +543,24 @@ def test_compile_calls_the_fusions():
             precompile.calls(op, direction, "float32", layout)()
 
 
+def test_compile_quantized_calls_the_quantizing_kernels(monkeypatch):
+    from layernorm._backends import _numba as backend
+    from layernorm.bench import precompile
+
+    seen = []
+    real = backend.quantized_forward
+
+    def spy(*args):
+        seen.append(args[1] is not None)  # with a residual
+        return real(*args)
+
+    monkeypatch.setattr(backend, "quantized_forward", spy)
+    layout = precompile.layouts(1)[0]
+    for op in ("layer_norm", "add_rms_norm"):
+        precompile.calls(op, "quantized", "bfloat16", layout)()
+    assert seen == [False, False, True, True]  # with and without parameters
+
+
 def test_onnxruntime_workers_block_instead_of_spinning(monkeypatch):
     """ONNX Runtime's spinning idle workers would take the cores from the next timed
     implementation, so the bench builds its session with spinning off."""

@@ -72,6 +72,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     dtypes = split_choices(args.dtype, DTYPES, "--dtype") or DTYPES
     ops = split_choices(args.op, OPS + ADD_OPS, "--op") or OPS + ADD_OPS
     directions = ("forward", "backward") if args.backward else ("forward",)
+    if args.quantize:
+        directions += ("quantized",)
     dtypes, skipped = precompile.available_dtypes(dtypes)
     import numba
 
@@ -188,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(default: all)")
     p_compile.add_argument("--backward", action="store_true",
                            help="also compile the backward kernels")
+    p_compile.add_argument("--quantize", action="store_true",
+                           help="also compile the kernels of quantize= calls (one serves "
+                                "int8 and both float8 formats)")
     p_compile.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_compile.set_defaults(func=_cmd_compile)
     return parser

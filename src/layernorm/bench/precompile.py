@@ -6,7 +6,8 @@ kernels already compiled: a first call then loads its kernel instead of compilin
 
 What it compiles is exactly what real calls use, because it *makes* real calls: small
 ``layer_norm``/``rms_norm`` and ``add_layer_norm``/``add_rms_norm`` calls (x plus a
-residual of its dtype; and, with ``backward``, their backwards) through the public API, once for
+residual of its dtype; with ``backward``, their backwards; with ``quantized``, the same
+with ``quantize="int8"``) through the public API, once for
 each layout that selects a different kernel in the Numba backend's
 drivers (``layernorm._backends._numba``):
 
@@ -98,6 +99,18 @@ def calls(op: str, direction: str, dtype: str, layout: Layout) -> Callable[[], N
 
     x, gy, weight, bias = _inputs(layout, dtype)
     axis = layout.axis
+    if direction == "quantized":
+        # One kernel per (op, dtype, parameters) serves the three formats and both kinds
+        # of scale; layouts it does not take compose from the plain kernels.
+        def quantized() -> None:
+            fn = getattr(ln, op)
+            args = (x, gy) if op.startswith("add_") else (x,)
+            for w, b in ((weight, bias), (None, None)):
+                params = {"weight": w} if op.endswith("rms_norm") else {"weight": w,
+                                                                        "bias": b}
+                fn(*args, axis=axis, quantize="int8", **params)
+
+        return quantized
     if op.startswith("add_"):
         # The fusion's own kernels serve its forward (rows; other layouts compose from
         # the norm's kernels); its backward is the norm's.
