@@ -331,10 +331,8 @@ def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
 
 #: Format codes of the quantizing kernels (:mod:`.quantized`), by dtype name.
 QUANTIZE_FORMATS = {"int8": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
-LN_QUANT_WRITES = (4, 5, 6, 10)  # q, mean, rstd, scale
-RMS_QUANT_WRITES = (3, 4, 8)  # q, rstd, scale
-ADD_LN_QUANT_WRITES = (5, 6, 7, 8, 12)  # h, q, mean, rstd, scale
-ADD_RMS_QUANT_WRITES = (4, 5, 6, 10)  # h, q, rstd, scale
+LN_QUANT_WRITES = (5, 6, 7, 8, 12)  # h, q, mean, rstd, scale
+RMS_QUANT_WRITES = (4, 5, 6, 10)  # h, q, rstd, scale
 
 _NO_ROWS = np.empty(0, dtype=np.float32)
 
@@ -360,19 +358,11 @@ def quantized_forward(x3, r3, weight, bias, eps, h3, q3, mean, rstd, fmt, inv_ro
     rms = mean is None
     w, b = kernel_params(weight, bias, x.shape[1], rstd.dtype)
     tail = (code, dynamic, inv, scale_out)
-    if r3 is None:
-        if rms:
-            _run(k.rms_quant_forward_serial, k.rms_quant_forward_parallel, x.size,
-                 RMS_QUANT_WRITES, x, w, e, q, rstd, *tail)
-        else:
-            _run(k.ln_quant_forward_serial, k.ln_quant_forward_parallel, x.size,
-                 LN_QUANT_WRITES, x, w, b, e, q, mean, rstd, *tail)
-        return
-    res = _as_kernel_array(r3[:, :, 0], r_name)
-    h = _as_kernel_array(h3[:, :, 0], h_name)
+    res = None if r3 is None else _as_kernel_array(r3[:, :, 0], r_name)
+    h = None if r3 is None else _as_kernel_array(h3[:, :, 0], h_name)
     if rms:
-        _run(k.add_rms_quant_forward_serial, k.add_rms_quant_forward_parallel, x.size,
-             ADD_RMS_QUANT_WRITES, x, res, w, e, h, q, rstd, *tail)
+        _run(k.rms_quant_forward_serial, k.rms_quant_forward_parallel, x.size,
+             RMS_QUANT_WRITES, x, res, w, e, h, q, rstd, *tail)
     else:
-        _run(k.add_ln_quant_forward_serial, k.add_ln_quant_forward_parallel, x.size,
-             ADD_LN_QUANT_WRITES, x, res, w, b, e, h, q, mean, rstd, *tail)
+        _run(k.ln_quant_forward_serial, k.ln_quant_forward_parallel, x.size,
+             LN_QUANT_WRITES, x, res, w, b, e, h, q, mean, rstd, *tail)

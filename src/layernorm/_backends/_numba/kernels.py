@@ -86,10 +86,6 @@ from .fused import (
     add_rms_forward_serial,
 )
 from .quantized import (
-    add_ln_quant_forward_parallel,
-    add_ln_quant_forward_serial,
-    add_rms_quant_forward_parallel,
-    add_rms_quant_forward_serial,
     ln_quant_forward_parallel,
     ln_quant_forward_serial,
     rms_quant_forward_parallel,
@@ -104,12 +100,8 @@ __all__ = [
     "SHORT_ROW_MAX",
     "add_ln_forward_parallel",
     "add_ln_forward_serial",
-    "add_ln_quant_forward_parallel",
-    "add_ln_quant_forward_serial",
     "add_rms_forward_parallel",
     "add_rms_forward_serial",
-    "add_rms_quant_forward_parallel",
-    "add_rms_quant_forward_serial",
     "backward_cols_parallel",
     "backward_cols_serial",
     "ln_backward_parallel",

@@ -37,7 +37,8 @@ per row, the same bits.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from ._simd import (
     alive,
@@ -149,10 +150,25 @@ def _rms_block(xv, w, eps, y32, rstd_out, q, r0, r1, fmt, dynamic, inv_rows, sca
     _quantize_block(y32, q, r0, r1, fmt, dynamic, inv_rows, scale_out)
 
 
+def _block_input(x, res, h, r0, r1):
+    """The view of the rows ``r0 .. r1`` a block normalizes: x's, or with a residual
+    ``h = x + res``, computed and stored first (``res``/``h`` None: compiled without)."""
+    # Python (NUMBA_DISABLE_JIT) only; jitted code: the overload, one branch per type.
+    return raw(x[r0:r1]) if res is None else add_block(x, res, h, r0, r1)
+
+
+@overload(_block_input, inline="always")
+def _block_input_typed(x, res, h, r0, r1):
+    if isinstance(res, types.NoneType):
+        return lambda x, res, h, r0, r1: raw(x[r0:r1])
+    return lambda x, res, h, r0, r1: add_block(x, res, h, r0, r1)
+
+
 @cached_njit(error_model="numpy")
-def ln_quant_forward_serial(x, w, b, eps, q, mean_out, rstd_out, fmt, dynamic, inv_rows,
-                            scale_out):
-    """LayerNorm of the rows of ``x`` quantized into ``q``, on the calling thread."""
+def ln_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, fmt, dynamic,
+                            inv_rows, scale_out):
+    """LayerNorm of the rows of ``x`` (of ``h = x + res`` with a residual; ``res`` and
+    ``h`` None without) quantized into ``q``, on the calling thread."""
     rows, n = x.shape
     tab = merge_weights(n, eps)
     w, b = widened_pair(w, b)
@@ -160,13 +176,13 @@ def ln_quant_forward_serial(x, w, b, eps, q, mean_out, rstd_out, fmt, dynamic, i
     y32 = _scratch(rb, n)
     for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
-        _ln_block(raw(x[r0:r1]), w, b, eps, tab, y32, mean_out, rstd_out, q, r0, r1, fmt,
-                  dynamic, inv_rows, scale_out)
+        _ln_block(_block_input(x, res, h, r0, r1), w, b, eps, tab, y32, mean_out, rstd_out,
+                  q, r0, r1, fmt, dynamic, inv_rows, scale_out)
 
 
 @cached_njit(parallel=True, error_model="numpy")
-def ln_quant_forward_parallel(x, w, b, eps, q, mean_out, rstd_out, fmt, dynamic, inv_rows,
-                              scale_out):
+def ln_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out, fmt, dynamic,
+                              inv_rows, scale_out):
     """:func:`ln_quant_forward_serial` with blocks of rows over Numba's threads."""
     rows, n = x.shape
     tab = merge_weights(n, eps)
@@ -176,25 +192,28 @@ def ln_quant_forward_parallel(x, w, b, eps, q, mean_out, rstd_out, fmt, dynamic,
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
         y32 = _scratch(rb, n)
-        _ln_block(raw(x[r0:r1]), w, b, eps, tab, y32, mean_out, rstd_out, q, r0, r1, fmt,
-                  dynamic, inv_rows, scale_out)
+        _ln_block(_block_input(x, res, h, r0, r1), w, b, eps, tab, y32, mean_out, rstd_out,
+                  q, r0, r1, fmt, dynamic, inv_rows, scale_out)
 
 
 @cached_njit(error_model="numpy")
-def rms_quant_forward_serial(x, w, eps, q, rstd_out, fmt, dynamic, inv_rows, scale_out):
-    """RMSNorm of the rows of ``x`` quantized into ``q``, on the calling thread."""
+def rms_quant_forward_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
+                             scale_out):
+    """RMSNorm of the rows of ``x`` (of ``h = x + res``) quantized into ``q``, on the
+    calling thread."""
     rows, n = x.shape
     w = widened(w)
     rb = block_rows(rows, n, 1)
     y32 = _scratch(rb, n)
     for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
-        _rms_block(raw(x[r0:r1]), w, eps, y32, rstd_out, q, r0, r1, fmt, dynamic, inv_rows,
-                   scale_out)
+        _rms_block(_block_input(x, res, h, r0, r1), w, eps, y32, rstd_out, q, r0, r1, fmt,
+                   dynamic, inv_rows, scale_out)
 
 
 @cached_njit(parallel=True, error_model="numpy")
-def rms_quant_forward_parallel(x, w, eps, q, rstd_out, fmt, dynamic, inv_rows, scale_out):
+def rms_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
+                               scale_out):
     """:func:`rms_quant_forward_serial` with blocks of rows over Numba's threads."""
     rows, n = x.shape
     w = widened(w)
@@ -203,65 +222,5 @@ def rms_quant_forward_parallel(x, w, eps, q, rstd_out, fmt, dynamic, inv_rows, s
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
         y32 = _scratch(rb, n)
-        _rms_block(raw(x[r0:r1]), w, eps, y32, rstd_out, q, r0, r1, fmt, dynamic, inv_rows,
-                   scale_out)
-
-
-@cached_njit(error_model="numpy")
-def add_ln_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, fmt, dynamic,
-                                inv_rows, scale_out):
-    """``h = x + res``, then the LayerNorm of ``h`` quantized into ``q``, on this thread."""
-    rows, n = x.shape
-    tab = merge_weights(n, eps)
-    w, b = widened_pair(w, b)
-    rb = block_rows(rows, n, 1)
-    y32 = _scratch(rb, n)
-    for r0 in range(0, rows, rb):
-        r1 = min(rows, r0 + rb)
-        _ln_block(add_block(x, res, h, r0, r1), w, b, eps, tab, y32, mean_out, rstd_out, q,
-                  r0, r1, fmt, dynamic, inv_rows, scale_out)
-
-
-@cached_njit(parallel=True, error_model="numpy")
-def add_ln_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out, fmt, dynamic,
-                                  inv_rows, scale_out):
-    """:func:`add_ln_quant_forward_serial` with blocks of rows over Numba's threads."""
-    rows, n = x.shape
-    tab = merge_weights(n, eps)
-    w, b = widened_pair(w, b)
-    rb = block_rows(rows, n, PARALLEL_BLOCKS)
-    for blk in prange((rows + rb - 1) // rb):
-        r0 = blk * rb
-        r1 = min(rows, r0 + rb)
-        y32 = _scratch(rb, n)
-        _ln_block(add_block(x, res, h, r0, r1), w, b, eps, tab, y32, mean_out, rstd_out, q,
-                  r0, r1, fmt, dynamic, inv_rows, scale_out)
-
-
-@cached_njit(error_model="numpy")
-def add_rms_quant_forward_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                                 scale_out):
-    """``h = x + res``, then the RMSNorm of ``h`` quantized into ``q``, on this thread."""
-    rows, n = x.shape
-    w = widened(w)
-    rb = block_rows(rows, n, 1)
-    y32 = _scratch(rb, n)
-    for r0 in range(0, rows, rb):
-        r1 = min(rows, r0 + rb)
-        _rms_block(add_block(x, res, h, r0, r1), w, eps, y32, rstd_out, q, r0, r1, fmt,
-                   dynamic, inv_rows, scale_out)
-
-
-@cached_njit(parallel=True, error_model="numpy")
-def add_rms_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                                   scale_out):
-    """:func:`add_rms_quant_forward_serial` with blocks of rows over Numba's threads."""
-    rows, n = x.shape
-    w = widened(w)
-    rb = block_rows(rows, n, PARALLEL_BLOCKS)
-    for blk in prange((rows + rb - 1) // rb):
-        r0 = blk * rb
-        r1 = min(rows, r0 + rb)
-        y32 = _scratch(rb, n)
-        _rms_block(add_block(x, res, h, r0, r1), w, eps, y32, rstd_out, q, r0, r1, fmt,
+        _rms_block(_block_input(x, res, h, r0, r1), w, eps, y32, rstd_out, q, r0, r1, fmt,
                    dynamic, inv_rows, scale_out)
