@@ -361,13 +361,9 @@ def test_strided_rows_family(monkeypatch):
     assert launch._family(_FakeArray(np.zeros((2, 300, 7), np.float32)), 0) == "cols"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [5, 64, 1000, 40000])
-def test_launch_arguments_match_kernel_signatures(monkeypatch, dtype, n):
-    """Every launch passes the kernel's parameters in order, with the right C types."""
-    sigs = _signatures()
-    assert set(sigs) == {"fwd_rows", "fwd_cols", "bwd_rows", "bwd_cols", "param_partials",
-                         "sum_partials", "add_fwd_rows"}
+def _record_launches(monkeypatch) -> list:
+    """Launches go to a list of ``(expression, grid, block, args)`` instead of a GPU (a
+    fake CuPy, an H100-like SM count)."""
     calls = []
 
     def fake_kernel(device_id, expr):
@@ -378,6 +374,17 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, dtype, n):
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
     monkeypatch.setattr(launch, "_kernel", fake_kernel)
     monkeypatch.setattr(launch, "_sm_count", lambda device_id: 132)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [5, 64, 1000, 40000])
+def test_launch_arguments_match_kernel_signatures(monkeypatch, dtype, n):
+    """Every launch passes the kernel's parameters in order, with the right C types."""
+    sigs = _signatures()
+    assert set(sigs) == {"fwd_rows", "fwd_cols", "bwd_rows", "bwd_cols", "param_partials",
+                         "sum_partials", "add_fwd_rows"}
+    calls = _record_launches(monkeypatch)
     acc = "float64" if dtype == "float64" else "float32"
     for name, x, family in _layouts(n, dtype):
         x3 = _FakeArray(x)
@@ -431,16 +438,7 @@ def test_add_launch_arguments_match_kernel_signature(monkeypatch, dtypes, n):
     the configuration forward uses for h's dtype, and the widened residual where the
     dtypes have no instantiation."""
     sigs = _signatures()
-    calls = []
-
-    def fake_kernel(device_id, expr):
-        def run(grid, block, args):
-            calls.append((expr, grid, block, args))
-        return run
-
-    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
-    monkeypatch.setattr(launch, "_kernel", fake_kernel)
-    monkeypatch.setattr(launch, "_sm_count", lambda device_id: 132)
+    calls = _record_launches(monkeypatch)
     x_name, r_name, h_name = dtypes
     acc = "float64" if x_name == "float64" else "float32"
     rng = np.random.default_rng(n)
