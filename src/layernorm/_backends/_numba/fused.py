@@ -87,10 +87,10 @@ def _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, r1):
 
 
 @njit(inline="always", error_model="numpy")
-def block_rows(rows, n, blocks):
-    """Rows per block: ``BLOCK_ELEMENTS`` worth, fewer where that would leave fewer than
+def block_rows(rows, n, blocks, elements):
+    """Rows per block: ``elements`` worth, fewer where that would leave fewer than
     ``blocks`` blocks (work for every thread), at least one."""
-    return max(1, min(BLOCK_ELEMENTS // max(n, 1), -(-rows // blocks)))
+    return max(1, min(elements // max(n, 1), -(-rows // blocks)))
 
 
 @cached_njit(error_model="numpy")
@@ -99,7 +99,7 @@ def add_ln_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, nt):
     rows, n = x.shape
     tab = merge_weights(n, eps)
     w, b = widened_pair(w, b)
-    rb = block_rows(rows, n, 1)
+    rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     for r0 in range(0, rows, rb):
         _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt, r0,
                       min(rows, r0 + rb))
@@ -111,7 +111,7 @@ def add_ln_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, nt):
     rows, n = x.shape
     tab = merge_weights(n, eps)
     w, b = widened_pair(w, b)
-    rb = block_rows(rows, n, PARALLEL_BLOCKS)
+    rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
     for blk in prange((rows + rb - 1) // rb):
         r0 = blk * rb
         _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt, r0,
@@ -123,7 +123,7 @@ def add_rms_forward_serial(x, res, w, eps, h, y, rstd_out, nt):
     """``h = x + res`` and the RMSNorm of ``h`` into ``y``, on the calling thread."""
     rows, n = x.shape
     w = widened(w)
-    rb = block_rows(rows, n, 1)
+    rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     for r0 in range(0, rows, rb):
         _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, min(rows, r0 + rb))
 
@@ -133,7 +133,7 @@ def add_rms_forward_parallel(x, res, w, eps, h, y, rstd_out, nt):
     """:func:`add_rms_forward_serial` with blocks of rows over Numba's threads."""
     rows, n = x.shape
     w = widened(w)
-    rb = block_rows(rows, n, PARALLEL_BLOCKS)
+    rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
     for blk in prange((rows + rb - 1) // rb):
         r0 = blk * rb
         _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, min(rows, r0 + rb))

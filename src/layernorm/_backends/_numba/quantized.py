@@ -19,8 +19,8 @@ Quantization of one row (the contract's formula, in float32):
 * ``v = y32 * inv``; int8: NaN -> 0, saturate to [-128, 127] (saturating before the
   rounding gives the same integer, the bounds being integers), round half to even by
   adding and subtracting ``1.5 * 2**23`` in float32; float8: saturate to ``+-qmax``
-  (NaN kept), then round the float32 bits half to even to the target format
-  (:func:`float8_code`), subnormals included.
+  (NaN kept), then round the float32 bits half to even to the target format,
+  subnormals included.
 
 The quantization runs on SIMD vectors (:func:`._simd.vabsmax`, :func:`._simd.store_int8`,
 :func:`._simd.store_float8_e4m3fn`, :func:`._simd.store_float8_e5m2`): integer operations
@@ -56,7 +56,7 @@ from ._simd import (
 )
 from .diskcache import cached_njit
 from .forward_rows import ln_raw_rows, rms_raw_rows
-from .fused import PARALLEL_BLOCKS, add_block
+from .fused import PARALLEL_BLOCKS, add_block, block_rows
 from .rowmath import LANES, merge_weights, widened, widened_pair
 
 #: Elements per block of rows (no effect on results): the float32 scratch block stays
@@ -113,13 +113,6 @@ def quantize_row(yv, qv, tv, k, r, n, fmt, dynamic, inv_rows, scale_out):
 
 
 @njit(inline="always", error_model="numpy")
-def block_rows(rows, n, blocks):
-    """Rows per block: ``BLOCK_ELEMENTS`` worth, fewer where that would leave fewer than
-    ``blocks`` blocks (work for every thread), at least one."""
-    return max(1, min(BLOCK_ELEMENTS // max(n, 1), -(-rows // blocks)))
-
-
-@njit(inline="always", error_model="numpy")
 def _scratch(rows, n):
     """The float32 block ``y32`` is normalized into: rows padded with zeros to a whole
     number of vectors."""
@@ -172,7 +165,7 @@ def ln_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, fmt, dy
     rows, n = x.shape
     tab = merge_weights(n, eps)
     w, b = widened_pair(w, b)
-    rb = block_rows(rows, n, 1)
+    rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     y32 = _scratch(rb, n)
     for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
@@ -187,7 +180,7 @@ def ln_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out, fmt, 
     rows, n = x.shape
     tab = merge_weights(n, eps)
     w, b = widened_pair(w, b)
-    rb = block_rows(rows, n, PARALLEL_BLOCKS)
+    rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
     for blk in prange((rows + rb - 1) // rb):
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
@@ -203,7 +196,7 @@ def rms_quant_forward_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_r
     calling thread."""
     rows, n = x.shape
     w = widened(w)
-    rb = block_rows(rows, n, 1)
+    rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     y32 = _scratch(rb, n)
     for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
@@ -217,7 +210,7 @@ def rms_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv
     """:func:`rms_quant_forward_serial` with blocks of rows over Numba's threads."""
     rows, n = x.shape
     w = widened(w)
-    rb = block_rows(rows, n, PARALLEL_BLOCKS)
+    rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
     for blk in prange((rows + rb - 1) // rb):
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
