@@ -82,6 +82,8 @@ def _salted_cache_class() -> type | None:
             def __init__(self, base: Any, salt: str) -> None:
                 self._base = base
                 self._cache_path = os.path.join(base.get_cache_path(), SALT_PREFIX + salt)
+                # Numba's "cannot cache" warning names the source file through this.
+                self._py_file = getattr(base, "_py_file", PACKAGE_DIR)
 
             def get_cache_path(self) -> str:
                 return self._cache_path
