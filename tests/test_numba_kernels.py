@@ -153,6 +153,61 @@ def test_short_rows_in_blocks_match_the_column_path(dtype, n):
         np.testing.assert_allclose(y[finite].astype(np.float64), ref, atol=tol, rtol=0)
 
 
+@pytest.mark.parametrize("n", [1, 7, 16, 100, 129, 300])
+def test_every_row_entry_kernel_gives_the_same_bits_at_any_length(n):
+    """The driver picks one entry kernel per path (long rows, short rows, any stride);
+    each computes every row length itself, with the same bits. The unit-stride kernels
+    stop before a row whose squares overflow, unwritten, and the driver finishes the
+    call through the strided-rows kernel, which rescales such rows in its loop."""
+    k = backend.load_kernels()
+    rows = 37
+    x = _rows(rows, n, 21)
+    x[5] = 2.5  # constant row
+    x[9, -1] = np.nan
+    x[11] = np.linspace(-3e19, 4e19, n, dtype=np.float32)  # squares overflow float32
+    x[30] *= np.float32(4e19)
+    w, b = _params(n, 21)
+    eps = np.float32(1e-5)
+    tab = k.merge_table(n, np.dtype(np.float32))
+    results = []
+    for fn in (k.ln_forward_serial, k.ln_short_forward_serial, k.ln_gathered_forward_serial,
+               k.ln_forward_parallel, k.ln_short_forward_parallel,
+               k.ln_gathered_forward_parallel):
+        y = np.full_like(x, np.nan)
+        mean = np.full(rows, np.nan, np.float32)
+        rstd = np.full(rows, np.nan, np.float32)
+        args = (x, w, b, eps, y, mean, rstd, tab, False)
+        done = backend.entry.call(fn, backend.LN_FORWARD_WRITES, *args)
+        if fn is k.ln_forward_serial and n > 1:  # one element has no deviation
+            assert done == 11 and np.isnan(y[11:]).all()  # stopped, rows after it not done
+        backend.complete_layer_norm_rows(done, args)
+        results.append((y, mean, rstd))
+    for other in results[1:]:
+        for a, e in zip(other, results[0], strict=True):
+            _same_bits(a, e)
+    y = results[0][0]
+    assert np.isfinite(y[[11, 30]]).all() and np.isnan(y[9]).all()
+    good = np.ones(rows, bool)
+    good[9] = False
+    ref = reference.layer_norm(x[good].astype(np.float64), (1,), w, b, 1e-5)[0]
+    np.testing.assert_allclose(y[good], ref, atol=2e-5 * max(1.0, np.abs(ref).max()))
+    rms = []
+    for fn in (k.rms_forward_serial, k.rms_gathered_forward_serial, k.rms_forward_parallel,
+               k.rms_gathered_forward_parallel):
+        y = np.full_like(x, np.nan)
+        rstd = np.full(rows, np.nan, np.float32)
+        args = (x, w, eps, y, rstd, False)
+        done = backend.entry.call(fn, backend.RMS_FORWARD_WRITES, *args)
+        if fn is k.rms_forward_serial:
+            assert done == 11
+        backend.complete_rms_norm_rows(done, args)
+        rms.append((y, rstd))
+    for other in rms[1:]:
+        for a, e in zip(other, rms[0], strict=True):
+            _same_bits(a, e)
+    assert np.isfinite(rms[0][0][[11, 30]]).all()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
 def test_other_dtypes_paths_agree(dtype):
     npdt = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float64": np.float64}[dtype]
@@ -222,6 +277,7 @@ def test_serial_and_parallel_kernels_agree():
     x = _rows(rows, n, 11)
     w, b = _params(n, 11)
     eps = np.float32(1e-5)
+    tab = k.merge_table(n, np.dtype(np.float32))
     results = []
     for fn in (k.ln_forward_serial, k.ln_forward_parallel):
         y = np.empty_like(x)
@@ -229,7 +285,8 @@ def test_serial_and_parallel_kernels_agree():
         rstd = np.empty(rows, np.float32)
         # Through the library's entry points: the specializations every other call uses
         # (calling the dispatcher directly would compile C-layout ones just for this test).
-        backend.entry.call(fn, backend.LN_FORWARD_WRITES, x, w, b, eps, y, mean, rstd, False)
+        backend.entry.call(fn, backend.LN_FORWARD_WRITES, x, w, b, eps, y, mean, rstd, tab,
+                           False)
         results.append((y, mean, rstd))
     for a, e in zip(*results, strict=False):
         _same_bits(a, e)
@@ -372,8 +429,12 @@ def test_layouts_and_absent_parameters_share_one_compiled_kernel():
     read_only = base.copy()
     read_only.flags.writeable = False
     inputs = [base, np.asfortranarray(base), base[::2], base[:, ::-1], read_only]
-    ln.layer_norm(base, weight=w, bias=b, axis=-1, return_stats=True)  # general path
-    before = len(kernels.ln_forward_serial.overloads)
+    row_kernels = (kernels.ln_short_forward_serial, kernels.ln_gathered_forward_serial)
+    # The general path, once on unit-stride rows and once on strided ones (two paths).
+    ln.layer_norm(base, weight=w, bias=b, axis=-1, return_stats=True)
+    ln.layer_norm(base[:, ::-1], weight=w, bias=b, axis=-1, return_stats=True)
+    before = [len(kernel.overloads) for kernel in row_kernels]
+    assert all(before), "each path compiled"
     for x in inputs:
         for params in ({}, {"weight": w}, {"bias": b}, {"weight": w, "bias": b}):
             y, mean, rstd = ln.layer_norm(x, axis=-1, return_stats=True, **params)
@@ -383,7 +444,7 @@ def test_layouts_and_absent_parameters_share_one_compiled_kernel():
                                        rtol=1e-12, atol=1e-12)
             np.testing.assert_allclose(mean, x.mean(-1, keepdims=True), rtol=1e-13)
             np.testing.assert_allclose(rstd, ref_rstd, rtol=1e-12)
-    assert len(kernels.ln_forward_serial.overloads) == before
+    assert [len(kernel.overloads) for kernel in row_kernels] == before
 
 
 def test_absent_parameters_are_exact_identities():

@@ -67,6 +67,7 @@ class Plan:
         "same_shape",
         "shape2",
         "stats_shape",
+        "tab",
     )
 
     def __init__(self, shape: tuple[int, ...], rows: int, n: int, dtype: str, acc: str,
@@ -98,8 +99,16 @@ class Plan:
         #: Stand-ins for an absent weight or bias (the backend's exact identities).
         self.ones, self.negative_zeros = _numba.kernel_params(None, None, n, self.acc)
         writes = _numba.RMS_FORWARD_WRITES if rms else _numba.LN_FORWARD_WRITES
-        serial, parallel = (kernels.rms_forward_serial, kernels.rms_forward_parallel) if rms \
-            else (kernels.ln_forward_serial, kernels.ln_forward_parallel)
+        #: The LayerNorm kernels' table of n-dependent weights (None for RMSNorm).
+        self.tab = None if rms else kernels.merge_table(n, self.acc)
+        # The kernels of contiguous rows (the plan's checks keep x and y contiguous).
+        if rms:
+            serial, parallel = kernels.rms_forward_serial, kernels.rms_forward_parallel
+        elif n <= kernels.SHORT_ROW_MAX:
+            serial, parallel = (kernels.ln_short_forward_serial,
+                                kernels.ln_short_forward_parallel)
+        else:
+            serial, parallel = kernels.ln_forward_serial, kernels.ln_forward_parallel
         if self.large:
             self.run = self.run_stats = functools.partial(_numba.run_rows, serial, parallel,
                                                           writes)
@@ -109,10 +118,11 @@ class Plan:
 
 
 def _resolving(plan: Plan, slot: str, dispatcher: Any, writes: tuple[int, ...]) -> Any:
-    def first_call(*args: Any) -> None:
+    def first_call(*args: Any) -> Any:
         entry = kernel_entry.entry_point(dispatcher, writes, args)
-        entry(*args)
+        result = entry(*args)
         setattr(plan, slot, entry)
+        return result
 
     return first_call
 
@@ -274,9 +284,14 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
     if return_stats:
         mean = np.empty(plan.stats_shape, plan.acc)
         rstd = np.empty(plan.stats_shape, plan.acc)
-        plan.run_stats(x2, w, b, e, y2, mean.reshape(-1), rstd.reshape(-1), nt)
+        m, r = mean.reshape(-1), rstd.reshape(-1)
+        done = plan.run_stats(x2, w, b, e, y2, m, r, plan.tab, nt)
+        if type(done) is not int or done != plan.rows:
+            _numba.complete_layer_norm_rows(done, (x2, w, b, e, y2, m, r, plan.tab, nt))
         return y, mean, rstd
-    plan.run(x2, w, b, e, y2, None, None, nt)
+    done = plan.run(x2, w, b, e, y2, None, None, plan.tab, nt)
+    if type(done) is not int or done != plan.rows:
+        _numba.complete_layer_norm_rows(done, (x2, w, b, e, y2, None, None, plan.tab, nt))
     return y
 
 
@@ -320,7 +335,12 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
     nt = plan.large and _numba.use_streaming_stores(x2, y2)
     if return_stats:
         rstd = np.empty(plan.stats_shape, plan.acc)
-        plan.run_stats(x2, w, e, y2, rstd.reshape(-1), nt)
+        r = rstd.reshape(-1)
+        done = plan.run_stats(x2, w, e, y2, r, nt)
+        if type(done) is not int or done != plan.rows:
+            _numba.complete_rms_norm_rows(done, (x2, w, e, y2, r, nt))
         return y, rstd
-    plan.run(x2, w, e, y2, None, nt)
+    done = plan.run(x2, w, e, y2, None, nt)
+    if type(done) is not int or done != plan.rows:
+        _numba.complete_rms_norm_rows(done, (x2, w, e, y2, None, nt))
     return y

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .._backends._numba import LN_FORWARD_WRITES, use_streaming_stores
+from .._backends._numba import LN_FORWARD_WRITES, ln_row_kernels, use_streaming_stores
 from .._backends._numba import kernels as k
 from .._backends._numba.entry import entry_point
 from .._backends._numba.passes import output_pass, read_pass, statistics_pass, write_pass
@@ -55,13 +55,14 @@ class _Parts:
         self.rstd = np.empty(rows, np.float32)
         self.shift = np.empty(rows, np.float32)
         self.mu = np.empty(rows, np.float32)
-        args = (x, w, b, EPS, y, self.mean, self.rstd, nt)
-        kernel = entry_point(k.ln_forward_serial, LN_FORWARD_WRITES, args)
+        self.tab = k.merge_table(x.shape[1], np.dtype(np.float32))
+        args = (x, w, b, EPS, y, self.mean, self.rstd, self.tab, nt)
+        kernel = entry_point(ln_row_kernels(k, x, y)[0], LN_FORWARD_WRITES, args)
         self.kernel: Callable[[], Any] = lambda: kernel(*args)
         self.separable = x.shape[1] > k.SHORT_ROW_MAX
 
     def statistics(self) -> None:
-        statistics_pass(self.x, EPS, self.shift, self.mu, self.rstd)
+        statistics_pass(self.x, EPS, self.tab, self.shift, self.mu, self.rstd)
 
     def output(self) -> None:
         output_pass(self.x, self.w, self.b, self.shift, self.mu, self.rstd, self.y, self.nt)
@@ -136,7 +137,7 @@ def measure_backward(shape: tuple[int, int], repeats: int = 11, target_s: float 
     write, key ``"copy"`` as for the forward); the compute floor is the kernel on row
     views that alias one row of each array. Its two passes are not timed apart.
     """
-    from .._backends._numba import GRAD_ROW_BLOCK, LN_BACKWARD_WRITES
+    from .._backends._numba import GRAD_ROW_BLOCK, LN_BACKWARD_WRITES, ln_backward_kernels
 
     rows, n = shape
     rng, x, w = _inputs(shape, seed)
@@ -150,7 +151,8 @@ def measure_backward(shape: tuple[int, int], repeats: int = 11, target_s: float 
     def kernel_of(*arrays: np.ndarray) -> Callable[[], Any]:
         args = (*arrays[:2], mean, rstd, w, arrays[2], partials, GRAD_ROW_BLOCK, arrays[1],
                 False)
-        entry = entry_point(k.ln_backward_serial, LN_BACKWARD_WRITES, args)
+        serial = ln_backward_kernels(k, arrays[0], arrays[1], arrays[2])[0]
+        entry = entry_point(serial, LN_BACKWARD_WRITES, args)
         return lambda: entry(*args)
 
     fns = {"copy": lambda: np.add(gy, x, out=gx),

@@ -199,6 +199,78 @@ def kernel_params(weight: Any, bias: Any, n: int, acc: Any) -> tuple[Any, Any]:
             negative_zeros if bias is None else _param_bits(bias))
 
 
+def _unit_stride(a: Any) -> bool:
+    return a.strides[1] == a.itemsize or a.shape[1] <= 1
+
+
+def ln_row_kernels(k: Any, x: Any, y: Any) -> tuple[Any, Any]:
+    """The (serial, parallel) LayerNorm row kernels for 2-D ``x`` into ``y``: one entry
+    kernel per path, so a call compiles only its own (all give the same bits)."""
+    if not (_unit_stride(x) and _unit_stride(y)):
+        return k.ln_gathered_forward_serial, k.ln_gathered_forward_parallel
+    if x.shape[1] <= k.SHORT_ROW_MAX:
+        return k.ln_short_forward_serial, k.ln_short_forward_parallel
+    return k.ln_forward_serial, k.ln_forward_parallel
+
+
+def rms_row_kernels(k: Any, x: Any, y: Any) -> tuple[Any, Any]:
+    """The (serial, parallel) RMSNorm row kernels for 2-D ``x`` into ``y`` (see
+    :func:`ln_row_kernels`)."""
+    if not (_unit_stride(x) and _unit_stride(y)):
+        return k.rms_gathered_forward_serial, k.rms_gathered_forward_parallel
+    return k.rms_forward_serial, k.rms_forward_parallel
+
+
+#: Positions of the per-row arrays (x, y, statistics) among the row kernels' arguments.
+LN_FORWARD_ROWS = (0, 4, 5, 6)
+RMS_FORWARD_ROWS = (0, 3, 4)
+
+
+def _rows_of(args: tuple[Any, ...], positions: tuple[int, ...], start: int,
+             stop: int) -> tuple[Any, ...]:
+    return tuple(a[start:stop] if i in positions and a is not None else a
+                 for i, a in enumerate(args))
+
+
+def _pending(result: Any, rows: int) -> list[tuple[int, int]]:
+    # A serial kernel returns the rows it did, a parallel one (stop, end) per block.
+    if isinstance(result, int):
+        return [(result, rows)] if result < rows else []
+    stopped = result[result[:, 0] < result[:, 1]]
+    return [(int(stop), int(end)) for stop, end in stopped]
+
+
+def _complete(result: Any, rescue: Any, writes: tuple[int, ...], positions: tuple[int, ...],
+              args: tuple[Any, ...]) -> None:
+    """Finish a row kernel's call that stopped before finite rows whose squares overflow.
+
+    The plain row kernels leave such a row unwritten and stop (see :mod:`.rescale`):
+    here the rest of each stopped range goes through ``rescue``, the gathered kernel,
+    which rescales in its loop (the same bits for every other row), so only a call that
+    meets such a row compiles the rescaling code, and a batch full of them costs one
+    call per stopped range.
+    """
+    for stop, end in _pending(result, args[0].shape[0]):
+        entry.call(rescue, writes, *_rows_of(args, positions, stop, end))
+
+
+def complete_layer_norm_rows(result: Any, args: tuple[Any, ...]) -> None:
+    """Finish a LayerNorm row kernel's call (``args`` as the kernel took them) that
+    returned ``result`` (see :func:`_complete`); nothing to do if it did every row."""
+    if result is None or (isinstance(result, int) and result == args[0].shape[0]):
+        return  # every row done (the gathered kernels rescale in the loop: None)
+    _complete(result, load_kernels().ln_gathered_forward_serial, LN_FORWARD_WRITES,
+              LN_FORWARD_ROWS, args)
+
+
+def complete_rms_norm_rows(result: Any, args: tuple[Any, ...]) -> None:
+    """:func:`complete_layer_norm_rows` for the RMSNorm row kernels."""
+    if result is None or (isinstance(result, int) and result == args[0].shape[0]):
+        return  # every row done (the gathered kernels rescale in the loop: None)
+    _complete(result, load_kernels().rms_gathered_forward_serial, RMS_FORWARD_WRITES,
+              RMS_FORWARD_ROWS, args)
+
+
 def layer_norm_forward(x3, weight, bias, eps, y3, mean, rstd, dtype) -> None:
     """LayerNorm forward into ``y3``; fills ``mean`` and ``rstd``."""
     k = load_kernels()
@@ -206,14 +278,17 @@ def layer_norm_forward(x3, weight, bias, eps, y3, mean, rstd, dtype) -> None:
     y = _as_kernel_array(y3, dtype)
     e = _acc_scalar(eps, dtype)
     w, b = kernel_params(weight, bias, x3.shape[1], mean.dtype)
+    tab = k.merge_table(x3.shape[1], mean.dtype)
     if x.shape[2] == 1:
         x = x[:, :, 0]
         y = y[:, :, 0]
-        _run(k.ln_forward_serial, k.ln_forward_parallel, x.size, LN_FORWARD_WRITES,
-             x, w, b, e, y, mean, rstd, use_streaming_stores(x, y))
+        serial, parallel = ln_row_kernels(k, x, y)
+        args = (x, w, b, e, y, mean, rstd, tab, use_streaming_stores(x, y))
+        complete_layer_norm_rows(_run(serial, parallel, x.size, LN_FORWARD_WRITES, *args),
+                                 args)
     else:
         _run(k.ln_forward_cols_serial, k.ln_forward_cols_parallel, x.size,
-             LN_FORWARD_WRITES, x, w, b, e, y, mean, rstd)
+             LN_FORWARD_WRITES, x, w, b, e, y, mean, rstd, tab)
 
 
 def rms_norm_forward(x3, weight, eps, y3, rstd, dtype) -> None:
@@ -226,8 +301,10 @@ def rms_norm_forward(x3, weight, eps, y3, rstd, dtype) -> None:
     if x.shape[2] == 1:
         x = x[:, :, 0]
         y = y[:, :, 0]
-        _run(k.rms_forward_serial, k.rms_forward_parallel, x.size, RMS_FORWARD_WRITES,
-             x, w, e, y, rstd, use_streaming_stores(x, y))
+        serial, parallel = rms_row_kernels(k, x, y)
+        args = (x, w, e, y, rstd, use_streaming_stores(x, y))
+        complete_rms_norm_rows(_run(serial, parallel, x.size, RMS_FORWARD_WRITES, *args),
+                               args)
     else:
         _run(k.rms_forward_cols_serial, k.rms_forward_cols_parallel, x.size,
              RMS_FORWARD_WRITES, x, w, e, y, rstd)
@@ -248,6 +325,16 @@ def _grad_residual_arg(grad_residual: Any, x: Any, dtype: str) -> tuple[Any, boo
     return _as_kernel_array(grad_residual, dtype), True
 
 
+def ln_backward_kernels(k: Any, gy: Any, x: Any, gx: Any,
+                        grad_residual: Any = None) -> tuple[Any, Any]:
+    """The (serial, parallel) LayerNorm backward kernels for 2-D rows (one per path: the
+    short-row kernels need unit strides; both give the same bits)."""
+    arrays = (gy, x, gx) if grad_residual is None else (gy, x, gx, grad_residual)
+    if x.shape[1] < k.SHORT_BACKWARD_N and all(_unit_stride(a) for a in arrays):
+        return k.ln_short_backward_serial, k.ln_short_backward_parallel
+    return k.ln_backward_serial, k.ln_backward_parallel
+
+
 def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype, grad_residual=None):
     """LayerNorm backward into ``gx3`` (plus ``grad_residual``, a view like ``x3``, when
     given); returns ``(grad_weight, grad_bias)``."""
@@ -260,9 +347,10 @@ def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype, grad_residual=N
     w = kernel_params(weight, None, n, mean.dtype)[0]
     if x.shape[2] == 1:
         partials = _grad_partials(-(-mean.shape[0] // GRAD_ROW_BLOCK), n, mean.dtype, 2)
-        _run(k.ln_backward_serial, k.ln_backward_parallel, x.size, LN_BACKWARD_WRITES,
-             gy[:, :, 0], x[:, :, 0], mean, rstd, w, gx[:, :, 0], partials, GRAD_ROW_BLOCK,
-             gres[:, :, 0], has_res)
+        gy2, x2, gx2, gres2 = gy[:, :, 0], x[:, :, 0], gx[:, :, 0], gres[:, :, 0]
+        serial, parallel = ln_backward_kernels(k, gy2, x2, gx2, gres2 if has_res else None)
+        _run(serial, parallel, x.size, LN_BACKWARD_WRITES, gy2, x2, mean, rstd, w, gx2,
+             partials, GRAD_ROW_BLOCK, gres2, has_res)
     else:
         partials = _grad_partials(_col_blocks(x3), n, mean.dtype, 2)
         _run(k.backward_cols_serial, k.backward_cols_parallel, x.size, LN_BACKWARD_WRITES,
@@ -316,7 +404,8 @@ def add_layer_norm_forward(x3, r3, weight, bias, eps, h3, y3, mean, rstd, dtypes
     e = _acc_scalar(eps, dtypes[2])
     w, b = kernel_params(weight, bias, x.shape[1], mean.dtype)
     _run(k.add_ln_forward_serial, k.add_ln_forward_parallel, x.size, ADD_LN_WRITES,
-         x, r, w, b, e, h, y, mean, rstd, _add_streams(x, r, y))
+         x, r, w, b, e, h, y, mean, rstd, k.merge_table(x.shape[1], mean.dtype),
+         _add_streams(x, r, y))
 
 
 def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
@@ -331,7 +420,7 @@ def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
 
 #: Format codes of the quantizing kernels (:mod:`.quantized`), by dtype name.
 QUANTIZE_FORMATS = {"int8": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
-LN_QUANT_WRITES = (5, 6, 7, 8, 12)  # h, q, mean, rstd, scale
+LN_QUANT_WRITES = (5, 6, 7, 8, 13)  # h, q, mean, rstd, scale
 RMS_QUANT_WRITES = (4, 5, 6, 10)  # h, q, rstd, scale
 
 _NO_ROWS = np.empty(0, dtype=np.float32)
@@ -365,4 +454,5 @@ def quantized_forward(x3, r3, weight, bias, eps, h3, q3, mean, rstd, fmt, inv_ro
              RMS_QUANT_WRITES, x, res, w, e, h, q, rstd, *tail)
     else:
         _run(k.ln_quant_forward_serial, k.ln_quant_forward_parallel, x.size,
-             LN_QUANT_WRITES, x, res, w, b, e, h, q, mean, rstd, *tail)
+             LN_QUANT_WRITES, x, res, w, b, e, h, q, mean, rstd,
+             k.merge_table(x.shape[1], rstd.dtype), *tail)

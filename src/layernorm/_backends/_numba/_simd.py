@@ -521,6 +521,53 @@ def vload(typingctx, view, r, i):
     return vt(view, r, i), codegen
 
 
+@intrinsic
+def vload_tail(typingctx, view, r, i, count, fill):
+    """Lanes ``j < count`` from row ``r`` of a :class:`Raw` at column ``i + j`` (widened),
+    the other lanes ``fill`` (a scalar of the vector's type); ``1 <= count <= WIDTH``.
+
+    A row's last partial vector without a scratch array: only elements ``i ..
+    i + count - 1`` are read (a lane past the end reads the last one again and discards
+    it), so the load never leaves the row.
+    """
+    if not isinstance(view, Raw) or not _int_ok(r, i, count):
+        return None
+    acc = _acc_of(view.dtype)
+    if fill != acc:
+        return None
+    vt = _vec_of(acc)
+
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        row = _as_i64(builder, args[1], r)
+        start = _as_i64(builder, args[2], i)
+        n = _as_i64(builder, args[3], count)
+        last = builder.sub(n, ir.Constant(i64, 1))
+        element = _element_ir(context, view.dtype)
+        loaded = ir.Constant(ir.VectorType(element, WIDTH), ir.Undefined)
+        for j in range(WIDTH):
+            k = ir.Constant(i64, j)
+            at = builder.select(builder.icmp_signed("<", k, n), k, last)
+            ptr = _raw_pointer(context, builder, view, args[0], row, builder.add(start, at))
+            loaded = builder.insert_element(loaded, builder.load(ptr),
+                                            ir.Constant(ir.IntType(32), j))
+        wide = _widen_vector(builder, loaded, view.dtype)
+        lanes = ir.Constant(ir.VectorType(i64, WIDTH), list(range(WIDTH)))
+        counts = builder.insert_element(ir.Constant(ir.VectorType(i64, WIDTH), ir.Undefined),
+                                        n, ir.Constant(ir.IntType(32), 0))
+        counts = builder.shuffle_vector(counts, ir.Constant(counts.type, ir.Undefined),
+                                        ir.Constant(ir.VectorType(ir.IntType(32), WIDTH),
+                                                    [0] * WIDTH))
+        fills = builder.insert_element(ir.Constant(wide.type, ir.Undefined), args[4],
+                                       ir.Constant(ir.IntType(32), 0))
+        fills = builder.shuffle_vector(fills, ir.Constant(wide.type, ir.Undefined),
+                                       ir.Constant(ir.VectorType(ir.IntType(32), WIDTH),
+                                                   [0] * WIDTH))
+        return builder.select(builder.icmp_signed("<", lanes, counts), wide, fills)
+
+    return vt(view, r, i, count, fill), codegen
+
+
 def _vstore_impl(nontemporal: bool):
     def typer(typingctx, view, vec, r, i):
         if not isinstance(view, Raw) or not isinstance(vec, Vec) or not _int_ok(r, i):

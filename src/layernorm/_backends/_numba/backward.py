@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._scalars import cast, narrow, widen
-from ._simd import alive, get, put, raw, splat, vload, vstore
+from ._simd import alive, get, put, raw, splat, vload, vload_tail, vstore
 from .diskcache import cached_njit
 from .rowmath import LANES, copy_row, times_w, tree_sum, unit_stride, widened
 
@@ -32,10 +32,13 @@ from .rowmath import LANES, copy_row, times_w, tree_sum, unit_stride, widened
 PAIR_MIN_N = 2048
 #: Columns per grad_weight/grad_bias partial block in the channels-first backward.
 COL_BLOCK = 64
+#: Unit-stride rows shorter than this take the short-row backward kernels, which keep
+#: the partial sums in registers (no effect on results).
+SHORT_BACKWARD_N = 5 * LANES
 
 
 @njit(inline="always", error_model="numpy")
-def _ln_bwd_means(gyr, xr, r, n, mean, rstd, w, rg, rx):
+def _ln_bwd_means(gyr, xr, r, n, mean, rstd, w):
     """(mean of g, mean of g * xhat) of row ``r``, ``g = dy * w``."""
     like = mean
     zero = splat(cast(0.0, like))
@@ -51,17 +54,11 @@ def _ln_bwd_means(gyr, xr, r, n, mean, rstd, w, rg, rx):
         acc_g = acc_g + g
         acc_gx = acc_gx + g * xh
     if body < n:
-        for j in range(LANES):
-            if body + j < n:
-                gj = widen(get(gyr, r, body + j))
-                gj = times_w(gj, w, body + j)
-                put(rg, 0, j, gj)
-                put(rx, 0, j, widen(get(xr, r, body + j)))
-            else:
-                put(rg, 0, j, cast(0.0, like))
-                put(rx, 0, j, mean)
-        g = vload(rg, 0, 0)
-        xh = (vload(rx, 0, 0) - mv) * rv
+        # Lanes past the row: g = 0 and x = mean, so they add exactly nothing.
+        count = n - body
+        g = vload_tail(gyr, r, body, count, cast(0.0, like)) * vload_tail(
+            w, 0, body, count, cast(0.0, like))
+        xh = (vload_tail(xr, r, body, count, mean) - mv) * rv
         acc_g = acc_g + g
         acc_gx = acc_gx + g * xh
     inv_n = cast(1.0, like) / cast(n, like)
@@ -133,11 +130,8 @@ def _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gr
     read and written per row (the same additions in the same order, so the same bits).
     """
     n = x.shape[1]
-    nv = n // LANES
-    acc = mean_in.dtype
-    rg = np.empty((1, LANES), dtype=acc)
-    rx = np.empty((1, LANES), dtype=acc)
-    xv, gyv, gxv, wv, rgv, rxv = raw(x), raw(gy), raw(gx), raw(w), raw(rg), raw(rx)
+    nv = min(n // LANES, 4)
+    xv, gyv, gxv, wv = raw(x), raw(gy), raw(gx), raw(w)
     grv = raw(gres)
     dw = raw(partials[0, blk])
     db = raw(partials[1, blk])
@@ -152,7 +146,7 @@ def _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gr
     db3 = vload(db, 0, 3 * LANES) if nv > 3 else zero
     for r in range(r0, r1):
         m, s = mean_in[r], rstd_in[r]
-        mg, mgx = _ln_bwd_means(gyv, xv, r, n, m, s, wv, rgv, rxv)
+        mg, mgx = _ln_bwd_means(gyv, xv, r, n, m, s, wv)
         mv, rv, mgv, mgxv = splat(m), splat(s), splat(mg), splat(mgx)
         if nv > 0:
             dw0, db0 = _ln_bwd_vector(gyv, xv, gxv, r, 0, wv, mv, rv, mgv, mgxv, dw0, db0,
@@ -185,8 +179,6 @@ def _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gr
     if nv > 3:
         vstore(dw, dw3, 0, 3 * LANES)
         vstore(db, db3, 0, 3 * LANES)
-    alive(rg)
-    alive(rx)
 
 
 @njit(inline="always", error_model="numpy")
@@ -206,23 +198,15 @@ def _gather_rows(xs, gys, grs, x, gy, gres, r, two, has_res):
 
 @njit(error_model="numpy")
 def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
+    """Rows ``r0 .. r1`` (partial block ``blk``) of any length and stride."""
     n = x.shape[1]
-    unit = unit_stride(x) and unit_stride(gy) and unit_stride(gx) \
-        and (unit_stride(gres) or not has_res)
-    if n < 5 * LANES and unit:
-        _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres,
-                           has_res)
-        return
-    acc = mean_in.dtype
-    rg = np.empty((1, LANES), dtype=acc)
-    rx = np.empty((1, LANES), dtype=acc)
-    strided = not unit
+    strided = not _unit_rows(gy, x, gx, gres, has_res)
     xs = np.empty((2, n if strided else 0), dtype=x.dtype)
     gys = np.empty((2, n if strided else 0), dtype=gy.dtype)
     gxs = np.empty((2, n if strided else 0), dtype=gx.dtype)
     grs = np.empty((2, n if strided and has_res else 0), dtype=gres.dtype)
     xv, gyv, gxv, xsv, gysv, gxsv = raw(x), raw(gy), raw(gx), raw(xs), raw(gys), raw(gxs)
-    wv, rgv, rxv = raw(w), raw(rg), raw(rx)
+    wv = raw(w)
     dw = raw(partials[0, blk])
     db = raw(partials[1, blk])
     a, b, c = (gysv, xsv, gxsv) if strided else (gyv, xv, gxv)
@@ -239,20 +223,29 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, ha
         rb = ra + 1 if two else ra
         ma, sa_ = mean_in[r], rstd_in[r]
         mb, sb_ = mean_in[r + 1] if two else ma, rstd_in[r + 1] if two else sa_
-        ga, gxa = _ln_bwd_means(a, b, ra, n, ma, sa_, wv, rgv, rxv)
-        gb, gxb = _ln_bwd_means(a, b, rb, n, mb, sb_, wv, rgv, rxv) if two else (ga, gxa)
+        ga, gxa = _ln_bwd_means(a, b, ra, n, ma, sa_, wv)
+        gb, gxb = _ln_bwd_means(a, b, rb, n, mb, sb_, wv) if two else (ga, gxa)
         _ln_bwd_rows_out(a, b, c, ra, rb, two, n, (ma, sa_, ga, gxa), (mb, sb_, gb, gxb),
                          wv, dw, db, d, has_res)
         if strided:
             copy_row(gx, r, gxs, 0)
             if two:
                 copy_row(gx, r + 1, gxs, 1)
-    alive(rg)
-    alive(rx)
     alive(xs)
     alive(gys)
     alive(gxs)
     alive(grs)
+
+
+@njit(inline="always", error_model="numpy")
+def _unit_rows(gy, x, gx, gres, has_res):
+    return unit_stride(x) and unit_stride(gy) and unit_stride(gx) \
+        and (unit_stride(gres) or not has_res)
+
+
+# Entry kernels, one per path so that a call compiles only its own: rows of any length
+# and stride, and unit-stride rows shorter than SHORT_BACKWARD_N. The driver picks;
+# both give a row the same bits.
 
 
 @cached_njit(error_model="numpy")
@@ -282,8 +275,33 @@ def ln_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, g
                      min(rows, r0 + block_rows), gres, has_res)
 
 
+@cached_njit(error_model="numpy")
+def ln_short_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gres,
+                             has_res):
+    """:func:`ln_backward_serial` for unit-stride rows shorter than ``SHORT_BACKWARD_N``
+    (the partial sums kept in registers across each block's rows)."""
+    rows = x.shape[0]
+    w = widened(w)
+    for blk in range(partials.shape[1]):
+        r0 = blk * block_rows
+        _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
+                           min(rows, r0 + block_rows), gres, has_res)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def ln_short_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gres,
+                               has_res):
+    """:func:`ln_short_backward_serial`, row blocks spread over threads."""
+    rows = x.shape[0]
+    w = widened(w)
+    for blk in prange(partials.shape[1]):
+        r0 = blk * block_rows
+        _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
+                           min(rows, r0 + block_rows), gres, has_res)
+
+
 @njit(inline="always", error_model="numpy")
-def _rms_bwd_mean(gyr, xr, r, n, rstd, w, rg, rx):
+def _rms_bwd_mean(gyr, xr, r, n, rstd, w):
     """Mean of ``g * xhat`` of row ``r`` (``g = dy * w``, ``xhat = x * rstd``)."""
     like = rstd
     zero = splat(cast(0.0, like))
@@ -295,16 +313,10 @@ def _rms_bwd_mean(gyr, xr, r, n, rstd, w, rg, rx):
         g = times_w(g, w, i)
         acc = acc + g * (vload(xr, r, i) * rv)
     if body < n:
-        for j in range(LANES):
-            if body + j < n:
-                gj = widen(get(gyr, r, body + j))
-                gj = times_w(gj, w, body + j)
-                put(rg, 0, j, gj)
-                put(rx, 0, j, widen(get(xr, r, body + j)))
-            else:
-                put(rg, 0, j, cast(0.0, like))
-                put(rx, 0, j, cast(0.0, like))
-        acc = acc + vload(rg, 0, 0) * (vload(rx, 0, 0) * rv)
+        count = n - body
+        g = vload_tail(gyr, r, body, count, cast(0.0, like)) * vload_tail(
+            w, 0, body, count, cast(0.0, like))
+        acc = acc + g * (vload_tail(xr, r, body, count, cast(0.0, like)) * rv)
     return tree_sum(acc) * (cast(1.0, like) / cast(n, like))
 
 
@@ -348,17 +360,13 @@ def _rms_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw, grr, has_res)
 @njit(error_model="numpy")
 def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
     n = x.shape[1]
-    acc = rstd_in.dtype
-    rg = np.empty((1, LANES), dtype=acc)
-    rx = np.empty((1, LANES), dtype=acc)
-    strided = not (unit_stride(x) and unit_stride(gy) and unit_stride(gx)
-                   and (unit_stride(gres) or not has_res))
+    strided = not _unit_rows(gy, x, gx, gres, has_res)
     xs = np.empty((2, n if strided else 0), dtype=x.dtype)
     gys = np.empty((2, n if strided else 0), dtype=gy.dtype)
     gxs = np.empty((2, n if strided else 0), dtype=gx.dtype)
     grs = np.empty((2, n if strided and has_res else 0), dtype=gres.dtype)
     xv, gyv, gxv, xsv, gysv, gxsv = raw(x), raw(gy), raw(gx), raw(xs), raw(gys), raw(gxs)
-    wv, rgv, rxv = raw(w), raw(rg), raw(rx)
+    wv = raw(w)
     dw = raw(partials[0, blk])
     a, b, c = (gysv, xsv, gxsv) if strided else (gyv, xv, gxv)
     d = raw(grs) if strided else raw(gres)
@@ -371,15 +379,13 @@ def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
         rb = ra + 1 if two else ra
         sa_ = rstd_in[r]
         sb_ = rstd_in[r + 1] if two else sa_
-        ma = _rms_bwd_mean(a, b, ra, n, sa_, wv, rgv, rxv)
-        mb = _rms_bwd_mean(a, b, rb, n, sb_, wv, rgv, rxv) if two else ma
+        ma = _rms_bwd_mean(a, b, ra, n, sa_, wv)
+        mb = _rms_bwd_mean(a, b, rb, n, sb_, wv) if two else ma
         _rms_bwd_rows_out(a, b, c, ra, rb, two, n, (sa_, ma), (sb_, mb), wv, dw, d, has_res)
         if strided:
             copy_row(gx, r, gxs, 0)
             if two:
                 copy_row(gx, r + 1, gxs, 1)
-    alive(rg)
-    alive(rx)
     alive(xs)
     alive(gys)
     alive(gxs)
@@ -416,8 +422,8 @@ def _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols, gre
     per = (inner + COL_BLOCK - 1) // COL_BLOCK
     o = item // per
     c0 = (item % per) * COL_BLOCK
-    xs, gys, gxs, rg, rx, grs = cols
-    xsv, gysv, gxsv, rgv, rxv, grsv = raw(xs), raw(gys), raw(gxs), raw(rg), raw(rx), raw(grs)
+    xs, gys, gxs, grs = cols
+    xsv, gysv, gxsv, grsv = raw(xs), raw(gys), raw(gxs), raw(grs)
     wv = raw(w)
     dw = raw(partials[0, item])
     db = raw(partials[partials.shape[0] - 1, item])
@@ -431,12 +437,12 @@ def _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols, gre
                 grs[0, i] = gres[o, i, c]
         if rms:
             sd = rstd_in[r]
-            mgx = _rms_bwd_mean(gysv, xsv, 0, n, sd, wv, rgv, rxv)
+            mgx = _rms_bwd_mean(gysv, xsv, 0, n, sd, wv)
             _rms_bwd_rows_out(gysv, xsv, gxsv, 0, 0, False, n, (sd, mgx), (sd, mgx), wv, dw,
                               grsv, has_res)
         else:
             m, sd = mean_in[r], rstd_in[r]
-            mg, mgx = _ln_bwd_means(gysv, xsv, 0, n, m, sd, wv, rgv, rxv)
+            mg, mgx = _ln_bwd_means(gysv, xsv, 0, n, m, sd, wv)
             _ln_bwd_rows_out(gysv, xsv, gxsv, 0, 0, False, n, (m, sd, mg, mgx),
                              (m, sd, mg, mgx), wv, dw, db, grsv, has_res)
         for i in range(n):
@@ -444,11 +450,10 @@ def _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols, gre
 
 
 @njit(inline="always", error_model="numpy")
-def _bwd_col_scratch(gy, x, gx, acc, has_res):
+def _bwd_col_scratch(gy, x, gx, has_res):
     n = x.shape[1]
     return (np.empty((1, n), dtype=x.dtype), np.empty((1, n), dtype=gy.dtype),
-            np.empty((1, n), dtype=gx.dtype), np.empty((1, LANES), dtype=acc),
-            np.empty((1, LANES), dtype=acc), np.empty((1, n if has_res else 0), dtype=x.dtype))
+            np.empty((1, n), dtype=gx.dtype), np.empty((1, n if has_res else 0), dtype=x.dtype))
 
 
 @cached_njit(error_model="numpy")
@@ -458,7 +463,7 @@ def backward_cols_serial(gy, x, mean_in, rstd_in, w, gx, partials, rms, gres, ha
     ``rms`` selects RMSNorm (``mean_in`` is then ignored and ``partials`` has one row);
     ``gres``/``has_res``: as for :func:`ln_backward_serial`.
     """
-    cols = _bwd_col_scratch(gy, x, gx, rstd_in.dtype, has_res)
+    cols = _bwd_col_scratch(gy, x, gx, has_res)
     for item in range(partials.shape[1]):
         _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols, gres,
                       has_res)
@@ -468,7 +473,7 @@ def backward_cols_serial(gy, x, mean_in, rstd_in, w, gx, partials, rms, gres, ha
 def backward_cols_parallel(gy, x, mean_in, rstd_in, w, gx, partials, rms, gres, has_res):
     """Parallel :func:`backward_cols_serial` (same partial blocks)."""
     for item in prange(partials.shape[1]):
-        cols = _bwd_col_scratch(gy, x, gx, rstd_in.dtype, has_res)
+        cols = _bwd_col_scratch(gy, x, gx, has_res)
         _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols, gres,
                       has_res)
 

@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._scalars import cast, widen
-from ._simd import WIDTH, copy2, fma, lane, load2, splat, store2
+from ._simd import WIDTH, copy2, fma, lane, load2, runtime, splat, store2
 from .diskcache import cached_njit
 from .rescale import ln_column_rescaled, rms_column_rescaled
 from .rowmath import (
@@ -31,7 +31,6 @@ from .rowmath import (
     chunk_weights,
     finish,
     merge,
-    merge_weights,
     square_tree,
 )
 
@@ -84,7 +83,8 @@ def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out, r0
         fv = splat(f)
         cv = splat(cc)
         for j in range(LANES):
-            m, q = _col_chunk(x2, c * CHUNK + j, c0, PER_LANE, kv, inv_full, pad, zero)
+            m, q = _col_chunk(x2, c * CHUNK + j, c0, runtime(PER_LANE), kv, inv_full, pad,
+                              zero)
             mean, m2 = merge(load2(lm, j, 0), load2(lm2, j, 0), m, q, fv, cv)
             store2(lm, mean, j, 0)
             store2(lm2, m2, j, 0)
@@ -207,9 +207,8 @@ def _col_items(x):
 
 
 @cached_njit(error_model="numpy")
-def ln_forward_cols_serial(x, w, b, eps, y, mean_out, rstd_out):
+def ln_forward_cols_serial(x, w, b, eps, y, mean_out, rstd_out, tab):
     """LayerNorm forward over axis 1 of a 3-D ``(outer, n, inner)`` array."""
-    tab = merge_weights(x.shape[1], eps)
     items, _ = _col_items(x)
     scratch, tiles = _col_scratch(x, y, mean_out.dtype)
     for item in range(items):
@@ -217,9 +216,8 @@ def ln_forward_cols_serial(x, w, b, eps, y, mean_out, rstd_out):
 
 
 @cached_njit(parallel=True, error_model="numpy")
-def ln_forward_cols_parallel(x, w, b, eps, y, mean_out, rstd_out):
+def ln_forward_cols_parallel(x, w, b, eps, y, mean_out, rstd_out, tab):
     """Channels-first LayerNorm forward, column tiles spread over Numba's threads."""
-    tab = merge_weights(x.shape[1], eps)
     items, per_work = _col_items(x)
     for wk in prange((items + per_work - 1) // per_work):
         scratch, tiles = _col_scratch(x, y, mean_out.dtype)

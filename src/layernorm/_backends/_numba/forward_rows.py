@@ -10,8 +10,11 @@
 * **gather path** (any other 2-D row): rows are copied into contiguous scratch rows,
   run through the row path, and the results copied out.
 
+Each path has its own entry kernels (``ln_forward_*`` for unit-stride rows longer than
+``SHORT_ROW_MAX``, ``ln_short_forward_*``, ``ln_gathered_forward_*``; RMSNorm has no
+short-row path), so that a call compiles only the path it takes; the driver picks.
 Each comes as a serial kernel (the calling thread) and a parallel one (blocks of rows
-over Numba's threads); both perform the same arithmetic per row.
+over Numba's threads); all perform the same arithmetic per row.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ from ._simd import (
     store_fence,
     vaddress,
     vload,
+    vload_tail,
     vstore,
     vstore_nt,
 )
 from .diskcache import cached_njit
-from .rescale import ln_row_rescaled, rms_row_rescaled
+from .rescale import finite_row, ln_row_rescaled, rms_row_rescaled
 from .rowmath import (
     CHUNK,
     LANES,
@@ -53,13 +57,11 @@ from .rowmath import (
     copy_row,
     finish,
     lane_moments,
-    merge_weights,
     put_stat,
     row_moments,
     square_tree,
     times_w,
     tree_sum,
-    unit_stride,
     widened,
     widened_pair,
 )
@@ -112,38 +114,44 @@ def ln_row_out(xr, yr, r, n, shift, mean, rstd, w, b, nt):
 
 
 @njit(error_model="numpy")
-def _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, r0, r1):
-    if not (unit_stride(x) and unit_stride(y)):
-        _ln_rows_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1)
-        return
-    ln_raw_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1], nt, mean_out,
-                 rstd_out, r0, r1, r0)
+def ln_long_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r0, r1, s0):
+    """Rows ``r0 .. r1`` of unit-stride :class:`._simd.Raw` views on the row path; their
+    statistics go to ``s0 ..``. Correct for any ``n``; rows of at most ``SHORT_ROW_MAX``
+    run faster through :func:`ln_short_rows` (the same bits).
+
+    Returns ``r1``, or the first finite row whose squares overflow: that row is left
+    unwritten and the rows after it are not done (see :mod:`.rescale`)."""
+    stop = r1
+    for r in range(r0, r1):
+        shift = widen(get(xv, r, 0))
+        mean, m2 = row_moments(xv, r, n, shift, tv)
+        mo, rstd = finish(shift, mean, m2, n, eps)
+        if not rstd > 0 and finite_row(xv, r, n):
+            stop = r
+            break
+        ln_row_out(xv, yv, r, n, shift, mean, rstd, wv, bv, nt)
+        put_stat(mean_out, s0 + (r - r0), mo)
+        put_stat(rstd_out, s0 + (r - r0), rstd)
+    if nt:
+        store_fence()  # streaming stores done before another thread reads y
+    return stop
 
 
 @njit(error_model="numpy")
 def ln_raw_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r0, r1, s0):
-    """Rows ``r0 .. r1`` of unit-stride :class:`._simd.Raw` views; their statistics go to
-    ``s0 ..``. Compiled once per dtype: the contiguous rows and the gathered ones (whose
-    views are of scratch rows) share it."""
-    rem = np.full((1, LANES), eps)
-    remv = raw(rem)
-    if n <= SHORT_ROW_MAX:
-        _ln_rows_short(xv, yv, wv, bv, tv, remv, eps, n, mean_out, rstd_out, r0, r1, s0)
-        alive(rem)
-        return
-    for r in range(r0, r1):
-        shift = widen(get(xv, r, 0))
-        mean, m2 = row_moments(xv, r, n, shift, tv, remv)
-        mo, rstd = finish(shift, mean, m2, n, eps)
-        if not rstd > 0 and ln_row_rescaled(xv, yv, r, n, eps, wv, bv, mean_out, rstd_out,
-                                            s0 + (r - r0)):
-            continue  # a finite row whose squares overflow
-        ln_row_out(xv, yv, r, n, shift, mean, rstd, wv, bv, nt)
-        put_stat(mean_out, s0 + (r - r0), mo)
-        put_stat(rstd_out, s0 + (r - r0), rstd)
-    alive(rem)
-    if nt:
-        store_fence()  # streaming stores done before another thread reads y
+    """:func:`ln_short_rows` or :func:`ln_long_rows`, by ``n``, rescaling the rows they
+    stop at: every row done, for callers that serve every row length with one compiled
+    function (gathered rows, the fusions)."""
+    r = r0
+    while r < r1:
+        s = s0 + (r - r0)
+        if n <= SHORT_ROW_MAX:
+            stop = ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r, r1, s)
+        else:
+            stop = ln_long_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r, r1, s)
+        if stop < r1:
+            ln_row_rescaled(xv, yv, stop, n, eps, wv, bv, mean_out, rstd_out, s0 + (stop - r0))
+        r = stop + 1
 
 
 @njit(inline="always", error_model="numpy")
@@ -165,16 +173,17 @@ def _folded_tree_sums(sv, first):
     return fold1(fold2(b0, b1), fold2(b2, b3))
 
 
-@njit(inline="always", error_model="numpy")
-def _ln_rows_short(xv, yv, wv, bv, tv, remv, eps, n, mean_out, rstd_out, r0, r1, s0):
-    """:func:`_ln_rows` for rows of at most ``SHORT_ROW_MAX``, ``LANES`` rows at a time.
+@njit(error_model="numpy")
+def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
+    """:func:`ln_long_rows` for rows of at most ``SHORT_ROW_MAX``, ``LANES`` rows at a time.
 
     A short row's time goes to the latency of its two lane trees and of its ``rstd``.
     Here each row's lane state is computed as on the row path and parked in a scratch
     block; the trees of ``LANES`` rows are then folded together (row ``i`` in lane ``i``)
     and ``rstd`` is computed for all of them in one vector: the same IEEE operations per
     row, so the same bits. A last partial block fills its unused lanes with its last row
-    again (loops of constant length run faster) and stores that row once.
+    again (loops of constant length run faster) and stores that row once. Returns as
+    :func:`ln_long_rows` does.
     """
     scratch = np.full((_S_ROWS, LANES), eps)
     sv = raw(scratch)
@@ -184,12 +193,15 @@ def _ln_rows_short(xv, yv, wv, bv, tv, remv, eps, n, mean_out, rstd_out, r0, r1,
     eps_vec = splat(eps)
     one = splat(cast(1.0, eps))
     last = r1 - 1
+    stop = r1
     for first in range(r0, r1, LANES):
+        if stop < r1:
+            break
         for i in range(LANES):
             row = min(first + i, last)
             shift = widen(get(xv, row, 0))
             put(sv, _S_SHIFT, i, shift)
-            mean, m2 = lane_moments(xv, row, n, shift, tv, remv)
+            mean, m2 = lane_moments(xv, row, n, shift, tv)
             vstore(sv, mean, _S_MEAN + i, 0)
             vstore(sv, m2, _S_M2 + i, 0)
             vstore(sv, counts * mean, _S_WORK + i, 0)
@@ -203,20 +215,21 @@ def _ln_rows_short(xv, yv, wv, bv, tv, remv, eps, n, mean_out, rstd_out, r0, r1,
         vstore(sv, vload(sv, _S_SHIFT, 0) + mu, _S_MEAN_OUT, 0)
         for i in range(min(LANES, r1 - first)):
             rstd = get(sv, _S_RSTD, i)
-            if not rstd > 0 and ln_row_rescaled(xv, yv, first + i, n, eps, wv, bv, mean_out,
-                                                rstd_out, s0 + (first - r0) + i):
-                continue  # a finite row whose squares overflow
+            if not rstd > 0 and finite_row(xv, first + i, n):
+                stop = first + i
+                break
             ln_row_out(xv, yv, first + i, n, get(sv, _S_SHIFT, i), get(sv, _S_MU, i), rstd,
                         wv, bv, False)
             put_stat(mean_out, s0 + (first - r0) + i, get(sv, _S_MEAN_OUT, i))
             put_stat(rstd_out, s0 + (first - r0) + i, rstd)
     alive(scratch)
+    return stop
 
 
 @njit(error_model="numpy")
-def _ln_rows_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1):
-    """:func:`_ln_rows` for strided rows: ``LANES`` at a time through contiguous scratch
-    rows, computed by the same compiled :func:`ln_raw_rows`."""
+def _ln_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1):
+    """Strided rows ``r0 .. r1``: ``LANES`` at a time through contiguous scratch rows,
+    computed by :func:`ln_raw_rows`."""
     n = x.shape[1]
     xs = np.empty((LANES, n), dtype=x.dtype)
     ys = np.empty((LANES, n), dtype=y.dtype)
@@ -238,24 +251,96 @@ def _row_block(rows, n):
     return max(1, min(rows, WORK_ELEMENTS // max(n, 1)))
 
 
+# Entry kernels, one per path, so that a call compiles only the path it takes: rows of
+# unit stride (x and y) longer than SHORT_ROW_MAX, short rows of unit stride, and rows
+# of any stride. The driver picks; each computes every row the same way whatever it is
+# given (so a row gets the same bits on every path). ``tab`` is rowmath.merge_table.
+
+
 @cached_njit(error_model="numpy")
-def ln_forward_serial(x, w, b, eps, y, mean_out, rstd_out, nt):
-    """LayerNorm forward of a 2-D ``(rows, n)`` array on the calling thread."""
-    tab = merge_weights(x.shape[1], eps)
+def ln_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
+    """LayerNorm forward of unit-stride rows of a 2-D ``(rows, n)`` array, calling thread.
+
+    Returns the number of rows done: all of them, or the index of a finite row whose
+    squares overflow, unwritten (the driver rescales it and resumes after it)."""
     w, b = widened_pair(w, b)
-    _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, runtime(0), x.shape[0])
+    stop = ln_long_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1], nt,
+                        mean_out, rstd_out, runtime(0), x.shape[0], runtime(0))
+    alive(w)
+    alive(b)
+    return stop
 
 
 @cached_njit(parallel=True, error_model="numpy")
-def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, nt):
-    """LayerNorm forward of a 2-D array, blocks of rows spread over Numba's threads."""
+def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
+    """:func:`ln_forward_serial`, blocks of rows spread over Numba's threads. Returns
+    each block's ``(stop, end)`` rows (``stop < end``: the block stopped before an
+    overflowing row, as the serial kernel does)."""
+    rows, n = x.shape
+    w, b = widened_pair(w, b)
+    xv, yv, wv, bv, tv = raw(x), raw(y), raw(w), raw(b), raw(tab)
+    rb = _row_block(rows, n)
+    blocks = (rows + rb - 1) // rb
+    pending = np.empty((blocks, 2), dtype=np.int64)
+    for blk in prange(blocks):
+        r0 = blk * rb
+        r1 = min(rows, r0 + rb)
+        pending[blk, 0] = ln_long_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out,
+                                       r0, r1, r0)
+        pending[blk, 1] = r1
+    alive(w)
+    alive(b)
+    return pending
+
+
+@cached_njit(error_model="numpy")
+def ln_short_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
+    """:func:`ln_forward_serial` for rows of at most ``SHORT_ROW_MAX`` (``nt`` unused)."""
+    w, b = widened_pair(w, b)
+    stop = ln_short_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1],
+                         mean_out, rstd_out, runtime(0), x.shape[0], runtime(0))
+    alive(w)
+    alive(b)
+    return stop
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def ln_short_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
+    """:func:`ln_short_forward_serial`, blocks of rows spread over Numba's threads
+    (returns as :func:`ln_forward_parallel`)."""
+    rows, n = x.shape
+    w, b = widened_pair(w, b)
+    xv, yv, wv, bv, tv = raw(x), raw(y), raw(w), raw(b), raw(tab)
+    rb = _row_block(rows, n)
+    blocks = (rows + rb - 1) // rb
+    pending = np.empty((blocks, 2), dtype=np.int64)
+    for blk in prange(blocks):
+        r0 = blk * rb
+        r1 = min(rows, r0 + rb)
+        pending[blk, 0] = ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0,
+                                        r1, r0)
+        pending[blk, 1] = r1
+    alive(w)
+    alive(b)
+    return pending
+
+
+@cached_njit(error_model="numpy")
+def ln_gathered_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
+    """:func:`ln_forward_serial` for rows of any stride (``nt`` unused)."""
+    w, b = widened_pair(w, b)
+    _ln_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, runtime(0), x.shape[0])
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def ln_gathered_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
+    """:func:`ln_gathered_forward_serial`, blocks of rows spread over Numba's threads."""
     rows = x.shape[0]
-    tab = merge_weights(x.shape[1], eps)
     w, b = widened_pair(w, b)
     rb = _row_block(rows, x.shape[1])
     for blk in prange((rows + rb - 1) // rb):
         r0 = blk * rb
-        _ln_rows(x, w, b, eps, y, mean_out, rstd_out, tab, nt, r0, min(rows, r0 + rb))
+        _ln_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, min(rows, r0 + rb))
 
 
 @njit(error_model="numpy")
@@ -274,21 +359,19 @@ def _row_square_chunk(xr, r, base, g, zero):
 
 
 @njit(inline="always", error_model="numpy")
-def _row_sum_squares(xr, r, n, like, rem):
+def _row_sum_squares(xr, r, n, like):
     zero = splat(cast(0.0, like))
     acc = zero
     groups = n // LANES
     full = groups // PER_LANE
     for c in range(full):
-        acc = acc + _row_square_chunk(xr, r, c * CHUNK, PER_LANE, zero)
+        acc = acc + _row_square_chunk(xr, r, c * CHUNK, runtime(PER_LANE), zero)
     g = groups - full * PER_LANE
     if g > 0:
         acc = acc + _row_square_chunk(xr, r, full * CHUNK, g, zero)
     body = groups * LANES
     if body < n:
-        for j in range(LANES):
-            put(rem, 0, j, widen(get(xr, r, body + j)) if body + j < n else cast(0.0, like))
-        v = vload(rem, 0, 0)
+        v = vload_tail(xr, r, body, n - body, cast(0.0, like))
         acc = acc + v * v
     return tree_sum(acc)
 
@@ -325,67 +408,102 @@ def _rms_row_out(xr, yr, r, n, rstd, w, nt):
 
 
 @njit(error_model="numpy")
-def _rms_rows(x, w, eps, y, rstd_out, nt, r0, r1):
-    if not (unit_stride(x) and unit_stride(y)):
-        _rms_rows_gathered(x, w, eps, y, rstd_out, r0, r1)
-        return
-    rms_raw_rows(raw(x), raw(y), raw(w), eps, x.shape[1], nt, rstd_out, r0, r1, r0)
-
-
-@njit(error_model="numpy")
 def rms_raw_rows(xv, yv, wv, eps, n, nt, rstd_out, r0, r1, s0):
     """RMSNorm of rows ``r0 .. r1`` of unit-stride :class:`._simd.Raw` views; their
-    ``rstd`` goes to ``s0 ..`` (the RMSNorm twin of :func:`ln_raw_rows`)."""
-    rem = np.full((1, LANES), eps)
-    remv = raw(rem)
+    ``rstd`` goes to ``s0 ..`` (the RMSNorm twin of :func:`ln_long_rows`, stopping as
+    it does)."""
+    stop = r1
     for r in range(r0, r1):
-        rstd = _rms_rstd(xv, r, n, eps, remv)
-        if not rstd > 0 and rms_row_rescaled(xv, yv, r, n, eps, wv, rstd_out, s0 + (r - r0)):
-            continue  # a finite row whose squares overflow
+        rstd = _rms_rstd(xv, r, n, eps)
+        if not rstd > 0 and finite_row(xv, r, n):
+            stop = r
+            break
         _rms_row_out(xv, yv, r, n, rstd, wv, nt)
         put_stat(rstd_out, s0 + (r - r0), rstd)
-    alive(rem)
     if nt:
         store_fence()
+    return stop
 
 
 @njit(error_model="numpy")
-def _rms_rows_gathered(x, w, eps, y, rstd_out, r0, r1):
-    """:func:`_rms_rows` for strided rows, through a contiguous scratch row."""
+def rms_rows_rescued(xv, yv, wv, eps, n, nt, rstd_out, r0, r1, s0):
+    """:func:`rms_raw_rows` with the rows it stops at rescaled: every row done (for the
+    fusions)."""
+    r = r0
+    while r < r1:
+        stop = rms_raw_rows(xv, yv, wv, eps, n, nt, rstd_out, r, r1, s0 + (r - r0))
+        if stop < r1:
+            rms_row_rescaled(xv, yv, stop, n, eps, wv, rstd_out, s0 + (stop - r0))
+        r = stop + 1
+
+
+@njit(error_model="numpy")
+def _rms_gathered(x, w, eps, y, rstd_out, r0, r1):
+    """Strided rows ``r0 .. r1`` through a contiguous scratch row."""
     n = x.shape[1]
-    rem = np.full((1, LANES), eps)
     xs = np.empty((1, n), dtype=x.dtype)
     ys = np.empty((1, n), dtype=y.dtype)
-    xv, yv, wv, remv = raw(xs), raw(ys), raw(w), raw(rem)
+    xv, yv, wv = raw(xs), raw(ys), raw(w)
     for r in range(r0, r1):
         copy_row(xs, 0, x, r)
-        rstd = _rms_rstd(xv, runtime(0), n, eps, remv)
+        rstd = _rms_rstd(xv, runtime(0), n, eps)
         # A finite row whose squares overflow is written by rms_row_rescaled instead.
         if rstd > 0 or not rms_row_rescaled(xv, yv, runtime(0), n, eps, wv, rstd_out, r):
             _rms_row_out(xv, yv, runtime(0), n, rstd, wv, False)
             put_stat(rstd_out, r, rstd)
         copy_row(y, r, ys, 0)
-    alive(rem)
+    alive(xs)
+    alive(ys)
 
 
 @njit(inline="always", error_model="numpy")
-def _rms_rstd(xr, r, n, eps, rem):
-    ss = _row_sum_squares(xr, r, n, eps, rem)
+def _rms_rstd(xr, r, n, eps):
+    ss = _row_sum_squares(xr, r, n, eps)
     return cast(1.0, eps) / np.sqrt(ss / cast(n, eps) + eps)
 
 
 @cached_njit(error_model="numpy")
 def rms_forward_serial(x, w, eps, y, rstd_out, nt):
-    """RMSNorm forward of a 2-D array on the calling thread."""
-    _rms_rows(x, widened(w), eps, y, rstd_out, nt, runtime(0), x.shape[0])
+    """RMSNorm forward of unit-stride rows of a 2-D array on the calling thread
+    (returns as :func:`ln_forward_serial`)."""
+    w = widened(w)
+    stop = rms_raw_rows(raw(x), raw(y), raw(w), eps, x.shape[1], nt, rstd_out, runtime(0),
+                        x.shape[0], runtime(0))
+    alive(w)
+    return stop
 
 
 @cached_njit(parallel=True, error_model="numpy")
 def rms_forward_parallel(x, w, eps, y, rstd_out, nt):
-    """RMSNorm forward of a 2-D array, blocks of rows spread over Numba's threads."""
+    """:func:`rms_forward_serial`, blocks of rows spread over Numba's threads (returns
+    as :func:`ln_forward_parallel`)."""
+    rows, n = x.shape
+    w = widened(w)
+    xv, yv, wv = raw(x), raw(y), raw(w)
+    rb = _row_block(rows, n)
+    blocks = (rows + rb - 1) // rb
+    pending = np.empty((blocks, 2), dtype=np.int64)
+    for blk in prange(blocks):
+        r0 = blk * rb
+        r1 = min(rows, r0 + rb)
+        pending[blk, 0] = rms_raw_rows(xv, yv, wv, eps, n, nt, rstd_out, r0, r1, r0)
+        pending[blk, 1] = r1
+    alive(w)
+    return pending
+
+
+@cached_njit(error_model="numpy")
+def rms_gathered_forward_serial(x, w, eps, y, rstd_out, nt):
+    """:func:`rms_forward_serial` for rows of any stride (``nt`` unused)."""
+    _rms_gathered(x, widened(w), eps, y, rstd_out, runtime(0), x.shape[0])
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def rms_gathered_forward_parallel(x, w, eps, y, rstd_out, nt):
+    """:func:`rms_gathered_forward_serial`, blocks of rows spread over Numba's threads."""
     rows = x.shape[0]
     w = widened(w)
     rb = _row_block(rows, x.shape[1])
     for blk in prange((rows + rb - 1) // rb):
         r0 = blk * rb
-        _rms_rows(x, w, eps, y, rstd_out, nt, r0, min(rows, r0 + rb))
+        _rms_gathered(x, w, eps, y, rstd_out, r0, min(rows, r0 + rb))

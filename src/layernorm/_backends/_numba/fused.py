@@ -5,7 +5,7 @@ unit stride, block of rows by block of rows: a block's ``h`` is computed in the
 accumulation type (an IEEE add per element of the widened inputs), rounded once to h's
 element type and stored, then the block is normalized by the same compiled row function
 as the unfused forward (:func:`.forward_rows.ln_raw_rows` /
-:func:`.forward_rows.rms_raw_rows`) reading those just-stored, cache-resident ``h``
+:func:`.forward_rows.rms_rows_rescued`) reading those just-stored, cache-resident ``h``
 values. The same operations on the same values: ``y`` is bit for bit
 ``layer_norm(h)`` / ``rms_norm(h)``, rounded to y's element type.
 
@@ -41,8 +41,8 @@ from ._simd import (
     vstore,
 )
 from .diskcache import cached_njit
-from .forward_rows import ln_raw_rows, rms_raw_rows
-from .rowmath import LANES, merge_weights, widened, widened_pair
+from .forward_rows import ln_raw_rows, rms_rows_rescued
+from .rowmath import LANES, widened, widened_pair
 
 #: Elements per block of rows (no effect on results): the block's ``h`` stays in L2
 #: between the add and the two passes of the row function over it.
@@ -82,8 +82,8 @@ def _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt, r0, r1):
 @njit(error_model="numpy")
 def _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, r1):
     hv = add_block(x, res, h, r0, r1)
-    rms_raw_rows(hv, raw(y[r0:r1]), raw(w), eps, x.shape[1], nt, rstd_out, runtime(0),
-                 r1 - r0, r0)
+    rms_rows_rescued(hv, raw(y[r0:r1]), raw(w), eps, x.shape[1], nt, rstd_out, runtime(0),
+                     r1 - r0, r0)
 
 
 @njit(inline="always", error_model="numpy")
@@ -94,10 +94,9 @@ def block_rows(rows, n, blocks, elements):
 
 
 @cached_njit(error_model="numpy")
-def add_ln_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, nt):
+def add_ln_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
     """``h = x + res`` and the LayerNorm of ``h`` into ``y``, on the calling thread."""
     rows, n = x.shape
-    tab = merge_weights(n, eps)
     w, b = widened_pair(w, b)
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     for r0 in range(0, rows, rb):
@@ -106,10 +105,9 @@ def add_ln_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, nt):
 
 
 @cached_njit(parallel=True, error_model="numpy")
-def add_ln_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, nt):
+def add_ln_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
     """:func:`add_ln_forward_serial` with blocks of rows over Numba's threads."""
     rows, n = x.shape
-    tab = merge_weights(n, eps)
     w, b = widened_pair(w, b)
     rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
     for blk in prange((rows + rb - 1) // rb):

@@ -32,9 +32,11 @@ The kernels see a 2-D ``(rows, n)`` array, or the columns of a 3-D ``(outer, n, 
 one, and nothing else. Modules, by job:
 
 * :mod:`.rowmath`: the row arithmetic every path shares (constants, widening of 16-bit
-  parameters, affine step, moment merge and finish, tree sums, row moments);
+  parameters, affine step, moment merge and finish, tree sums, row moments), and the
+  host-side table of its ``n``-dependent weights (:func:`.rowmath.merge_table`, passed
+  to the LayerNorm kernels as ``tab``);
 * :mod:`.forward_rows`: LayerNorm/RMSNorm forward of rows (row, short-row and gather
-  paths, serial and parallel);
+  paths, each its own entry kernel, serial and parallel);
 * :mod:`.forward_cols`: the channels-first forward (column path);
 * :mod:`.backward`: row and column backward and the ordered block sum ``sum_blocks``;
 * :mod:`.fused`: residual add then LayerNorm/RMSNorm of rows in one pass (the row
@@ -58,10 +60,13 @@ from __future__ import annotations
 from .backward import (
     COL_BLOCK,
     PAIR_MIN_N,
+    SHORT_BACKWARD_N,
     backward_cols_parallel,
     backward_cols_serial,
     ln_backward_parallel,
     ln_backward_serial,
+    ln_short_backward_parallel,
+    ln_short_backward_serial,
     rms_backward_parallel,
     rms_backward_serial,
     sum_blocks,
@@ -76,8 +81,14 @@ from .forward_rows import (
     SHORT_ROW_MAX,
     ln_forward_parallel,
     ln_forward_serial,
+    ln_gathered_forward_parallel,
+    ln_gathered_forward_serial,
+    ln_short_forward_parallel,
+    ln_short_forward_serial,
     rms_forward_parallel,
     rms_forward_serial,
+    rms_gathered_forward_parallel,
+    rms_gathered_forward_serial,
 )
 from .fused import (
     add_ln_forward_parallel,
@@ -91,12 +102,13 @@ from .quantized import (
     rms_quant_forward_parallel,
     rms_quant_forward_serial,
 )
-from .rowmath import LANES
+from .rowmath import LANES, merge_table
 
 __all__ = [
     "COL_BLOCK",
     "LANES",
     "PAIR_MIN_N",
+    "SHORT_BACKWARD_N",
     "SHORT_ROW_MAX",
     "add_ln_forward_parallel",
     "add_ln_forward_serial",
@@ -110,14 +122,23 @@ __all__ = [
     "ln_forward_cols_serial",
     "ln_forward_parallel",
     "ln_forward_serial",
+    "ln_gathered_forward_parallel",
+    "ln_gathered_forward_serial",
     "ln_quant_forward_parallel",
     "ln_quant_forward_serial",
+    "ln_short_backward_parallel",
+    "ln_short_backward_serial",
+    "ln_short_forward_parallel",
+    "ln_short_forward_serial",
+    "merge_table",
     "rms_backward_parallel",
     "rms_backward_serial",
     "rms_forward_cols_parallel",
     "rms_forward_cols_serial",
     "rms_forward_parallel",
     "rms_forward_serial",
+    "rms_gathered_forward_parallel",
+    "rms_gathered_forward_serial",
     "rms_quant_forward_parallel",
     "rms_quant_forward_serial",
     "sum_blocks",

@@ -11,32 +11,28 @@ from __future__ import annotations
 import numpy as np
 
 from ._scalars import widen
-from ._simd import alive, get, lane, raw, splat, store_fence, vload, vstore
+from ._simd import get, lane, raw, splat, store_fence, vload, vstore
 from .diskcache import cached_njit
 from .forward_rows import ln_row_out
-from .rowmath import LANES, finish, merge_weights, row_moments
+from .rowmath import LANES, finish, row_moments
 
 #: Vector accumulators of the read pass (enough to hide the add latency).
 READ_UNROLL = 4
 
 
 @cached_njit(error_model="numpy")
-def statistics_pass(x, eps, shift_out, mu_out, rstd_out):
+def statistics_pass(x, eps, tab, shift_out, mu_out, rstd_out):
     """The forward kernel's statistics pass alone: per row its shift ``K``, shifted
-    mean and ``rstd`` (what the output pass takes)."""
+    mean and ``rstd`` (what the output pass takes); ``tab`` is ``rowmath.merge_table``."""
     n = x.shape[1]
-    tab = merge_weights(n, eps)
-    rem = np.full((1, LANES), eps)
-    xv, tv, remv = raw(x), raw(tab), raw(rem)
+    xv, tv = raw(x), raw(tab)
     for r in range(x.shape[0]):
         shift = widen(get(xv, r, 0))
-        mean, m2 = row_moments(xv, r, n, shift, tv, remv)
+        mean, m2 = row_moments(xv, r, n, shift, tv)
         _, rstd = finish(shift, mean, m2, n, eps)
         shift_out[r] = shift
         mu_out[r] = mean
         rstd_out[r] = rstd
-    alive(rem)
-    alive(tab)
 
 
 @cached_njit(error_model="numpy")

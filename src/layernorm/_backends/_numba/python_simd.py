@@ -46,6 +46,7 @@ __all__ = [
     "vabsmax",
     "vaddress",
     "vload",
+    "vload_tail",
     "vstore",
     "vstore_nt",
 ]
@@ -123,6 +124,13 @@ def raw(arr: np.ndarray) -> np.ndarray:
 def vload(view: np.ndarray, r: int, i: int) -> np.ndarray:
     """``WIDTH`` elements of row ``r`` from column ``i``, widened (a copy)."""
     return widen(view[r, i:i + WIDTH])
+
+
+def vload_tail(view: np.ndarray, r: int, i: int, count: int, fill: Any) -> np.ndarray:
+    """Lanes ``j < count`` from ``view[r, i + j]`` (widened), the others ``fill``."""
+    out = np.full(WIDTH, fill)
+    out[:count] = widen(view[r, i:i + count])
+    return out
 
 
 def vstore(view: np.ndarray, vec: np.ndarray, r: int, i: int) -> None:

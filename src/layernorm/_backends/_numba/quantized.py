@@ -2,7 +2,7 @@
 
 Block of rows by block of rows, a block of ``BLOCK_ELEMENTS`` is normalized into a
 float32 scratch block by the same compiled row function as the plain forward
-(:func:`.forward_rows.ln_raw_rows` / :func:`.forward_rows.rms_raw_rows`): that scratch
+(:func:`.forward_rows.ln_raw_rows` / :func:`.forward_rows.rms_rows_rescued`): that scratch
 holds ``y32``, the output in the accumulation precision before any rounding, bit for
 bit what the plain forward of the float32-widened input writes. While the block is in
 L2 each of its rows is then quantized (:func:`quantize_row`) and only the 1-byte codes
@@ -55,9 +55,9 @@ from ._simd import (
     vload,
 )
 from .diskcache import cached_njit
-from .forward_rows import ln_raw_rows, rms_raw_rows
+from .forward_rows import ln_raw_rows, rms_rows_rescued
 from .fused import PARALLEL_BLOCKS, add_block, block_rows
-from .rowmath import LANES, merge_weights, widened, widened_pair
+from .rowmath import LANES, widened, widened_pair
 
 #: Elements per block of rows (no effect on results): the float32 scratch block stays
 #: in L2 between the normalization and the quantization.
@@ -138,8 +138,8 @@ def _ln_block(xv, w, b, eps, tab, y32, mean_out, rstd_out, q, r0, r1, fmt, dynam
 
 @njit(error_model="numpy")
 def _rms_block(xv, w, eps, y32, rstd_out, q, r0, r1, fmt, dynamic, inv_rows, scale_out):
-    rms_raw_rows(xv, raw(y32), raw(w), eps, q.shape[1], runtime(False), rstd_out,
-                 runtime(0), r1 - r0, r0)
+    rms_rows_rescued(xv, raw(y32), raw(w), eps, q.shape[1], runtime(False), rstd_out,
+                     runtime(0), r1 - r0, r0)
     _quantize_block(y32, q, r0, r1, fmt, dynamic, inv_rows, scale_out)
 
 
@@ -158,12 +158,11 @@ def _block_input_typed(x, res, h, r0, r1):
 
 
 @cached_njit(error_model="numpy")
-def ln_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, fmt, dynamic,
-                            inv_rows, scale_out):
+def ln_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
+                            dynamic, inv_rows, scale_out):
     """LayerNorm of the rows of ``x`` (of ``h = x + res`` with a residual; ``res`` and
     ``h`` None without) quantized into ``q``, on the calling thread."""
     rows, n = x.shape
-    tab = merge_weights(n, eps)
     w, b = widened_pair(w, b)
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     y32 = _scratch(rb, n)
@@ -174,11 +173,10 @@ def ln_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, fmt, dy
 
 
 @cached_njit(parallel=True, error_model="numpy")
-def ln_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out, fmt, dynamic,
-                              inv_rows, scale_out):
+def ln_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
+                              dynamic, inv_rows, scale_out):
     """:func:`ln_quant_forward_serial` with blocks of rows over Numba's threads."""
     rows, n = x.shape
-    tab = merge_weights(n, eps)
     w, b = widened_pair(w, b)
     rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
     for blk in prange((rows + rb - 1) // rb):

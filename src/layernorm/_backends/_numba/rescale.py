@@ -15,6 +15,13 @@ functions, which:
   float64, write the normalized row through the same affine step and rounding as the
   fast path, and store the statistics of the unscaled row (``mean / s``, ``rstd * s``).
 
+The row loops of unit-stride rows stop before such a row (a finite row whose ``rstd``
+is not positive, :func:`finite_row`), leave it unwritten and return its index. Loops
+that must finish every row (gathered rows, the fusions) rescale it and resume after it;
+the plain forward kernels return, and the driver finishes the call through the
+gathered-rows kernel, so that a first call never compiles these functions (about half
+a second) for a row that almost never comes. Unwritten rows keep in-place calls exact.
+
 The result of such a row depends on that row alone (batch and thread invariance hold),
 but it is computed by this different sequence of operations, so its bits are not those
 any formula of the fast path would give: it is a rare row that the fast path cannot
@@ -143,3 +150,13 @@ def rms_column_rescaled(x2, y2, c, eps, w, rstd_out, s):
     alive(ys)
     alive(w)
     return done
+
+
+
+@njit(inline="always", error_model="numpy")
+def finite_row(xr, r, n):
+    """Whether row ``r`` of a :class:`._simd.Raw` view holds no NaN and no infinity."""
+    for i in range(n):
+        if not abs(widen(get(xr, r, i))) < math.inf:
+            return False
+    return True

@@ -33,7 +33,7 @@ the ``r = n % LANES`` remaining elements go one each to lanes ``0 .. r-1``.
    ``d = mean - mean_shifted`` and ``M2 = T(fma(c * d, d, M2))``: the exact
    decomposition of the total ``M2``, with two short tree sums instead of a chain of
    merges. All weights depend on ``n`` only and are computed once per call
-   (:func:`merge_weights`).
+   (:func:`merge_table`).
 5. ``rstd = 1 / sqrt(M2 / n + eps)``, ``mean = K + mean_shifted``, and the output pass
    computes ``y = fma(((x - K) - mean_shifted) * rstd, w, b)`` element by element. The
    backend passes ``w = 1`` for an absent weight and ``b = -0.0`` for an absent bias:
@@ -53,6 +53,9 @@ sum in order, then the remainder's squares; lanes are summed in the fixed tree,
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
@@ -71,11 +74,12 @@ from ._simd import (
     lane,
     put,
     raw,
+    runtime,
     splat,
     vload,
+    vload_tail,
     vstore,
 )
-from .diskcache import cached_njit
 
 LANES = WIDTH
 PER_LANE = 8
@@ -88,28 +92,53 @@ TAB_ROWS = 5
 TAB_REM_F, TAB_REM_C, TAB_PARTIAL, TAB_COUNTS, TAB_INV_N = 0, 1, 2, 3, 4
 
 
-@cached_njit(error_model="numpy")
-def merge_weights(n, like):
-    """Weights of the row arithmetic that depend on ``n`` only (rows: ``TAB_*``)."""
-    groups = n // LANES
-    r = n % LANES
-    tab = np.full((TAB_ROWS, LANES), cast(0.0, like))
-    one = cast(1.0, like)
+@functools.lru_cache(maxsize=256)
+def merge_table(n: int, dtype: Any) -> np.ndarray:
+    """Weights of the row arithmetic that depend on ``n`` only (rows ``TAB_*``).
+
+    Computed on the host once per ``(n, dtype)`` and passed to the kernels (a read-only
+    array): the same IEEE operations in ``dtype`` as in a kernel, so the same bits, and
+    nothing to compile.
+
+    Parameters
+    ----------
+    n : int
+        Row length.
+    dtype : numpy.dtype
+        Accumulation dtype (float32 or float64).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``(TAB_ROWS, LANES)``, read-only.
+
+    Examples
+    --------
+    >>> tab = merge_table(20, np.dtype(np.float32))
+    >>> float(tab[TAB_INV_N, 0]) == float(np.float32(1) / np.float32(20))
+    True
+    """
+    t = np.dtype(dtype).type
+    groups, r = divmod(n, LANES)
+    tab = np.zeros((TAB_ROWS, LANES), dtype=dtype)
+    one = t(1.0)
     for j in range(LANES):
-        tab[TAB_COUNTS, j] = cast(groups + (1 if j < r else 0), like)
+        tab[TAB_COUNTS, j] = t(groups + (1 if j < r else 0))
         if j < r:
-            f = one / cast(groups + 1, like)
+            f = one / t(groups + 1)
             tab[TAB_REM_F, j] = f
-            tab[TAB_REM_C, j] = cast(groups, like) * f
+            tab[TAB_REM_C, j] = t(groups) * f
     full = groups // PER_LANE
     g = groups - full * PER_LANE
     if g > 0:
-        # The partial chunk's weights, hoisted out of the row loop (same formula).
-        f, c = chunk_weights(full, g, like)
+        # The partial chunk's weights (chunk_weights(full, g)), hoisted out of the rows.
+        a = full * PER_LANE
+        f = t(g) / t(a + g)
         tab[TAB_PARTIAL, 0] = f
-        tab[TAB_PARTIAL, 1] = c
-        tab[TAB_PARTIAL, 2] = one / cast(g, like)
-    tab[TAB_INV_N, 0] = one / cast(max(n, 1), like)
+        tab[TAB_PARTIAL, 1] = t(a) * f
+        tab[TAB_PARTIAL, 2] = one / t(g)
+    tab[TAB_INV_N, 0] = one / t(max(n, 1))
+    tab.flags.writeable = False
     return tab
 
 
@@ -288,9 +317,9 @@ def _row_chunk(xr, r, base, g, kv, inv, pad, zero):
 
 
 @njit(inline="always", error_model="numpy")
-def row_moments(xr, r, n, shift, tab, rem):
-    """(shifted mean, M2) of a unit-stride row; ``rem`` is a LANES scratch."""
-    mean, m2 = lane_moments(xr, r, n, shift, tab, rem)
+def row_moments(xr, r, n, shift, tab):
+    """(shifted mean, M2) of a unit-stride row."""
+    mean, m2 = lane_moments(xr, r, n, shift, tab)
     counts = vload(tab, TAB_COUNTS, 0)
     mu = tree_sum(counts * mean) * get(tab, TAB_INV_N, 0)
     d = mean - splat(mu)
@@ -298,7 +327,7 @@ def row_moments(xr, r, n, shift, tab, rem):
 
 
 @njit(inline="always", error_model="numpy")
-def lane_moments(xr, r, n, shift, tab, rem):
+def lane_moments(xr, r, n, shift, tab):
     """Per-lane (shifted mean, M2) of a unit-stride row: steps 1-3 of the row arithmetic."""
     like = shift
     kv = splat(shift)
@@ -310,7 +339,7 @@ def lane_moments(xr, r, n, shift, tab, rem):
     full = groups // PER_LANE
     inv_full = splat(cast(1.0, like) / cast(PER_LANE, like))
     for c in range(full):
-        m, q = _row_chunk(xr, r, c * CHUNK, PER_LANE, kv, inv_full, pad, zero)
+        m, q = _row_chunk(xr, r, c * CHUNK, runtime(PER_LANE), kv, inv_full, pad, zero)
         f, cc = chunk_weights(c, PER_LANE, like)
         mean, m2 = merge(mean, m2, m, q, splat(f), splat(cc))
     g = groups - full * PER_LANE
@@ -321,9 +350,7 @@ def lane_moments(xr, r, n, shift, tab, rem):
                           splat(get(tab, TAB_PARTIAL, 1)))
     start = groups * LANES
     if start < n:
-        for j in range(LANES):
-            put(rem, 0, j, widen(get(xr, r, start + j)) if start + j < n else shift)
-        v = vload(rem, 0, 0) - kv
+        v = vload_tail(xr, r, start, n - start, shift) - kv
         d = v - v
         mean, m2 = merge(mean, m2, v, d * d, vload(tab, TAB_REM_F, 0),
                           vload(tab, TAB_REM_C, 0))
