@@ -292,15 +292,35 @@ def test_serial_and_parallel_kernels_agree():
         _same_bits(a, e)
     gy = _rows(rows, n, 12)
     mean, rstd = results[0][1], results[0][2]
+    # Every backward path (unit-stride, short-row, any-stride kernels compute any rows
+    # they are given), serial and parallel: the same grad_x and the same parameter
+    # gradients, which each kernel returns summed over its blocks in order.
     grads = []
-    for fn in (k.ln_backward_serial, k.ln_backward_parallel):
+    for fn in (k.ln_backward_serial, k.ln_backward_parallel, k.ln_short_backward_serial,
+               k.ln_short_backward_parallel, k.ln_gathered_backward_serial,
+               k.ln_gathered_backward_parallel):
         gx = np.empty_like(x)
         partials = np.zeros((2, -(-rows // backend.GRAD_ROW_BLOCK), n), np.float32)
-        backend.entry.call(fn, backend.LN_BACKWARD_WRITES, gy, x, mean, rstd, w, gx,
-                            partials, backend.GRAD_ROW_BLOCK, x, False)
-        grads.append((gx, partials))
-    for a, e in zip(*grads, strict=False):
-        _same_bits(a, e)
+        sums = backend.entry.call(fn, backend.LN_BACKWARD_WRITES, gy, x, mean, rstd, w, gx,
+                                  partials, backend.GRAD_ROW_BLOCK, x, False)
+        grads.append((gx, partials, sums))
+    for other in grads[1:]:
+        for a, e in zip(other, grads[0], strict=True):
+            _same_bits(a, e)
+    gx, partials, sums = grads[0]
+    np.testing.assert_allclose(sums, partials.astype(np.float64).sum(axis=1), rtol=1e-4,
+                               atol=1e-3)
+    rms = []
+    for fn in (k.rms_backward_serial, k.rms_backward_parallel,
+               k.rms_gathered_backward_serial, k.rms_gathered_backward_parallel):
+        gx = np.empty_like(x)
+        partials = np.zeros((1, -(-rows // backend.GRAD_ROW_BLOCK), n), np.float32)
+        sums = backend.entry.call(fn, backend.RMS_BACKWARD_WRITES, gy, x, rstd, w, gx,
+                                  partials, backend.GRAD_ROW_BLOCK, x, False)
+        rms.append((gx, partials, sums))
+    for other in rms[1:]:
+        for a, e in zip(other, rms[0], strict=True):
+            _same_bits(a, e)
 
 
 _THREADS_SCRIPT = textwrap.dedent(

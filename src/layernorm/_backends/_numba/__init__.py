@@ -325,14 +325,29 @@ def _grad_residual_arg(grad_residual: Any, x: Any, dtype: str) -> tuple[Any, boo
     return _as_kernel_array(grad_residual, dtype), True
 
 
+def _unit_strides(gy: Any, x: Any, gx: Any, grad_residual: Any) -> bool:
+    arrays = (gy, x, gx) if grad_residual is None else (gy, x, gx, grad_residual)
+    return all(_unit_stride(a) for a in arrays)
+
+
 def ln_backward_kernels(k: Any, gy: Any, x: Any, gx: Any,
                         grad_residual: Any = None) -> tuple[Any, Any]:
-    """The (serial, parallel) LayerNorm backward kernels for 2-D rows (one per path: the
-    short-row kernels need unit strides; both give the same bits)."""
-    arrays = (gy, x, gx) if grad_residual is None else (gy, x, gx, grad_residual)
-    if x.shape[1] < k.SHORT_BACKWARD_N and all(_unit_stride(a) for a in arrays):
+    """The (serial, parallel) LayerNorm backward kernels for 2-D rows: one per path
+    (unit-stride rows, short ones, any stride), all giving the same bits."""
+    if not _unit_strides(gy, x, gx, grad_residual):
+        return k.ln_gathered_backward_serial, k.ln_gathered_backward_parallel
+    if x.shape[1] < k.SHORT_BACKWARD_N:
         return k.ln_short_backward_serial, k.ln_short_backward_parallel
     return k.ln_backward_serial, k.ln_backward_parallel
+
+
+def rms_backward_kernels(k: Any, gy: Any, x: Any, gx: Any,
+                         grad_residual: Any = None) -> tuple[Any, Any]:
+    """The (serial, parallel) RMSNorm backward kernels for 2-D rows (see
+    :func:`ln_backward_kernels`; there is no short-row path)."""
+    if not _unit_strides(gy, x, gx, grad_residual):
+        return k.rms_gathered_backward_serial, k.rms_gathered_backward_parallel
+    return k.rms_backward_serial, k.rms_backward_parallel
 
 
 def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype, grad_residual=None):
@@ -349,13 +364,13 @@ def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype, grad_residual=N
         partials = _grad_partials(-(-mean.shape[0] // GRAD_ROW_BLOCK), n, mean.dtype, 2)
         gy2, x2, gx2, gres2 = gy[:, :, 0], x[:, :, 0], gx[:, :, 0], gres[:, :, 0]
         serial, parallel = ln_backward_kernels(k, gy2, x2, gx2, gres2 if has_res else None)
-        _run(serial, parallel, x.size, LN_BACKWARD_WRITES, gy2, x2, mean, rstd, w, gx2,
-             partials, GRAD_ROW_BLOCK, gres2, has_res)
+        sums = _run(serial, parallel, x.size, LN_BACKWARD_WRITES, gy2, x2, mean, rstd, w,
+                    gx2, partials, GRAD_ROW_BLOCK, gres2, has_res)
     else:
         partials = _grad_partials(_col_blocks(x3), n, mean.dtype, 2)
-        _run(k.backward_cols_serial, k.backward_cols_parallel, x.size, LN_BACKWARD_WRITES,
-             gy, x, mean, rstd, w, gx, partials, False, gres, has_res)
-    sums = entry.call(k.sum_blocks, (), partials)
+        sums = _run(k.backward_cols_serial, k.backward_cols_parallel, x.size,
+                    LN_BACKWARD_WRITES, gy, x, mean, rstd, w, gx, partials, False, gres,
+                    has_res)
     return sums[0], sums[1]
 
 
@@ -371,14 +386,16 @@ def rms_norm_backward(gy3, x3, rstd, weight, gx3, dtype, grad_residual=None):
     w = kernel_params(weight, None, n, rstd.dtype)[0]
     if x.shape[2] == 1:
         partials = _grad_partials(-(-rstd.shape[0] // GRAD_ROW_BLOCK), n, rstd.dtype, 1)
-        _run(k.rms_backward_serial, k.rms_backward_parallel, x.size, RMS_BACKWARD_WRITES,
-             gy[:, :, 0], x[:, :, 0], rstd, w, gx[:, :, 0], partials, GRAD_ROW_BLOCK,
-             gres[:, :, 0], has_res)
+        gy2, x2, gx2, gres2 = gy[:, :, 0], x[:, :, 0], gx[:, :, 0], gres[:, :, 0]
+        serial, parallel = rms_backward_kernels(k, gy2, x2, gx2, gres2 if has_res else None)
+        sums = _run(serial, parallel, x.size, RMS_BACKWARD_WRITES, gy2, x2, rstd, w, gx2,
+                    partials, GRAD_ROW_BLOCK, gres2, has_res)
     else:
         partials = _grad_partials(_col_blocks(x3), n, rstd.dtype, 1)
-        _run(k.backward_cols_serial, k.backward_cols_parallel, x.size, LN_BACKWARD_WRITES,
-             gy, x, rstd, rstd, w, gx, partials, True, gres, has_res)
-    return entry.call(k.sum_blocks, (), partials)[0]
+        sums = _run(k.backward_cols_serial, k.backward_cols_parallel, x.size,
+                    LN_BACKWARD_WRITES, gy, x, rstd, rstd, w, gx, partials, True, gres,
+                    has_res)
+    return sums[0]
 
 
 #: Positions of the arrays the fused add-and-normalize kernels write.

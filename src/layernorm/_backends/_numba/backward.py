@@ -4,10 +4,12 @@ Backward (LayerNorm): lane ``i % LANES`` accumulates ``g = dy * w`` and ``g * xh
 (``xhat = (x - mean) * rstd``) in order; tree sums; ``grad_x = ((g - mean_g) - xhat *
 mean_gxhat) * rstd``. ``grad_weight``/``grad_bias`` partials are accumulated per fixed
 block of rows (2-D: ``block_rows`` consecutive rows in order; 3-D: one partial per
-``(outer index, COL_BLOCK columns)``), then summed over blocks in order.
+``(outer index, COL_BLOCK columns)``), then summed over blocks in order by the kernel
+itself, which returns the sums.
 
 The column layout (``inner > 1``) gathers each column into a scratch row and runs the
-row helpers on it.
+row helpers on it; so do rows of any other stride (``*_gathered_backward_*``), through
+a pair of scratch rows.
 
 ``grad_residual`` (the gradient reaching the normalized input from the residual stream)
 is fused into the grad_x stores: every kernel takes it as ``gres`` with a flag
@@ -23,9 +25,9 @@ import numpy as np
 from numba import njit, prange
 
 from ._scalars import cast, narrow, widen
-from ._simd import alive, get, put, raw, splat, vload, vload_tail, vstore
+from ._simd import alive, get, put, raw, runtime, splat, vload, vload_tail, vstore
 from .diskcache import cached_njit
-from .rowmath import LANES, copy_row, times_w, tree_sum, unit_stride, widened
+from .rowmath import LANES, copy_row, times_w, tree_sum, widened
 
 #: Rows at least this long run the backward two rows per pass (no effect on results;
 #: measured: it pays once the partial sums no longer fit in L1, and costs below).
@@ -185,52 +187,65 @@ def _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gr
 def _gather_rows(xs, gys, grs, x, gy, gres, r, two, has_res):
     """Rows ``r`` (and ``r + 1`` if ``two``) of x, grad_y and (``has_res``) grad_residual
     into the scratch rows 0 and 1 of the strided path."""
-    copy_row(xs, 0, x, r)
-    copy_row(gys, 0, gy, r)
+    copy_row(xs, runtime(0), x, r)
+    copy_row(gys, runtime(0), gy, r)
     if has_res:
-        copy_row(grs, 0, gres, r)
+        copy_row(grs, runtime(0), gres, r)
     if two:
-        copy_row(xs, 1, x, r + 1)
-        copy_row(gys, 1, gy, r + 1)
+        copy_row(xs, runtime(1), x, r + 1)
+        copy_row(gys, runtime(1), gy, r + 1)
         if has_res:
-            copy_row(grs, 1, gres, r + 1)
+            copy_row(grs, runtime(1), gres, r + 1)
 
 
 @njit(error_model="numpy")
 def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
-    """Rows ``r0 .. r1`` (partial block ``blk``) of any length and stride."""
+    """Unit-stride rows ``r0 .. r1`` (partial block ``blk``) of any length."""
     n = x.shape[1]
-    strided = not _unit_rows(gy, x, gx, gres, has_res)
-    xs = np.empty((2, n if strided else 0), dtype=x.dtype)
-    gys = np.empty((2, n if strided else 0), dtype=gy.dtype)
-    gxs = np.empty((2, n if strided else 0), dtype=gx.dtype)
-    grs = np.empty((2, n if strided and has_res else 0), dtype=gres.dtype)
-    xv, gyv, gxv, xsv, gysv, gxsv = raw(x), raw(gy), raw(gx), raw(xs), raw(gys), raw(gxs)
-    wv = raw(w)
+    gyv, xv, gxv, grv, wv = raw(gy), raw(x), raw(gx), raw(gres), raw(w)
     dw = raw(partials[0, blk])
     db = raw(partials[1, blk])
-    a, b, c = (gysv, xsv, gxsv) if strided else (gyv, xv, gxv)
-    d = raw(grs) if strided else raw(gres)
     # Long rows in pairs (a last single row alone): the parameter-gradient partial sums,
     # too long for L1 then, are read and written once per pair. Each row's arithmetic is
     # the same either way.
     step = 2 if n >= PAIR_MIN_N else 1
     for r in range(r0, r1, step):
         two = step == 2 and r + 1 < r1
-        if strided:
-            _gather_rows(xs, gys, grs, x, gy, gres, r, two, has_res)
-        ra = 0 if strided else r
-        rb = ra + 1 if two else ra
+        rb = r + 1 if two else r
         ma, sa_ = mean_in[r], rstd_in[r]
-        mb, sb_ = mean_in[r + 1] if two else ma, rstd_in[r + 1] if two else sa_
-        ga, gxa = _ln_bwd_means(a, b, ra, n, ma, sa_, wv)
+        mb, sb_ = mean_in[rb], rstd_in[rb]
+        ga, gxa = _ln_bwd_means(gyv, xv, r, n, ma, sa_, wv)
+        gb, gxb = _ln_bwd_means(gyv, xv, rb, n, mb, sb_, wv) if two else (ga, gxa)
+        _ln_bwd_rows_out(gyv, xv, gxv, r, rb, two, n, (ma, sa_, ga, gxa), (mb, sb_, gb, gxb),
+                         wv, dw, db, grv, has_res)
+
+
+@njit(error_model="numpy")
+def _ln_bwd_gathered(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
+    """Rows ``r0 .. r1`` of any stride: copied (in pairs for long rows) into contiguous
+    scratch rows, computed as :func:`_ln_bwd_rows` computes them, copied back."""
+    n = x.shape[1]
+    xs = np.empty((2, n), dtype=x.dtype)
+    gys = np.empty((2, n), dtype=gy.dtype)
+    gxs = np.empty((2, n), dtype=gx.dtype)
+    grs = np.empty((2, n if has_res else 0), dtype=gres.dtype)
+    a, b, c, d, wv = raw(gys), raw(xs), raw(gxs), raw(grs), raw(w)
+    dw = raw(partials[0, blk])
+    db = raw(partials[1, blk])
+    step = 2 if n >= PAIR_MIN_N else 1
+    for r in range(r0, r1, step):
+        two = step == 2 and r + 1 < r1
+        _gather_rows(xs, gys, grs, x, gy, gres, r, two, has_res)
+        rb = 1 if two else 0
+        ma, sa_ = mean_in[r], rstd_in[r]
+        mb, sb_ = mean_in[r + rb], rstd_in[r + rb]
+        ga, gxa = _ln_bwd_means(a, b, 0, n, ma, sa_, wv)
         gb, gxb = _ln_bwd_means(a, b, rb, n, mb, sb_, wv) if two else (ga, gxa)
-        _ln_bwd_rows_out(a, b, c, ra, rb, two, n, (ma, sa_, ga, gxa), (mb, sb_, gb, gxb),
+        _ln_bwd_rows_out(a, b, c, 0, rb, two, n, (ma, sa_, ga, gxa), (mb, sb_, gb, gxb),
                          wv, dw, db, d, has_res)
-        if strided:
-            copy_row(gx, r, gxs, 0)
-            if two:
-                copy_row(gx, r + 1, gxs, 1)
+        copy_row(gx, r, gxs, runtime(0))
+        if two:
+            copy_row(gx, r + 1, gxs, runtime(1))
     alive(xs)
     alive(gys)
     alive(gxs)
@@ -238,19 +253,29 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, ha
 
 
 @njit(inline="always", error_model="numpy")
-def _unit_rows(gy, x, gx, gres, has_res):
-    return unit_stride(x) and unit_stride(gy) and unit_stride(gx) \
-        and (unit_stride(gres) or not has_res)
+def _block_sums(partials):
+    """``partials[:, blk, :]`` summed over ``blk`` in increasing order (deterministic)."""
+    count, blocks, n = partials.shape
+    total = np.empty((count, n), dtype=partials.dtype)
+    for c in range(count):
+        for i in range(n):
+            total[c, i] = partials[c, 0, i]
+        for blk in range(1, blocks):
+            for i in range(n):
+                total[c, i] = total[c, i] + partials[c, blk, i]
+    return total
 
 
-# Entry kernels, one per path so that a call compiles only its own: rows of any length
-# and stride, and unit-stride rows shorter than SHORT_BACKWARD_N. The driver picks;
-# both give a row the same bits.
+# Entry kernels, one per path so that a call compiles only its own: unit-stride rows,
+# unit-stride rows shorter than SHORT_BACKWARD_N, rows of any stride. The driver picks;
+# all give a row the same bits. Each returns the parameter-gradient partials summed
+# over blocks in order, ``(count, n)``.
 
 
 @cached_njit(error_model="numpy")
 def ln_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gres, has_res):
-    """LayerNorm backward of 2-D arrays on the calling thread (same blocks as parallel).
+    """LayerNorm backward of unit-stride 2-D rows on the calling thread (the same blocks
+    as the parallel kernel).
 
     With ``has_res``, ``gres`` (grad_residual, x's type) is added to grad_x; without,
     ``gres`` is any array of its type (x itself), never read.
@@ -261,18 +286,46 @@ def ln_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gre
         r0 = blk * block_rows
         _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
                      min(rows, r0 + block_rows), gres, has_res)
+    return _block_sums(partials)
 
 
 @cached_njit(parallel=True, error_model="numpy")
 def ln_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gres,
                          has_res):
-    """LayerNorm backward of 2-D arrays, row blocks spread over threads."""
+    """:func:`ln_backward_serial`, row blocks spread over threads."""
     rows = x.shape[0]
     w = widened(w)
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
                      min(rows, r0 + block_rows), gres, has_res)
+    return _block_sums(partials)
+
+
+@cached_njit(error_model="numpy")
+def ln_gathered_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gres,
+                                has_res):
+    """:func:`ln_backward_serial` for rows of any stride."""
+    rows = x.shape[0]
+    w = widened(w)
+    for blk in range(partials.shape[1]):
+        r0 = blk * block_rows
+        _ln_bwd_gathered(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
+                         min(rows, r0 + block_rows), gres, has_res)
+    return _block_sums(partials)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def ln_gathered_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows,
+                                  gres, has_res):
+    """:func:`ln_gathered_backward_serial`, row blocks spread over threads."""
+    rows = x.shape[0]
+    w = widened(w)
+    for blk in prange(partials.shape[1]):
+        r0 = blk * block_rows
+        _ln_bwd_gathered(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
+                         min(rows, r0 + block_rows), gres, has_res)
+    return _block_sums(partials)
 
 
 @cached_njit(error_model="numpy")
@@ -286,6 +339,7 @@ def ln_short_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_row
         r0 = blk * block_rows
         _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
                            min(rows, r0 + block_rows), gres, has_res)
+    return _block_sums(partials)
 
 
 @cached_njit(parallel=True, error_model="numpy")
@@ -298,6 +352,7 @@ def ln_short_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_r
         r0 = blk * block_rows
         _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
                            min(rows, r0 + block_rows), gres, has_res)
+    return _block_sums(partials)
 
 
 @njit(inline="always", error_model="numpy")
@@ -359,33 +414,43 @@ def _rms_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw, grr, has_res)
 
 @njit(error_model="numpy")
 def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
+    """Unit-stride rows ``r0 .. r1`` (partial block ``blk``), as :func:`_ln_bwd_rows`."""
     n = x.shape[1]
-    strided = not _unit_rows(gy, x, gx, gres, has_res)
-    xs = np.empty((2, n if strided else 0), dtype=x.dtype)
-    gys = np.empty((2, n if strided else 0), dtype=gy.dtype)
-    gxs = np.empty((2, n if strided else 0), dtype=gx.dtype)
-    grs = np.empty((2, n if strided and has_res else 0), dtype=gres.dtype)
-    xv, gyv, gxv, xsv, gysv, gxsv = raw(x), raw(gy), raw(gx), raw(xs), raw(gys), raw(gxs)
-    wv = raw(w)
+    gyv, xv, gxv, grv, wv = raw(gy), raw(x), raw(gx), raw(gres), raw(w)
     dw = raw(partials[0, blk])
-    a, b, c = (gysv, xsv, gxsv) if strided else (gyv, xv, gxv)
-    d = raw(grs) if strided else raw(gres)
     step = 2 if n >= PAIR_MIN_N else 1
     for r in range(r0, r1, step):
         two = step == 2 and r + 1 < r1
-        if strided:
-            _gather_rows(xs, gys, grs, x, gy, gres, r, two, has_res)
-        ra = 0 if strided else r
-        rb = ra + 1 if two else ra
-        sa_ = rstd_in[r]
-        sb_ = rstd_in[r + 1] if two else sa_
-        ma = _rms_bwd_mean(a, b, ra, n, sa_, wv)
+        rb = r + 1 if two else r
+        sa_, sb_ = rstd_in[r], rstd_in[rb]
+        ma = _rms_bwd_mean(gyv, xv, r, n, sa_, wv)
+        mb = _rms_bwd_mean(gyv, xv, rb, n, sb_, wv) if two else ma
+        _rms_bwd_rows_out(gyv, xv, gxv, r, rb, two, n, (sa_, ma), (sb_, mb), wv, dw, grv,
+                          has_res)
+
+
+@njit(error_model="numpy")
+def _rms_bwd_gathered(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
+    """Rows of any stride through scratch rows, as :func:`_ln_bwd_gathered`."""
+    n = x.shape[1]
+    xs = np.empty((2, n), dtype=x.dtype)
+    gys = np.empty((2, n), dtype=gy.dtype)
+    gxs = np.empty((2, n), dtype=gx.dtype)
+    grs = np.empty((2, n if has_res else 0), dtype=gres.dtype)
+    a, b, c, d, wv = raw(gys), raw(xs), raw(gxs), raw(grs), raw(w)
+    dw = raw(partials[0, blk])
+    step = 2 if n >= PAIR_MIN_N else 1
+    for r in range(r0, r1, step):
+        two = step == 2 and r + 1 < r1
+        _gather_rows(xs, gys, grs, x, gy, gres, r, two, has_res)
+        rb = 1 if two else 0
+        sa_, sb_ = rstd_in[r], rstd_in[r + rb]
+        ma = _rms_bwd_mean(a, b, 0, n, sa_, wv)
         mb = _rms_bwd_mean(a, b, rb, n, sb_, wv) if two else ma
-        _rms_bwd_rows_out(a, b, c, ra, rb, two, n, (sa_, ma), (sb_, mb), wv, dw, d, has_res)
-        if strided:
-            copy_row(gx, r, gxs, 0)
-            if two:
-                copy_row(gx, r + 1, gxs, 1)
+        _rms_bwd_rows_out(a, b, c, 0, rb, two, n, (sa_, ma), (sb_, mb), wv, dw, d, has_res)
+        copy_row(gx, r, gxs, runtime(0))
+        if two:
+            copy_row(gx, r + 1, gxs, runtime(1))
     alive(xs)
     alive(gys)
     alive(gxs)
@@ -394,7 +459,7 @@ def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
 
 @cached_njit(error_model="numpy")
 def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_res):
-    """RMSNorm backward of 2-D arrays on the calling thread (``gres``: as for
+    """RMSNorm backward of unit-stride 2-D rows on the calling thread (``gres``: as for
     :func:`ln_backward_serial`)."""
     rows = x.shape[0]
     w = widened(w)
@@ -402,17 +467,45 @@ def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_r
         r0 = blk * block_rows
         _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows),
                       gres, has_res)
+    return _block_sums(partials)
 
 
 @cached_njit(parallel=True, error_model="numpy")
 def rms_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_res):
-    """RMSNorm backward of 2-D arrays, row blocks spread over threads."""
+    """:func:`rms_backward_serial`, row blocks spread over threads."""
     rows = x.shape[0]
     w = widened(w)
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
         _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows),
                       gres, has_res)
+    return _block_sums(partials)
+
+
+@cached_njit(error_model="numpy")
+def rms_gathered_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres,
+                                 has_res):
+    """:func:`rms_backward_serial` for rows of any stride."""
+    rows = x.shape[0]
+    w = widened(w)
+    for blk in range(partials.shape[1]):
+        r0 = blk * block_rows
+        _rms_bwd_gathered(gy, x, rstd_in, w, gx, partials, blk, r0,
+                          min(rows, r0 + block_rows), gres, has_res)
+    return _block_sums(partials)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def rms_gathered_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gres,
+                                   has_res):
+    """:func:`rms_gathered_backward_serial`, row blocks spread over threads."""
+    rows = x.shape[0]
+    w = widened(w)
+    for blk in prange(partials.shape[1]):
+        r0 = blk * block_rows
+        _rms_bwd_gathered(gy, x, rstd_in, w, gx, partials, blk, r0,
+                          min(rows, r0 + block_rows), gres, has_res)
+    return _block_sums(partials)
 
 
 @njit(error_model="numpy")
@@ -467,6 +560,7 @@ def backward_cols_serial(gy, x, mean_in, rstd_in, w, gx, partials, rms, gres, ha
     for item in range(partials.shape[1]):
         _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols, gres,
                       has_res)
+    return _block_sums(partials)
 
 
 @cached_njit(parallel=True, error_model="numpy")
@@ -476,15 +570,4 @@ def backward_cols_parallel(gy, x, mean_in, rstd_in, w, gx, partials, rms, gres, 
         cols = _bwd_col_scratch(gy, x, gx, has_res)
         _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols, gres,
                       has_res)
-
-
-@cached_njit(error_model="numpy")
-def sum_blocks(partials):
-    """Sum ``partials[:, blk, :]`` over ``blk`` in increasing order (deterministic)."""
-    count, blocks, n = partials.shape
-    total = partials[:, 0, :].copy()
-    for c in range(count):
-        for blk in range(1, blocks):
-            for i in range(n):
-                total[c, i] = total[c, i] + partials[c, blk, i]
-    return total
+    return _block_sums(partials)

@@ -38,7 +38,8 @@ one, and nothing else. Modules, by job:
 * :mod:`.forward_rows`: LayerNorm/RMSNorm forward of rows (row, short-row and gather
   paths, each its own entry kernel, serial and parallel);
 * :mod:`.forward_cols`: the channels-first forward (column path);
-* :mod:`.backward`: row and column backward and the ordered block sum ``sum_blocks``;
+* :mod:`.backward`: row and column backward (each kernel returns the parameter
+  gradients, its partials summed over blocks in a fixed order);
 * :mod:`.fused`: residual add then LayerNorm/RMSNorm of rows in one pass (the row
   functions of :mod:`.forward_rows` on the freshly added rows);
 * :mod:`.quantized`: the same with int8/float8 output (rows normalized into a float32
@@ -65,11 +66,14 @@ from .backward import (
     backward_cols_serial,
     ln_backward_parallel,
     ln_backward_serial,
+    ln_gathered_backward_parallel,
+    ln_gathered_backward_serial,
     ln_short_backward_parallel,
     ln_short_backward_serial,
     rms_backward_parallel,
     rms_backward_serial,
-    sum_blocks,
+    rms_gathered_backward_parallel,
+    rms_gathered_backward_serial,
 )
 from .forward_cols import (
     ln_forward_cols_parallel,
@@ -122,6 +126,8 @@ __all__ = [
     "ln_forward_cols_serial",
     "ln_forward_parallel",
     "ln_forward_serial",
+    "ln_gathered_backward_parallel",
+    "ln_gathered_backward_serial",
     "ln_gathered_forward_parallel",
     "ln_gathered_forward_serial",
     "ln_quant_forward_parallel",
@@ -137,9 +143,10 @@ __all__ = [
     "rms_forward_cols_serial",
     "rms_forward_parallel",
     "rms_forward_serial",
+    "rms_gathered_backward_parallel",
+    "rms_gathered_backward_serial",
     "rms_gathered_forward_parallel",
     "rms_gathered_forward_serial",
     "rms_quant_forward_parallel",
     "rms_quant_forward_serial",
-    "sum_blocks",
 ]
