@@ -487,14 +487,34 @@ def test_absent_parameters_are_exact_identities():
     assert not np.signbit(plain[5]).any()
 
 
+def test_a_new_parameter_dtype_compiles_no_row_kernel():
+    """float32 x with bfloat16 or float16 parameters runs the float32 kernels: only the
+    small widening kernel is specialized for the parameter's bits."""
+    kernels = backend.load_kernels()
+    rng = np.random.default_rng(12)
+    x = (1 + rng.standard_normal((40, 200))).astype(np.float32)
+    w32 = (1 + 0.5 * rng.standard_normal(200)).astype(np.float32)
+    _, mean, rstd = ln.layer_norm(x, 200, w32, w32, return_stats=True)
+    ln.layer_norm_backward(x, x, mean, rstd, w32)
+    row_kernels = [getattr(kernels, name) for name in kernels.__all__
+                   if hasattr(getattr(kernels, name), "overloads") and name != "widen_param"]
+    before = [len(kernel.overloads) for kernel in row_kernels]
+    for dtype in (ml_dtypes.bfloat16, np.float16):
+        w = w32.astype(dtype)
+        _, m, r = ln.layer_norm(x, 200, w, w, return_stats=True)
+        ln.layer_norm_backward(x, x, m, r, w)
+    assert [len(kernel.overloads) for kernel in row_kernels] == before
+    assert len(kernels.widen_param.overloads) >= 2  # int16 and uint16 bits
+
+
 @pytest.mark.parametrize(("x_dtype", "param_dtype"), [
     (np.float16, np.float16), (ml_dtypes.bfloat16, ml_dtypes.bfloat16),
     (np.float32, ml_dtypes.bfloat16), (np.float64, np.float16)])
 def test_half_parameters_equal_their_float32_values(x_dtype, param_dtype):
-    """16-bit weight/bias reach the kernels uncast (they widen them); the result must be
-    bit for bit that of the same values given in float32, on every path. (Each pair of
-    dtypes compiles its own kernels: the pairs are the common ones, plus a float64 input,
-    whose parameters are cast to float64.)"""
+    """16-bit weight/bias are widened exactly before the kernels (one small kernel);
+    the result must be bit for bit that of the same values given in float32, on every
+    path. (The pairs are the common ones, plus a float64 input, whose parameters are cast
+    to float64.)"""
     rng = np.random.default_rng(9)
 
     def bits(a):

@@ -79,9 +79,9 @@ class Plan:
         self.acc = np.dtype(acc)
         bits = _numba.KERNEL_BITS.get(dtype)
         self.bits = None if bits is None else np.dtype(bits)
-        #: Per parameter: for float16/bfloat16, the dtype of its raw bits (it is passed
-        #: uncast as on the general path: the kernels widen it, NumPy's float16 cast is
-        #: slow), else None.
+        #: Per parameter: for float16/bfloat16 with float32 accumulation, the dtype of its
+        #: raw bits (it is widened by the backend's small kernel, as on the general path:
+        #: NumPy's float16 cast is slow), else None.
         self.param_bits = tuple(
             np.dtype(_numba.KERNEL_BITS[dtype_name(p.dtype)])
             if p is not None and acc == "float32" and dtype_name(p.dtype) in HALF_DTYPES
@@ -190,7 +190,7 @@ def _flat(param: Any, plan: Plan, bits: Any) -> Any:
     if param.ndim != 1:
         param = param.reshape(-1)
     if bits is not None:
-        return param.view(bits)
+        return _numba.widened_param(param, plan.acc)
     return param.astype(plan.acc) if plan.cast_params else param
 
 

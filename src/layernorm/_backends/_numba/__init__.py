@@ -179,24 +179,32 @@ def _identity_params(n: int, acc: Any) -> tuple[Any, Any]:
     return ones, negative_zeros
 
 
-def _param_bits(param: Any) -> Any:
-    """A float16/bfloat16 parameter as its raw bits (the kernels widen it), else itself."""
+def widened_param(param: Any, acc: Any) -> Any:
+    """A parameter as the kernels take it: float16/bfloat16 widened exactly to the
+    accumulation dtype (by one small kernel, :func:`.rowmath.widen_param`, for float32),
+    any other array unchanged. The row kernels therefore see float32/float64 parameters
+    only: a new parameter dtype never compiles another copy of them."""
     bits = KERNEL_BITS.get(dtype_name(param.dtype))
-    return param if bits is None else param.view(bits)
+    if bits is None:
+        return param
+    if np.dtype(acc) != np.float32:
+        return param.astype(acc)
+    return entry.call(load_kernels().widen_param, (), param.view(bits))
 
 
 def kernel_params(weight: Any, bias: Any, n: int, acc: Any) -> tuple[Any, Any]:
-    """``weight`` and ``bias``, an absent one replaced by its exact identity.
+    """``weight`` and ``bias`` widened (:func:`widened_param`), an absent one replaced by
+    its exact identity.
 
     The kernels compute ``fma(v, w, b)``: with ``w = 1`` and ``b = -0.0`` that is ``v``,
     ``v * w`` or ``v + b`` bit for bit (``-0.0`` is the only addend that leaves a ``+0.0``
     or ``-0.0`` product unchanged), so one compiled kernel serves every combination.
     """
     if weight is not None and bias is not None:
-        return _param_bits(weight), _param_bits(bias)
+        return widened_param(weight, acc), widened_param(bias, acc)
     ones, negative_zeros = _identity_params(n, np.dtype(acc))
-    return (ones if weight is None else _param_bits(weight),
-            negative_zeros if bias is None else _param_bits(bias))
+    return (ones if weight is None else widened_param(weight, acc),
+            negative_zeros if bias is None else widened_param(bias, acc))
 
 
 def _unit_stride(a: Any) -> bool:

@@ -27,7 +27,7 @@ from numba import njit, prange
 from ._scalars import cast, narrow, widen
 from ._simd import alive, get, put, raw, runtime, splat, vload, vload_tail, vstore
 from .diskcache import cached_njit
-from .rowmath import LANES, copy_row, times_w, tree_sum, widened
+from .rowmath import LANES, copy_row, times_w, tree_sum
 
 #: Rows at least this long run the backward two rows per pass (no effect on results;
 #: measured: it pays once the partial sums no longer fit in L1, and costs below).
@@ -281,7 +281,6 @@ def ln_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gre
     ``gres`` is any array of its type (x itself), never read.
     """
     rows = x.shape[0]
-    w = widened(w)
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
@@ -294,7 +293,6 @@ def ln_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, g
                          has_res):
     """:func:`ln_backward_serial`, row blocks spread over threads."""
     rows = x.shape[0]
-    w = widened(w)
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
@@ -307,7 +305,6 @@ def ln_gathered_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_
                                 has_res):
     """:func:`ln_backward_serial` for rows of any stride."""
     rows = x.shape[0]
-    w = widened(w)
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_gathered(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
@@ -320,7 +317,6 @@ def ln_gathered_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, bloc
                                   gres, has_res):
     """:func:`ln_gathered_backward_serial`, row blocks spread over threads."""
     rows = x.shape[0]
-    w = widened(w)
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_gathered(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
@@ -334,7 +330,6 @@ def ln_short_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_row
     """:func:`ln_backward_serial` for unit-stride rows shorter than ``SHORT_BACKWARD_N``
     (the partial sums kept in registers across each block's rows)."""
     rows = x.shape[0]
-    w = widened(w)
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
@@ -347,7 +342,6 @@ def ln_short_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_r
                                has_res):
     """:func:`ln_short_backward_serial`, row blocks spread over threads."""
     rows = x.shape[0]
-    w = widened(w)
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
@@ -462,7 +456,6 @@ def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_r
     """RMSNorm backward of unit-stride 2-D rows on the calling thread (``gres``: as for
     :func:`ln_backward_serial`)."""
     rows = x.shape[0]
-    w = widened(w)
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
         _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows),
@@ -474,7 +467,6 @@ def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_r
 def rms_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_res):
     """:func:`rms_backward_serial`, row blocks spread over threads."""
     rows = x.shape[0]
-    w = widened(w)
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
         _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows),
@@ -487,7 +479,6 @@ def rms_gathered_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gr
                                  has_res):
     """:func:`rms_backward_serial` for rows of any stride."""
     rows = x.shape[0]
-    w = widened(w)
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
         _rms_bwd_gathered(gy, x, rstd_in, w, gx, partials, blk, r0,
@@ -500,7 +491,6 @@ def rms_gathered_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, 
                                    has_res):
     """:func:`rms_gathered_backward_serial`, row blocks spread over threads."""
     rows = x.shape[0]
-    w = widened(w)
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
         _rms_bwd_gathered(gy, x, rstd_in, w, gx, partials, blk, r0,

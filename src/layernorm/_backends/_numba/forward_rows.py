@@ -62,8 +62,6 @@ from .rowmath import (
     square_tree,
     times_w,
     tree_sum,
-    widened,
-    widened_pair,
 )
 
 #: Rows up to this long take the LayerNorm forward's short-row path, ``LANES`` rows at a
@@ -263,7 +261,6 @@ def ln_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
 
     Returns the number of rows done: all of them, or the index of a finite row whose
     squares overflow, unwritten (the driver rescales it and resumes after it)."""
-    w, b = widened_pair(w, b)
     stop = ln_long_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1], nt,
                         mean_out, rstd_out, runtime(0), x.shape[0], runtime(0))
     alive(w)
@@ -277,7 +274,6 @@ def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     each block's ``(stop, end)`` rows (``stop < end``: the block stopped before an
     overflowing row, as the serial kernel does)."""
     rows, n = x.shape
-    w, b = widened_pair(w, b)
     xv, yv, wv, bv, tv = raw(x), raw(y), raw(w), raw(b), raw(tab)
     rb = _row_block(rows, n)
     blocks = (rows + rb - 1) // rb
@@ -296,7 +292,6 @@ def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
 @cached_njit(error_model="numpy")
 def ln_short_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     """:func:`ln_forward_serial` for rows of at most ``SHORT_ROW_MAX`` (``nt`` unused)."""
-    w, b = widened_pair(w, b)
     stop = ln_short_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1],
                          mean_out, rstd_out, runtime(0), x.shape[0], runtime(0))
     alive(w)
@@ -309,7 +304,6 @@ def ln_short_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     """:func:`ln_short_forward_serial`, blocks of rows spread over Numba's threads
     (returns as :func:`ln_forward_parallel`)."""
     rows, n = x.shape
-    w, b = widened_pair(w, b)
     xv, yv, wv, bv, tv = raw(x), raw(y), raw(w), raw(b), raw(tab)
     rb = _row_block(rows, n)
     blocks = (rows + rb - 1) // rb
@@ -328,7 +322,6 @@ def ln_short_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
 @cached_njit(error_model="numpy")
 def ln_gathered_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     """:func:`ln_forward_serial` for rows of any stride (``nt`` unused)."""
-    w, b = widened_pair(w, b)
     _ln_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, runtime(0), x.shape[0])
 
 
@@ -336,7 +329,6 @@ def ln_gathered_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
 def ln_gathered_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     """:func:`ln_gathered_forward_serial`, blocks of rows spread over Numba's threads."""
     rows = x.shape[0]
-    w, b = widened_pair(w, b)
     rb = _row_block(rows, x.shape[1])
     for blk in prange((rows + rb - 1) // rb):
         r0 = blk * rb
@@ -466,7 +458,6 @@ def _rms_rstd(xr, r, n, eps):
 def rms_forward_serial(x, w, eps, y, rstd_out, nt):
     """RMSNorm forward of unit-stride rows of a 2-D array on the calling thread
     (returns as :func:`ln_forward_serial`)."""
-    w = widened(w)
     stop = rms_raw_rows(raw(x), raw(y), raw(w), eps, x.shape[1], nt, rstd_out, runtime(0),
                         x.shape[0], runtime(0))
     alive(w)
@@ -478,7 +469,6 @@ def rms_forward_parallel(x, w, eps, y, rstd_out, nt):
     """:func:`rms_forward_serial`, blocks of rows spread over Numba's threads (returns
     as :func:`ln_forward_parallel`)."""
     rows, n = x.shape
-    w = widened(w)
     xv, yv, wv = raw(x), raw(y), raw(w)
     rb = _row_block(rows, n)
     blocks = (rows + rb - 1) // rb
@@ -495,14 +485,13 @@ def rms_forward_parallel(x, w, eps, y, rstd_out, nt):
 @cached_njit(error_model="numpy")
 def rms_gathered_forward_serial(x, w, eps, y, rstd_out, nt):
     """:func:`rms_forward_serial` for rows of any stride (``nt`` unused)."""
-    _rms_gathered(x, widened(w), eps, y, rstd_out, runtime(0), x.shape[0])
+    _rms_gathered(x, w, eps, y, rstd_out, runtime(0), x.shape[0])
 
 
 @cached_njit(parallel=True, error_model="numpy")
 def rms_gathered_forward_parallel(x, w, eps, y, rstd_out, nt):
     """:func:`rms_gathered_forward_serial`, blocks of rows spread over Numba's threads."""
     rows = x.shape[0]
-    w = widened(w)
     rb = _row_block(rows, x.shape[1])
     for blk in prange((rows + rb - 1) // rb):
         r0 = blk * rb

@@ -42,7 +42,7 @@ from ._simd import (
 )
 from .diskcache import cached_njit
 from .forward_rows import ln_raw_rows, rms_rows_rescued
-from .rowmath import LANES, widened, widened_pair
+from .rowmath import LANES
 
 #: Elements per block of rows (no effect on results): the block's ``h`` stays in L2
 #: between the add and the two passes of the row function over it.
@@ -97,7 +97,6 @@ def block_rows(rows, n, blocks, elements):
 def add_ln_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
     """``h = x + res`` and the LayerNorm of ``h`` into ``y``, on the calling thread."""
     rows, n = x.shape
-    w, b = widened_pair(w, b)
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     for r0 in range(0, rows, rb):
         _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt, r0,
@@ -108,7 +107,6 @@ def add_ln_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
 def add_ln_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
     """:func:`add_ln_forward_serial` with blocks of rows over Numba's threads."""
     rows, n = x.shape
-    w, b = widened_pair(w, b)
     rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
     for blk in prange((rows + rb - 1) // rb):
         r0 = blk * rb
@@ -120,7 +118,6 @@ def add_ln_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt
 def add_rms_forward_serial(x, res, w, eps, h, y, rstd_out, nt):
     """``h = x + res`` and the RMSNorm of ``h`` into ``y``, on the calling thread."""
     rows, n = x.shape
-    w = widened(w)
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     for r0 in range(0, rows, rb):
         _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, min(rows, r0 + rb))
@@ -130,7 +127,6 @@ def add_rms_forward_serial(x, res, w, eps, h, y, rstd_out, nt):
 def add_rms_forward_parallel(x, res, w, eps, h, y, rstd_out, nt):
     """:func:`add_rms_forward_serial` with blocks of rows over Numba's threads."""
     rows, n = x.shape
-    w = widened(w)
     rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
     for blk in prange((rows + rb - 1) // rb):
         r0 = blk * rb

@@ -106,7 +106,7 @@ from .quantized import (
     rms_quant_forward_parallel,
     rms_quant_forward_serial,
 )
-from .rowmath import LANES, merge_table
+from .rowmath import LANES, merge_table, widen_param
 
 __all__ = [
     "COL_BLOCK",
@@ -149,4 +149,5 @@ __all__ = [
     "rms_gathered_forward_serial",
     "rms_quant_forward_parallel",
     "rms_quant_forward_serial",
+    "widen_param",
 ]

@@ -57,7 +57,7 @@ from ._simd import (
 from .diskcache import cached_njit
 from .forward_rows import ln_raw_rows, rms_rows_rescued
 from .fused import PARALLEL_BLOCKS, add_block, block_rows
-from .rowmath import LANES, widened, widened_pair
+from .rowmath import LANES
 
 #: Elements per block of rows (no effect on results): the float32 scratch block stays
 #: in L2 between the normalization and the quantization.
@@ -163,7 +163,6 @@ def ln_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fm
     """LayerNorm of the rows of ``x`` (of ``h = x + res`` with a residual; ``res`` and
     ``h`` None without) quantized into ``q``, on the calling thread."""
     rows, n = x.shape
-    w, b = widened_pair(w, b)
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     y32 = _scratch(rb, n)
     for r0 in range(0, rows, rb):
@@ -177,7 +176,6 @@ def ln_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, 
                               dynamic, inv_rows, scale_out):
     """:func:`ln_quant_forward_serial` with blocks of rows over Numba's threads."""
     rows, n = x.shape
-    w, b = widened_pair(w, b)
     rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
     for blk in prange((rows + rb - 1) // rb):
         r0 = blk * rb
@@ -193,7 +191,6 @@ def rms_quant_forward_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_r
     """RMSNorm of the rows of ``x`` (of ``h = x + res``) quantized into ``q``, on the
     calling thread."""
     rows, n = x.shape
-    w = widened(w)
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     y32 = _scratch(rb, n)
     for r0 in range(0, rows, rb):
@@ -207,7 +204,6 @@ def rms_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv
                                scale_out):
     """:func:`rms_quant_forward_serial` with blocks of rows over Numba's threads."""
     rows, n = x.shape
-    w = widened(w)
     rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
     for blk in prange((rows + rb - 1) // rb):
         r0 = blk * rb

@@ -39,8 +39,8 @@ the ``r = n % LANES`` remaining elements go one each to lanes ``0 .. r-1``.
    backend passes ``w = 1`` for an absent weight and ``b = -0.0`` for an absent bias:
    ``fma(v, 1, -0.0) = v``, ``fma(v, w, -0.0) = v * w`` and ``fma(v, 1, b) = v + b``
    exactly, so one compiled kernel serves every combination. Float16/bfloat16 ``w`` and
-   ``b`` arrive as raw bits and are widened exactly to float32: once per call on the row
-   path (:func:`widened`), where they are loaded on the column path.
+   ``b`` are widened exactly to float32 before the kernels see them
+   (:func:`widen_param`).
 
 ``fma`` is IEEE fusedMultiplyAdd, written explicitly: one rounding, the same bits on
 every machine. The compiler is never allowed to contract or reorder anything itself.
@@ -64,7 +64,6 @@ from ._scalars import cast, widen
 from ._simd import (
     WIDTH,
     Vec,
-    alive,
     down1,
     down2,
     down4,
@@ -80,6 +79,7 @@ from ._simd import (
     vload_tail,
     vstore,
 )
+from .diskcache import cached_njit
 
 LANES = WIDTH
 PER_LANE = 8
@@ -142,64 +142,25 @@ def merge_table(n: int, dtype: Any) -> np.ndarray:
     return tab
 
 
-def widened(param):
-    """``param`` ready for the row loops: float16/bfloat16 raw bits widened (exactly) to a
-    new float32 array once per call, any other array unchanged.
+@cached_njit(error_model="numpy")
+def widen_param(bits):
+    """A float16 (``int16`` bits) or bfloat16 (``uint16`` bits) parameter widened exactly
+    to a new float32 array.
 
-    Widening a 16-bit parameter where each vector is loaded cost about four instructions
-    per vector per row in the output pass (measured: 9-17% of a bfloat16/float16 forward
-    with 16-bit parameters, against float32 ones). The results are the same bits.
+    The driver widens 16-bit parameters with this one small kernel before calling any
+    other, so the row kernels only ever see float32/float64 parameters: a new parameter
+    dtype compiles this kernel (once per bits dtype), never another copy of a row
+    kernel. (Widening where each vector is loaded cost 9-17% of a 16-bit forward.)
     """
-    # Python (NUMBA_DISABLE_JIT) only, as for the other stubs here; jitted code: overloads.
-    return widen(param) if param.dtype in (np.int16, np.uint16) else param
-
-
-def _is_bits(param: types.Type) -> bool:
-    return isinstance(param, types.Array) and param.dtype in (types.int16, types.uint16)
-
-
-@njit(inline="always", error_model="numpy")
-def _widen_into(out, row, param):
-    pv, ov = raw(param), raw(out)
-    n = param.shape[0]
+    n = bits.shape[0]
+    out = np.empty((1, n), dtype=np.float32)
+    pv, ov = raw(bits), raw(out)
     body = n - n % LANES
     for i in range(0, body, LANES):
-        vstore(ov, vload(pv, 0, i), row, i)
+        vstore(ov, vload(pv, 0, i), 0, i)
     for i in range(body, n):
-        put(ov, row, i, widen(get(pv, 0, i)))
-    alive(param)
-
-
-@overload(widened, inline="always")
-def _widened(param):
-    if not _is_bits(param):
-        return lambda param: param
-
-    def impl(param):
-        out = np.empty((1, param.shape[0]), dtype=np.float32)
-        _widen_into(out, 0, param)
-        return out[0]
-
-    return impl
-
-
-def widened_pair(w, b):
-    """:func:`widened` of ``w`` and ``b``, with one allocation when both are 16-bit."""
-    return widened(w), widened(b)
-
-
-@overload(widened_pair, inline="always")
-def _widened_pair(w, b):
-    if not (_is_bits(w) and _is_bits(b)):
-        return lambda w, b: (widened(w), widened(b))
-
-    def impl(w, b):
-        out = np.empty((2, w.shape[0]), dtype=np.float32)
-        _widen_into(out, 0, w)
-        _widen_into(out, 1, b)
-        return out[0], out[1]
-
-    return impl
+        put(ov, 0, i, widen(get(pv, 0, i)))
+    return out[0]
 
 
 def times_w(v, w, i):
