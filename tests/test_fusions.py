@@ -403,11 +403,15 @@ def test_other_calls_compose(make):
     assert_bitwise(got[0], y_ref)
 
 
-def test_one_pass_kernel_rows_whose_squares_overflow():
+@pytest.mark.parametrize("shape", [(4, 300), (37, 64), (3000, 48)])
+def test_one_pass_kernel_rows_whose_squares_overflow(shape):
     # A finite float32 row with a spread near 1e19 is normalized after an exact rescaling
-    # (rescale.py) inside the same row function: the same bits fused or not.
-    x = data((4, 300), "float32", 0, 1e19)
-    r = data((4, 300), "float32", 1)
+    # (rescale.py): the one-pass kernel stops before it (h of its block is written), and
+    # the driver normalizes the rest of the block from h. The same bits fused or not, for
+    # long rows, short rows and enough rows for the parallel kernels, in place too.
+    x = data(shape, "float32", 0)
+    x[1::3] *= np.float32(1e19)  # overflowing rows among ordinary ones, in every block
+    r = data(shape, "float32", 1)
     for rms in (False, True):
         y_ref, h_ref, stats_ref = unfused(x, r, "float32", rms)
         fn = ln.add_rms_norm if rms else ln.add_layer_norm
@@ -418,6 +422,12 @@ def test_one_pass_kernel_rows_whose_squares_overflow():
         assert_bitwise(y, y_ref)
         for s, s_ref in zip(stats, stats_ref, strict=True):
             assert_bitwise(s, s_ref)
+        xi, ri = x.copy(), r.copy()
+        with fused_calls() as calls:
+            fn(xi, ri, out=xi, residual_out=ri)
+        assert calls
+        assert_bitwise(xi, y_ref)
+        assert_bitwise(ri, h_ref)
 
 
 def test_torch_cpu_takes_the_one_pass_kernel():

@@ -428,9 +428,16 @@ def add_layer_norm_forward(x3, r3, weight, bias, eps, h3, y3, mean, rstd, dtypes
     x, r, h, y = _add_arrays(x3, r3, h3, y3, dtypes)
     e = _acc_scalar(eps, dtypes[2])
     w, b = kernel_params(weight, bias, x.shape[1], mean.dtype)
-    _run(k.add_ln_forward_serial, k.add_ln_forward_parallel, x.size, ADD_LN_WRITES,
-         x, r, w, b, e, h, y, mean, rstd, k.merge_table(x.shape[1], mean.dtype),
-         _add_streams(x, r, y))
+    tab = k.merge_table(x.shape[1], mean.dtype)
+    nt = _add_streams(x, r, y)
+    serial, parallel = (k.add_ln_short_forward_serial, k.add_ln_short_forward_parallel) \
+        if x.shape[1] <= k.SHORT_ROW_MAX else (k.add_ln_forward_serial,
+                                               k.add_ln_forward_parallel)
+    pending = _run(serial, parallel, x.size, ADD_LN_WRITES, x, r, w, b, e, h, y, mean, rstd,
+                   tab, nt)
+    # Blocks stopped before an overflowing row: their h is complete, normalize the rest.
+    _complete(pending, k.ln_gathered_forward_serial, LN_FORWARD_WRITES, LN_FORWARD_ROWS,
+              (h, w, b, e, y, mean, rstd, tab, False))
 
 
 def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
@@ -439,8 +446,10 @@ def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
     x, r, h, y = _add_arrays(x3, r3, h3, y3, dtypes)
     e = _acc_scalar(eps, dtypes[2])
     w = kernel_params(weight, None, x.shape[1], rstd.dtype)[0]
-    _run(k.add_rms_forward_serial, k.add_rms_forward_parallel, x.size, ADD_RMS_WRITES,
-         x, r, w, e, h, y, rstd, _add_streams(x, r, y))
+    pending = _run(k.add_rms_forward_serial, k.add_rms_forward_parallel, x.size,
+                   ADD_RMS_WRITES, x, r, w, e, h, y, rstd, _add_streams(x, r, y))
+    _complete(pending, k.rms_gathered_forward_serial, RMS_FORWARD_WRITES, RMS_FORWARD_ROWS,
+              (h, w, e, y, rstd, False))
 
 
 #: Format codes of the quantizing kernels (:mod:`.quantized`), by dtype name.

@@ -29,6 +29,7 @@ arithmetic per row, the same bits.
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit, prange
 
 from ._scalars import narrow, widen
@@ -41,7 +42,7 @@ from ._simd import (
     vstore,
 )
 from .diskcache import cached_njit
-from .forward_rows import ln_raw_rows, rms_rows_rescued
+from .forward_rows import ln_long_rows, ln_short_rows, rms_raw_rows
 from .rowmath import LANES
 
 #: Elements per block of rows (no effect on results): the block's ``h`` stays in L2
@@ -74,16 +75,26 @@ def add_block(x, res, h, r0, r1):
 
 @njit(error_model="numpy")
 def _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt, r0, r1):
+    """``h`` of rows ``r0 .. r1``, then their LayerNorm on the row path; returns the row
+    the norm stopped at (``r1``: all done; see :func:`.forward_rows.ln_long_rows`)."""
     hv = add_block(x, res, h, r0, r1)
-    ln_raw_rows(hv, raw(y[r0:r1]), raw(w), raw(b), raw(tab), eps, x.shape[1], nt, mean_out,
-                 rstd_out, runtime(0), r1 - r0, r0)
+    return r0 + ln_long_rows(hv, raw(y[r0:r1]), raw(w), raw(b), raw(tab), eps, x.shape[1],
+                             nt, mean_out, rstd_out, runtime(0), r1 - r0, r0)
+
+
+@njit(error_model="numpy")
+def _add_ln_short_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, r0, r1):
+    """:func:`_add_ln_block` for rows of at most ``SHORT_ROW_MAX``."""
+    hv = add_block(x, res, h, r0, r1)
+    return r0 + ln_short_rows(hv, raw(y[r0:r1]), raw(w), raw(b), raw(tab), eps, x.shape[1],
+                              mean_out, rstd_out, runtime(0), r1 - r0, r0)
 
 
 @njit(error_model="numpy")
 def _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, r1):
     hv = add_block(x, res, h, r0, r1)
-    rms_rows_rescued(hv, raw(y[r0:r1]), raw(w), eps, x.shape[1], nt, rstd_out, runtime(0),
-                     r1 - r0, r0)
+    return r0 + rms_raw_rows(hv, raw(y[r0:r1]), raw(w), eps, x.shape[1], nt, rstd_out,
+                             runtime(0), r1 - r0, r0)
 
 
 @njit(inline="always", error_model="numpy")
@@ -93,14 +104,26 @@ def block_rows(rows, n, blocks, elements):
     return max(1, min(elements // max(n, 1), -(-rows // blocks)))
 
 
+# Entry kernels, one per path (rows longer than SHORT_ROW_MAX, shorter ones): a call
+# compiles only its own. Each returns its blocks' (stop, end) rows: a block whose norm
+# stopped before a finite row whose squares overflow (h is written for the whole
+# block; y from that row on is not) is finished by the driver, through the gathered
+# rows kernel on h, which rescales such rows (see .rescale).
+
+
 @cached_njit(error_model="numpy")
 def add_ln_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
     """``h = x + res`` and the LayerNorm of ``h`` into ``y``, on the calling thread."""
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
-    for r0 in range(0, rows, rb):
-        _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt, r0,
-                      min(rows, r0 + rb))
+    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
+    for blk in range(pending.shape[0]):
+        r0 = blk * rb
+        r1 = min(rows, r0 + rb)
+        pending[blk, 0] = _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab,
+                                        nt, r0, r1)
+        pending[blk, 1] = r1
+    return pending
 
 
 @cached_njit(parallel=True, error_model="numpy")
@@ -108,19 +131,60 @@ def add_ln_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt
     """:func:`add_ln_forward_serial` with blocks of rows over Numba's threads."""
     rows, n = x.shape
     rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
-    for blk in prange((rows + rb - 1) // rb):
+    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
+    for blk in prange(pending.shape[0]):
         r0 = blk * rb
-        _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt, r0,
-                      min(rows, r0 + rb))
+        r1 = min(rows, r0 + rb)
+        pending[blk, 0] = _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab,
+                                        nt, r0, r1)
+        pending[blk, 1] = r1
+    return pending
+
+
+@cached_njit(error_model="numpy")
+def add_ln_short_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
+    """:func:`add_ln_forward_serial` for rows of at most ``SHORT_ROW_MAX`` (``nt``
+    unused)."""
+    rows, n = x.shape
+    rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
+    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
+    for blk in range(pending.shape[0]):
+        r0 = blk * rb
+        r1 = min(rows, r0 + rb)
+        pending[blk, 0] = _add_ln_short_block(x, res, w, b, eps, h, y, mean_out, rstd_out,
+                                              tab, r0, r1)
+        pending[blk, 1] = r1
+    return pending
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def add_ln_short_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
+    """:func:`add_ln_short_forward_serial` with blocks of rows over Numba's threads."""
+    rows, n = x.shape
+    rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
+    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
+    for blk in prange(pending.shape[0]):
+        r0 = blk * rb
+        r1 = min(rows, r0 + rb)
+        pending[blk, 0] = _add_ln_short_block(x, res, w, b, eps, h, y, mean_out, rstd_out,
+                                              tab, r0, r1)
+        pending[blk, 1] = r1
+    return pending
 
 
 @cached_njit(error_model="numpy")
 def add_rms_forward_serial(x, res, w, eps, h, y, rstd_out, nt):
-    """``h = x + res`` and the RMSNorm of ``h`` into ``y``, on the calling thread."""
+    """``h = x + res`` and the RMSNorm of ``h`` into ``y``, on the calling thread
+    (returns as :func:`add_ln_forward_serial`)."""
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
-    for r0 in range(0, rows, rb):
-        _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, min(rows, r0 + rb))
+    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
+    for blk in range(pending.shape[0]):
+        r0 = blk * rb
+        r1 = min(rows, r0 + rb)
+        pending[blk, 0] = _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, r1)
+        pending[blk, 1] = r1
+    return pending
 
 
 @cached_njit(parallel=True, error_model="numpy")
@@ -128,6 +192,10 @@ def add_rms_forward_parallel(x, res, w, eps, h, y, rstd_out, nt):
     """:func:`add_rms_forward_serial` with blocks of rows over Numba's threads."""
     rows, n = x.shape
     rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
-    for blk in prange((rows + rb - 1) // rb):
+    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
+    for blk in prange(pending.shape[0]):
         r0 = blk * rb
-        _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, min(rows, r0 + rb))
+        r1 = min(rows, r0 + rb)
+        pending[blk, 0] = _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, r1)
+        pending[blk, 1] = r1
+    return pending

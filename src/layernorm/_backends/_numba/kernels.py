@@ -97,6 +97,8 @@ from .forward_rows import (
 from .fused import (
     add_ln_forward_parallel,
     add_ln_forward_serial,
+    add_ln_short_forward_parallel,
+    add_ln_short_forward_serial,
     add_rms_forward_parallel,
     add_rms_forward_serial,
 )
@@ -116,6 +118,8 @@ __all__ = [
     "SHORT_ROW_MAX",
     "add_ln_forward_parallel",
     "add_ln_forward_serial",
+    "add_ln_short_forward_parallel",
+    "add_ln_short_forward_serial",
     "add_rms_forward_parallel",
     "add_rms_forward_serial",
     "backward_cols_parallel",
