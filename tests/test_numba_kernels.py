@@ -487,6 +487,23 @@ def test_absent_parameters_are_exact_identities():
     assert not np.signbit(plain[5]).any()
 
 
+def test_calls_with_and_without_statistics_share_one_compiled_kernel():
+    """The short path passes empty statistics arrays (which the kernels skip) when the
+    caller does not ask for them, not None: one specialization serves both calls."""
+    kernels = backend.load_kernels()
+    rng = np.random.default_rng(13)
+    x = (2 + rng.standard_normal((30, 96))).astype(np.float32)
+    y, _, rstd = ln.layer_norm(x, 96, return_stats=True)
+    y_rms, _ = ln.rms_norm(x, 96, return_stats=True)
+    before = (len(kernels.ln_short_forward_serial.overloads),
+              len(kernels.rms_forward_serial.overloads))
+    _same_bits(ln.layer_norm(x, 96), y)  # the same kernel, statistics skipped
+    _same_bits(ln.rms_norm(x, 96), y_rms)
+    assert (len(kernels.ln_short_forward_serial.overloads),
+            len(kernels.rms_forward_serial.overloads)) == before
+    assert np.array_equal(ln.layer_norm(x, 96, return_stats=True)[2], rstd)
+
+
 def test_a_new_parameter_dtype_compiles_no_row_kernel():
     """float32 x with bfloat16 or float16 parameters runs the float32 kernels: only the
     small widening kernel is specialized for the parameter's bits."""

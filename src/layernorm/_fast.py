@@ -59,6 +59,7 @@ class Plan:
         "large",
         "n",
         "negative_zeros",
+        "no_stats",
         "ones",
         "param_bits",
         "rows",
@@ -99,6 +100,10 @@ class Plan:
         #: Stand-ins for an absent weight or bias (the backend's exact identities).
         self.ones, self.negative_zeros = _numba.kernel_params(None, None, n, self.acc)
         writes = _numba.RMS_FORWARD_WRITES if rms else _numba.LN_FORWARD_WRITES
+        #: Statistics outputs of a call that does not return them: an empty array, which
+        #: the kernels skip, so that such a call runs the kernel compiled for calls with
+        #: statistics (None would be a specialization of its own, seconds to compile).
+        self.no_stats = np.empty(0, dtype=self.acc)
         #: The LayerNorm kernels' table of n-dependent weights (None for RMSNorm).
         self.tab = None if rms else kernels.merge_table(n, self.acc)
         # The kernels of contiguous rows (the plan's checks keep x and y contiguous).
@@ -289,9 +294,10 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
         if type(done) is not int or done != plan.rows:
             _numba.complete_layer_norm_rows(done, (x2, w, b, e, y2, m, r, plan.tab, nt))
         return y, mean, rstd
-    done = plan.run(x2, w, b, e, y2, None, None, plan.tab, nt)
+    done = plan.run(x2, w, b, e, y2, plan.no_stats, plan.no_stats, plan.tab, nt)
     if type(done) is not int or done != plan.rows:
-        _numba.complete_layer_norm_rows(done, (x2, w, b, e, y2, None, None, plan.tab, nt))
+        _numba.complete_layer_norm_rows(done, (x2, w, b, e, y2, plan.no_stats, plan.no_stats,
+                                               plan.tab, nt))
     return y
 
 
@@ -340,7 +346,7 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
         if type(done) is not int or done != plan.rows:
             _numba.complete_rms_norm_rows(done, (x2, w, e, y2, r, nt))
         return y, rstd
-    done = plan.run(x2, w, e, y2, None, nt)
+    done = plan.run(x2, w, e, y2, plan.no_stats, nt)
     if type(done) is not int or done != plan.rows:
-        _numba.complete_rms_norm_rows(done, (x2, w, e, y2, None, nt))
+        _numba.complete_rms_norm_rows(done, (x2, w, e, y2, plan.no_stats, nt))
     return y

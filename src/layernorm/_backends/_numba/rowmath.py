@@ -176,8 +176,10 @@ def _times_w(v, w, i):
 
 
 def put_stat(out, r, value):
-    """``out[r] = value``, or nothing when the caller did not ask for ``out`` (None)."""
-    if out is not None:
+    """``out[r] = value``, or nothing when the caller did not ask for ``out`` (None, or an
+    empty array: the short path passes one, so that a call without statistics runs the
+    same compiled kernel as a call with them)."""
+    if out is not None and out.shape[0] != 0:
         out[r] = value
 
 
@@ -187,7 +189,8 @@ def _put_stat(out, r, value):
         return lambda out, r, value: None
 
     def impl(out, r, value):
-        out[r] = value
+        if out.shape[0] != 0:
+            out[r] = value
 
     return impl
 
