@@ -51,6 +51,12 @@ one, and nothing else. Modules, by job:
 * :mod:`.diskcache`: the compile cache, keyed to all of these sources;
   :mod:`.entry`: the compiled entry points the drivers call.
 
+Each path has its own entry kernels, serial and parallel, written out one by one: a
+call compiles only the kernel of its path, and Numba's disk cache keys a kernel by its
+qualified name and source line (kernels made by a factory would share entries), while a
+kernel that takes another jitted function as an argument cannot be cached at all (Numba:
+"uses dynamic globals"). So the thin loops over blocks repeat, the row code does not.
+
 Importing this module imports Numba and defines the kernels; nothing compiles until a
 kernel is first called (each specialization is then loaded from, or saved to, the disk
 cache).
