@@ -41,8 +41,9 @@ _NUMPY_ROUTE = Route("numpy", "numba")
 class Plan:
     """What a validated call needs to run again: the 2-D view, dtypes and kernels.
 
-    ``run``/``run_stats`` call the serial kernel without and with statistics outputs.
-    Each starts as a function that looks up the kernel's compiled entry point
+    ``run`` calls the serial kernel, with or without statistics outputs (without: the
+    empty ``no_stats`` arrays, the same argument types). It starts as a function that
+    looks up the kernel's compiled entry point
     (:func:`._backends._numba.entry.entry_point`, which compiles or loads it once per
     dtype) and, after its first call, becomes that entry point: the plan's checks
     guarantee every later call passes arrays of the same dtypes and dimensions, so
@@ -64,7 +65,6 @@ class Plan:
         "param_bits",
         "rows",
         "run",
-        "run_stats",
         "same_shape",
         "shape2",
         "stats_shape",
@@ -115,11 +115,9 @@ class Plan:
         else:
             serial, parallel = kernels.ln_forward_serial, kernels.ln_forward_parallel
         if self.large:
-            self.run = self.run_stats = functools.partial(_numba.run_rows, serial, parallel,
-                                                          writes)
+            self.run = functools.partial(_numba.run_rows, serial, parallel, writes)
         else:
             self.run = _resolving(self, "run", serial, writes)
-            self.run_stats = _resolving(self, "run_stats", serial, writes)
 
 
 def _resolving(plan: Plan, slot: str, dispatcher: Any, writes: tuple[int, ...]) -> Any:
@@ -290,7 +288,7 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
         mean = np.empty(plan.stats_shape, plan.acc)
         rstd = np.empty(plan.stats_shape, plan.acc)
         m, r = mean.reshape(-1), rstd.reshape(-1)
-        done = plan.run_stats(x2, w, b, e, y2, m, r, plan.tab, nt)
+        done = plan.run(x2, w, b, e, y2, m, r, plan.tab, nt)
         if type(done) is not int or done != plan.rows:
             _numba.complete_layer_norm_rows(done, (x2, w, b, e, y2, m, r, plan.tab, nt))
         return y, mean, rstd
@@ -342,7 +340,7 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
     if return_stats:
         rstd = np.empty(plan.stats_shape, plan.acc)
         r = rstd.reshape(-1)
-        done = plan.run_stats(x2, w, e, y2, r, nt)
+        done = plan.run(x2, w, e, y2, r, nt)
         if type(done) is not int or done != plan.rows:
             _numba.complete_rms_norm_rows(done, (x2, w, e, y2, r, nt))
         return y, rstd

@@ -152,7 +152,6 @@ def rms_column_rescaled(x2, y2, c, eps, w, rstd_out, s):
     return done
 
 
-
 @njit(inline="always", error_model="numpy")
 def finite_row(xr, r, n):
     """Whether row ``r`` of a :class:`._simd.Raw` view holds no NaN and no infinity."""

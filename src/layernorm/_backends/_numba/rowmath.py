@@ -327,7 +327,3 @@ def copy_row(dst, rd, src, rs):
     for i in range(src.shape[1]):
         dst[rd, i] = src[rs, i]
 
-
-@njit(inline="always", error_model="numpy")
-def unit_stride(a):
-    return a.strides[1] == a.itemsize
