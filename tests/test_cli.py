@@ -145,6 +145,10 @@ def test_bench_json_structure(bench_report):
     assert cond["cores"] >= 1 and cond["threads"] == 1 and cond["wall_s"] > 0
     assert cond["others_cores"] is None or cond["others_cores"] >= 0
     assert report["date"].endswith("+00:00")
+    # The verdict drawn from them travels with the numbers.
+    assert isinstance(report["verdict"]["noisy"], bool)
+    assert bool(report["verdict"]["reasons"]) is report["verdict"]["noisy"]
+    assert "rounds p90/median" in report["verdict"]["summary"]
 
 
 @pytest.mark.slow

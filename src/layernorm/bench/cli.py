@@ -55,6 +55,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     out["load"] = {"before": load_before, "after": machine.load_info()}
     # And the CPU time other processes took meanwhile, which says it directly.
     out["conditions"] = noise.conditions(cpu_before, noise.sample(), max(config.threads))
+    verdict = noise.assess(out)
+    out["verdict"] = {"noisy": verdict.noisy, "reasons": verdict.reasons,
+                      "summary": verdict.summary()}
     if not args.dask:
         print(report.format_table(out))
     out["machine"] = machine.collect_info(probe=False)
