@@ -142,6 +142,11 @@ def plot(report: dict[str, Any], path: str) -> None:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     for ax in list(axes.flat)[len(keys):]:
         ax.set_visible(False)
+    verdict = noise.assess(report)
+    if verdict.noisy:
+        # A figure travels without its table: it must carry the warning itself.
+        fig.suptitle(f"NOISY run ({verdict.summary()}):\nthese numbers may understate "
+                     "the library", color="red", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
