@@ -45,7 +45,7 @@ def test_a_quiet_plausible_run_is_not_noisy_and_states_its_conditions():
     assert v.conditions["copy_spread"] == pytest.approx(1.02)
     (line,) = v.lines()
     assert line.startswith("quiet run: other processes used 0.05 of 2 cores")
-    assert "rounds p90/median 1.02" in line
+    assert line.endswith("rounds p90/median 1.02 (copies 1.02)")
 
 
 @pytest.mark.parametrize(("others", "cores", "threads", "noisy"), [
@@ -86,7 +86,7 @@ def test_rounds_that_disagree_make_a_run_noisy():
     results[1]["p90_s"] = 20 * results[1]["median_s"]
     v = noise.assess({"results": results, "conditions": _conditions()})
     assert not v.noisy and v.conditions["worst_spread"] == pytest.approx(20.0)
-    assert "(worst 20.00)" in v.summary()
+    assert "rounds p90/median 1.02 (worst 20.00, copies 1.02)" in v.summary()
 
 
 def test_a_scattered_copy_makes_a_run_noisy():

@@ -240,12 +240,13 @@ class Verdict:
             where = "" if c.get("others_cores") is not None else f" on {cores} cores"
             parts.append(f"load average {c['load_avg_1m']:.1f}{where}")
         if c.get("spread") is not None:
-            text = f"rounds p90/median {c['spread']:.2f}"
+            extra = []
             if c.get("worst_spread") is not None and c["worst_spread"] > c["spread"]:
-                text += f" (worst {c['worst_spread']:.2f})"
-            parts.append(text)
-        if c.get("copy_spread") is not None:
-            parts.append(f"copies' {c['copy_spread']:.2f}")
+                extra.append(f"worst {c['worst_spread']:.2f}")
+            if c.get("copy_spread") is not None:
+                extra.append(f"copies {c['copy_spread']:.2f}")
+            parts.append(f"rounds p90/median {c['spread']:.2f}"
+                         + (f" ({', '.join(extra)})" if extra else ""))
         return "; ".join(parts) or "no conditions recorded"
 
     def lines(self) -> list[str]:
