@@ -292,7 +292,8 @@ def _implausible(results: list[dict[str, Any]]) -> list[str]:
             continue
         ours, numpy = recs.get(_OURS_FRESH), recs.get(_NUMPY)
         if ours and numpy and ours["median_s"] > numpy["median_s"]:
-            slower.append(f"{_shape(key)} {numpy['median_s'] / ours['median_s']:.2f}x")
+            slower.append(f"{_shape(key)}: {ours['median_s'] / numpy['median_s']:.1f}x "
+                          "NumPy's time")
         out = recs.get(_OURS_OUT)
         pct = out.get("pct_copy") if out else None
         least = MIN_PCT_COPY.get(key[1])
