@@ -174,6 +174,23 @@ for name, (regimes, ceiling, lines) in measured.items():
         for label, points in rows:
             cells = "".join(f"{points.get(d, float('nan')):9.1f}" for d in row_lengths)
             print(f"{label:36s}{cells}")
+if reference is not None:
+    # How far the live run is from the reference, for the library and for the copy: when
+    # only the library fell behind, the copy's bandwidth was not what was taken away.
+    for regime in measured["live"][0]:
+        live_lines, ref_lines = measured["live"][2][regime], measured["reference"][2][regime]
+        rows = [("best copy (ceiling)", measured["live"][1][regime],
+                 measured["reference"][1].get(regime, {}))]
+        rows += [(label, live_lines[label], ref_lines.get(label, {}))
+                 for label in ("layernorm numba", "layernorm numba out= (prealloc)")
+                 if label in live_lines]
+        ds = sorted(measured["live"][1][regime])
+        print(f"\n{'live / reference, ' + regime:36s}"
+              + "".join(f"{'D=' + str(d):>9s}" for d in ds))
+        for label, now, then in rows:
+            cells = "".join(f"{now[d] / then[d]:9.2f}" if then.get(d) and d in now
+                            else f"{'-':>9s}" for d in ds)
+            print(f"{label:36s}{cells}")
 print("\n(bytes of x read plus bytes of y written, per second)")
 
 # %%
