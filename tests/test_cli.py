@@ -140,6 +140,15 @@ def test_bench_json_structure(bench_report):
     # The load before and after, so that a reader can tell a run on a busy machine.
     for when in ("before", "after"):
         assert report["load"][when]["logical_cores"] >= 1
+    # ... and the CPU time other processes took meanwhile (see test_noise.py).
+    cond = report["conditions"]
+    assert cond["cores"] >= 1 and cond["threads"] == 1 and cond["wall_s"] > 0
+    assert cond["others_cores"] is None or cond["others_cores"] >= 0
+    assert report["date"].endswith("+00:00")
+    # The verdict drawn from them travels with the numbers.
+    assert isinstance(report["verdict"]["noisy"], bool)
+    assert bool(report["verdict"]["reasons"]) is report["verdict"]["noisy"]
+    assert "rounds p90/median" in report["verdict"]["summary"]
 
 
 @pytest.mark.slow
@@ -162,6 +171,10 @@ def test_bench_prints_a_table(bench_report):
     assert "% copy" in out and "GB/s" in out
     # The shape is one small working set: the cache regime only, and the tables say so.
     assert "cache-resident" in out and "DRAM-resident" not in out
+    # The verdict on the machine closes the report, whichever it is.
+    verdict = [line for line in out.splitlines()
+               if line.startswith(("quiet run: ", "warning: NOISY run ("))]
+    assert len(verdict) == 1, out[-2000:]
 
 
 @pytest.mark.slow
@@ -172,27 +185,6 @@ def test_bench_records_carry_their_data_regime(bench_report):
         # 64 x 128 float32 is far below 128 MiB even in 64 copies: cache regime only.
         assert rec["regime"] == "cache" and rec["sets"] == 1, rec
         assert rec["working_set_bytes"] <= impls.CACHE_BYTES
-
-
-def test_noise_flags_a_busy_machine_or_scattered_rounds():
-    def rec(spread):
-        return {"median_s": 1e-3, "p90_s": spread * 1e-3}
-
-    def load(value):
-        return {"before": {"load_avg_1m": 0.1, "logical_cores": 4},
-                "after": {"load_avg_1m": value, "logical_cores": 4}}
-
-    quiet = report.noise({"results": [rec(1.02), rec(1.1)], "load": load(1.0)})
-    assert not quiet["noisy"] and quiet["load"] == 1.0 and quiet["cores"] == 4
-    assert quiet["spread"] == pytest.approx(1.06)
-    busy = report.noise({"results": [rec(1.02)], "load": load(3.5)})  # > 0.75 per core
-    assert busy["noisy"] and "load average 3.5 on 4 cores" in busy["text"]
-    scattered = report.noise({"results": [rec(1.5), rec(2.0), rec(1.0)], "load": load(0.2)})
-    assert scattered["noisy"] and "median 1.50, worst 2.00" in scattered["text"]
-    # An old report without a recorded load is judged by its spread alone.
-    assert not report.noise({"results": [rec(1.0)]})["noisy"]
-    table = report.format_table({"results": [], "load": load(9.0)})
-    assert "warning: a noisy run (load average 9.0 on 4 cores" in table
 
 
 def test_cache_shape_fits_the_working_set_in_the_cache():
@@ -414,6 +406,11 @@ def test_plot_writes_a_png(tmp_path):
                          "gbps": gbps})
     path = tmp_path / "plot.png"
     report.plot({"results": recs}, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A noisy run's figure carries the warning in its title (and still draws).
+    busy = {"cores": 2, "threads": 1, "others_cores": 1.9, "load_avg_1m": {}}
+    path.unlink()
+    report.plot({"results": recs, "conditions": busy}, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

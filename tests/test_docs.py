@@ -174,6 +174,20 @@ def test_figures_rendered(site):
         assert all(p.stat().st_size > 5000 for p in pngs), pngs
 
 
+def test_performance_page_states_how_quiet_each_measurement_was(site):
+    """The live measurement and the committed reference each get a box with their
+    conditions: a warning listing the reasons when noisy, a note otherwise."""
+    text = (site / "auto_examples" / "plot_12_performance.html").read_text(encoding="utf-8")
+    for what in ("The live measurement of this build", "The committed reference measurement"):
+        match = re.search(r'<div class="admonition (warning|note)"><p class="admonition-title">'
+                          + what + r" was (noisy|quiet)</p><p>Conditions: ([^<]*)</p>", text)
+        assert match, f"no verdict box for {what!r}"
+        kind, verdict, conditions = match.groups()
+        assert (kind, verdict) in (("warning", "noisy"), ("note", "quiet")), match.group(0)
+        assert "rounds p90/median" in conditions, conditions
+    assert "sphx_glr_plot_12_performance_001.png" in text
+
+
 def test_api_page_documents_every_public_name(site):
     api = _parse(site / "api.html")
     for name in PUBLIC_NAMES:

@@ -3,21 +3,33 @@ Performance: GB/s against row length
 ====================================
 
 LayerNorm reads every element once and writes it once. Whether memory bandwidth or
-arithmetic limits it depends on where the data is, so this page measures both regimes of
+arithmetic limits it depends on where the data is, so this page shows both regimes of
 ``python -m layernorm bench``: **memory** (inputs rotated over more than 128 MiB, so every
 call reads from DRAM: the ceiling is a copy of the same bytes) and **cache** (one working
 set of at most 1.5 MB, reused: the copy runs from cache too, and the arithmetic shows).
-It runs a small grid (rows of 64 to 32768 float32 elements) *while the documentation is
-built*, and plots the bandwidth of this library and of the installed peers against the
-row length. The dashed lines are plain copies of the same bytes in the same regime.
+The dashed lines are plain copies of the same bytes in the same regime.
 
-Numbers measured on a busy machine mean little. The page therefore checks the machine
-it runs on (the load average against the cores, before and after, and the spread of the
-timed rounds) and says so, in a note below and on the figure, when the build was noisy.
-Run the command on your own machine for your numbers (see :doc:`/benchmarks`).
+Two measurements of the same small grid (rows of 64 to 32768 float32 elements) stand
+side by side:
+
+* a **live** one, ``bench --quick``, run *while this documentation was built*, on
+  whatever machine built it and whatever else that machine was doing;
+* a **reference** committed with the source (``docs/_data/bench_reference.json``), made
+  with more rounds by the command given in :doc:`/benchmarks`, which records the
+  machine it came from (CPU, cores, caches, library versions, date) beside its numbers.
+
+Numbers measured on a busy machine mean little, and a page must not publish them
+without saying so. Each measurement is therefore judged by
+``layernorm.bench.noise.assess``: the CPU time other processes took during the run, the
+spread between its rounds, and whether its numbers are plausible (this library slower
+than the NumPy composite, or far below the copy, happens only when something is wrong).
+A warning box below lists the reasons whenever a measurement was noisy, and the
+conditions of both are shown either way. Run the command on your own machine for your
+numbers.
 """
 
 # %%
+import html
 import json
 import subprocess
 import sys
@@ -25,6 +37,8 @@ import tempfile
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+
+from layernorm.bench.noise import assess
 
 shapes = "16384,64 2048,512 256,4096 32,32768"  # N,D pairs: N x D = 2**20 elements each
 args = f"bench --quick --op layer_norm --dtype float32 --shape {shapes} --repeats 3".split()
@@ -39,111 +53,187 @@ with tempfile.TemporaryDirectory() as tmp:
     )
     if proc.returncode != 0:
         raise RuntimeError(f"`python -m layernorm bench` failed:\n{proc.stderr}")
-    report = json.loads(path.read_text())
-print(f"{len(report['results'])} measurements in {report['elapsed_s']:.0f} s")
+    live = json.loads(path.read_text())
+print(f"{len(live['results'])} measurements in {live['elapsed_s']:.0f} s")
+
+# %%
+# The committed reference
+# -----------------------
+# The examples run from ``docs/examples``; the reference lies next to them, in
+# ``docs/_data``. Its ``machine`` and ``date`` say where and when it was measured.
+REFERENCE = Path("..") / "_data" / "bench_reference.json"
+reference = json.loads(REFERENCE.read_text()) if REFERENCE.is_file() else None
+
+
+def machine_line(report):
+    """CPU, cores, caches, threads and versions of a report's machine, in one line."""
+    machine = report.get("machine") or {}
+    cpu, thr, ver = machine.get("cpu") or {}, machine.get("threads") or {}, machine.get(
+        "versions") or {}
+    caches = ", ".join(f"L{c['level']}{(c.get('type') or '')[:1].lower()} {c['size']}"
+                       for c in cpu.get("caches") or () if c.get("type") != "Instruction")
+    libs = ", ".join(f"{name} {ver[name]}" for name in ("layernorm", "numpy", "numba", "torch")
+                     if ver.get(name))
+    return (f"{cpu.get('model', '?')}, {cpu.get('logical_cores', '?')} logical cores "
+            f"({caches or 'caches unknown'}); {thr.get('numba_threads_in_use', '?')} Numba "
+            f"thread(s); {libs}; measured {report.get('date', 'at an unrecorded date')}")
+
+
+if reference is None:
+    print(f"no committed reference at {REFERENCE}: only the live measurement is shown")
+else:
+    print("reference:", machine_line(reference))
+print("live:     ", machine_line(live))
 
 # %%
 # Was the machine quiet?
 # ----------------------
-# Two signs of other processes taking the cores: a 1-minute load average above the
-# number of cores (before or after the run), and rounds that disagree (each measurement
-# keeps its 90th-percentile round and its median: on a quiet machine their ratio stays
-# near 1). Either one makes every number below suspect, so the page says so
-# (``layernorm.bench.report.noise`` applies the thresholds: a load above 0.75 per core,
-# a median spread above 1.25).
-from layernorm.bench.report import noise
+# The verdict on each measurement, with its conditions: how many cores' worth of CPU
+# time other processes took during the run (against the cores and the run's own
+# threads), the 1-minute load average, and how far a measurement's 90th-percentile
+# round strays from its median (over all measurements, and over the copies that the
+# bandwidth percentages divide by). A noisy verdict lists its reasons in a warning box.
+verdicts = {"live": assess(live)}
+if reference is not None:
+    verdicts["reference"] = assess(reference)
 
-busy = noise(report)
-noisy, summary = busy["noisy"], busy["text"]
-if noisy:
-    banner = "!" * 78
-    print(banner)
-    print("NOTE: this page was built on a BUSY machine, and its numbers show it.")
-    print(f"      {summary}")
-    print("      Other processes took the cores during the measurement: the library's")
-    print("      speed below can be many times lower than on a quiet machine. Run")
-    print("      `python -m layernorm bench` on your own (idle) machine for real numbers.")
-    print(banner)
-else:
-    print(f"Quiet build machine: {summary}")
+
+class Boxes:
+    """The verdicts as admonitions on the page (HTML) and as text elsewhere."""
+
+    def __init__(self, verdicts):
+        self.verdicts = verdicts
+
+    def _what(self, name):
+        return ("The live measurement of this build" if name == "live"
+                else "The committed reference measurement")
+
+    def _repr_html_(self):
+        boxes = []
+        for name, v in self.verdicts.items():
+            if v.noisy:
+                items = "".join(f"<li>{html.escape(r)}</li>" for r in v.reasons)
+                boxes.append(
+                    '<div class="admonition warning">'
+                    f'<p class="admonition-title">{self._what(name)} was noisy</p>'
+                    f"<p>Conditions: {html.escape(v.summary())}.</p>"
+                    f"<p>Its numbers may understate the library, for these reasons:</p>"
+                    f"<ul>{items}</ul></div>")
+            else:
+                boxes.append(
+                    '<div class="admonition note">'
+                    f'<p class="admonition-title">{self._what(name)} was quiet</p>'
+                    f"<p>Conditions: {html.escape(v.summary())}.</p></div>")
+        return "\n".join(boxes)
+
+    def __repr__(self):
+        return "\n".join(f"{name}: " + "\n  ".join(v.lines())
+                         for name, v in self.verdicts.items())
+
+
+Boxes(verdicts)
 
 # %%
 # One line per implementation and regime
 # --------------------------------------
-# Each record of the JSON report is one (implementation, shape, regime) measurement. We
+# Each record of a JSON report is one (implementation, shape, regime) measurement. We
 # keep the first measurement phase ("fresh": a new output array per call, as user code
 # does, plus the preallocated ``out=`` variants timed alongside) and summarize the copies
 # by the best preallocated copy at each row length: the ceiling of that regime.
-regimes = [r for r in ("memory", "cache") if r in report["settings"]["regimes"]]
-lines = {regime: {} for regime in regimes}
-ceiling = {regime: {} for regime in regimes}
-first_phase = report["phases"][0]
-for rec in report["results"]:
-    if rec["phase"] != first_phase or "gbps" not in rec:
-        continue
-    regime, d = rec["regime"], rec["shape"][1]
-    if rec["kind"] == "copy":
-        if rec["output"] == "prealloc":
-            ceiling[regime][d] = max(ceiling[regime].get(d, 0.0), rec["gbps"])
-        continue
-    label = rec["impl"] if rec["output"] == "fresh" else f"{rec['impl']} ({rec['output']})"
-    lines[regime].setdefault(label, {})[d] = rec["gbps"]
 
-for regime in regimes:
-    row_lengths = sorted(ceiling[regime])
-    header = "".join(f"{'D=' + str(d):>9s}" for d in row_lengths)
-    print(f"\n{regime + ' regime, GB/s':36s}{header}")
-    rows = [("best copy (ceiling)", ceiling[regime]), *sorted(lines[regime].items())]
-    for label, points in rows:
-        cells = "".join(f"{points.get(d, float('nan')):9.1f}" for d in row_lengths)
-        print(f"{label:36s}{cells}")
+
+def bandwidths(report):
+    """Per regime: the best copy's GB/s by row length, and each implementation's."""
+    regimes = [r for r in ("memory", "cache") if r in report["settings"]["regimes"]]
+    lines = {regime: {} for regime in regimes}
+    ceiling = {regime: {} for regime in regimes}
+    first_phase = report["phases"][0]
+    for rec in report["results"]:
+        if rec["phase"] != first_phase or "gbps" not in rec:
+            continue
+        regime, d = rec["regime"], rec["shape"][1]
+        if rec["kind"] == "copy":
+            if rec["output"] == "prealloc":
+                ceiling[regime][d] = max(ceiling[regime].get(d, 0.0), rec["gbps"])
+            continue
+        label = rec["impl"] if rec["output"] == "fresh" else f"{rec['impl']} ({rec['output']})"
+        lines[regime].setdefault(label, {})[d] = rec["gbps"]
+    return regimes, ceiling, lines
+
+
+measured = {"live": bandwidths(live)}
+if reference is not None:
+    measured["reference"] = bandwidths(reference)
+
+for name, (regimes, ceiling, lines) in measured.items():
+    for regime in regimes:
+        row_lengths = sorted(ceiling[regime])
+        header = "".join(f"{'D=' + str(d):>9s}" for d in row_lengths)
+        print(f"\n{name + ', ' + regime + ' regime, GB/s':36s}{header}")
+        rows = [("best copy (ceiling)", ceiling[regime]), *sorted(lines[regime].items())]
+        for label, points in rows:
+            cells = "".join(f"{points.get(d, float('nan')):9.1f}" for d in row_lengths)
+            print(f"{label:36s}{cells}")
+if reference is not None:
+    # How far the live run is from the reference, for the library and for the copy: when
+    # only the library fell behind, the copy's bandwidth was not what was taken away.
+    for regime in measured["live"][0]:
+        live_lines, ref_lines = measured["live"][2][regime], measured["reference"][2][regime]
+        rows = [("best copy (ceiling)", measured["live"][1][regime],
+                 measured["reference"][1].get(regime, {}))]
+        rows += [(label, live_lines[label], ref_lines.get(label, {}))
+                 for label in ("layernorm numba", "layernorm numba out= (prealloc)")
+                 if label in live_lines]
+        ds = sorted(measured["live"][1][regime])
+        print(f"\n{'live / reference, ' + regime:36s}"
+              + "".join(f"{'D=' + str(d):>9s}" for d in ds))
+        for label, now, then in rows:
+            cells = "".join(f"{now[d] / then[d]:9.2f}" if then.get(d) and d in now
+                            else f"{'-':>9s}" for d in ds)
+            print(f"{label:36s}{cells}")
 print("\n(bytes of x read plus bytes of y written, per second)")
 
 # %%
 # The plot
 # --------
+# One row per regime; the live measurement on the left, the committed reference on the
+# right, on the same axes. A panel whose measurement was judged noisy says so in red.
+labels = sorted({label for _, _, lines in measured.values() for regime in lines.values()
+                 for label in regime})
+colors = {label: plt.get_cmap("tab10")(i % 10) for i, label in enumerate(labels)}
+regimes = measured["live"][0]
 fig, axes = plt.subplots(
-    1, len(regimes), figsize=(6.5 * len(regimes), 4.8), layout="constrained", squeeze=False
+    len(regimes), len(measured), figsize=(6.0 * len(measured), 4.2 * len(regimes)),
+    layout="constrained", squeeze=False, sharey="row",
 )
-threads = report["settings"]["threads"][0]
-for ax, regime in zip(axes[0], regimes, strict=True):
-    ds = sorted(ceiling[regime])
-    ax.plot(ds, [ceiling[regime][d] for d in ds], "k--", label="best copy (ceiling)")
-    for label, points in sorted(lines[regime].items()):
-        ds = sorted(points)
-        ours = label.startswith("layernorm")
-        ax.plot(
-            ds,
-            [points[d] for d in ds],
-            "-o" if ours else "-s",
-            markersize=4,
-            linewidth=2.2 if ours else 1.2,
-            label=label,
-        )
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("row length D")
-    ax.set_ylabel("GB/s (higher is better)")
-    where = "DRAM-resident, 4 MiB arrays" if regime == "memory" else "cache-resident, <= 1.5 MB"
-    ax.set_title(f"{regime}: {where}", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-title = f"layer_norm forward, float32, {threads} thread(s)"
-if noisy:
-    fig.suptitle(
-        f"{title}\nMEASURED ON A BUSY MACHINE ({summary}):\n"
-        "these numbers understate the library",
-        color="red",
-        fontsize=10,
-    )
-else:
-    fig.suptitle(title)
+for col, (name, (_, ceiling, lines)) in enumerate(measured.items()):
+    report = live if name == "live" else reference
+    threads = report["settings"]["threads"][0]
+    cpu = ((report.get("machine") or {}).get("cpu") or {}).get("model", "?")
+    for row, regime in enumerate(regimes):
+        ax = axes[row][col]
+        if regime not in ceiling:
+            ax.set_visible(False)
+            continue
+        ds = sorted(ceiling[regime])
+        ax.plot(ds, [ceiling[regime][d] for d in ds], "k--", label="best copy (ceiling)")
+        for label, points in sorted(lines[regime].items()):
+            ds = sorted(points)
+            ours = label.startswith("layernorm")
+            ax.plot(ds, [points[d] for d in ds], "-o" if ours else "-s", markersize=4,
+                    linewidth=2.2 if ours else 1.2, color=colors[label], label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("row length D")
+        ax.set_ylabel("GB/s (higher is better)")
+        where = "DRAM-resident" if regime == "memory" else "cache-resident, <= 1.5 MB"
+        date = report.get("date", "?")[:10]
+        when = "live, this build" if name == "live" else f"committed reference, {date}"
+        title = f"{when}: {regime} ({where})\n{cpu}, {threads} thread(s)"
+        noisy = verdicts[name].noisy
+        ax.set_title(title + ("\nNOISY: see the warning above" if noisy else ""),
+                     fontsize=9, color="red" if noisy else "black")
+        ax.grid(True, which="both", alpha=0.3)
+axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+fig.suptitle("layer_norm forward, float32")
 plt.show()
-
-machine = report.get("machine") or {}
-cpu, thr = machine.get("cpu") or {}, machine.get("threads") or {}
-print(
-    f"CPU: {cpu.get('model', '?')}, {cpu.get('logical_cores', '?')} logical cores; "
-    f"Numba threads: {thr.get('numba_threads_in_use', '?')} "
-    f"(threading layer {thr.get('layer', '?')})"
-)

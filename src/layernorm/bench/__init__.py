@@ -11,6 +11,7 @@ roofline, the Numba backend), and nothing in the library imports it, so
 ``impls``     the implementations compared: copies, ours, and the peer libraries
 ``run``       the grid of cases, each timed and summarized (bandwidth, % copy, speed-up)
 ``report``    the printed tables, the JSON file and the plot
+``noise``     was the machine quiet? the conditions of a run and a verdict on its numbers
 ``roofline``  ``bench --roofline``: where the LayerNorm kernel's time goes
 ``dask``      ``bench --dask``: Dask throughput against the NumPy path
 """

@@ -7,6 +7,7 @@ optional library is imported unless it is installed and asked for.
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 import time
 from collections.abc import Sequence
@@ -29,11 +30,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from . import machine, report, run, settings
+    from . import machine, noise, report, run, settings
 
     config = settings.settings_from_args(args)
     started = time.perf_counter()
     load_before = machine.load_info()
+    cpu_before = noise.sample()
     print(machine.summary_line())
     if args.roofline:
         return _roofline(args, config, started)
@@ -51,9 +53,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     # Other processes' load before and after: the report (and a reader of the JSON, such
     # as the docs' performance page) can tell a measurement made on a busy machine.
     out["load"] = {"before": load_before, "after": machine.load_info()}
+    # And the CPU time other processes took meanwhile, which says it directly.
+    out["conditions"] = noise.conditions(cpu_before, noise.sample(), max(config.threads))
+    verdict = noise.assess(out)
+    out["verdict"] = {"noisy": verdict.noisy, "reasons": verdict.reasons,
+                      "summary": verdict.summary()}
     if not args.dask:
         print(report.format_table(out))
     out["machine"] = machine.collect_info(probe=False)
+    out["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     out["elapsed_s"] = time.perf_counter() - started
     if args.json:
         report.write_json(out, args.json)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from typing import Any
 
+from . import noise
 from .impls import CACHE, CACHE_BYTES, COPY, FRESH, HEAP_REUSE, MEMORY, MEMORY_BYTES, TITLES
 
 #: Section headings of the data regimes.
@@ -76,48 +76,9 @@ def format_table(report: dict[str, Any]) -> str:
         "output per call; heap reuse = fresh, with freed memory reused by malloc.",
         "Medians of interleaved rounds; JAX uses XLA's own threads whatever --threads says.",
     ]
-    busy = noise(report)
-    if busy["noisy"]:
-        lines += ["", f"warning: a noisy run ({busy['text']}): other processes took the "
-                      "cores; these numbers understate the library"]
+    # The verdict on the machine, always: a reader must see whether to trust the table.
+    lines += ["", *noise.assess(report).lines()]
     return "\n".join(lines)
-
-
-#: A run is noisy when the 1-minute load average (before or after it) exceeds this many
-#: runnable processes per core ...
-BUSY_LOAD_PER_CORE = 0.75
-#: ... or when the median over its measurements of p90 / median round exceeds this.
-BUSY_SPREAD = 1.25
-
-
-def noise(report: dict[str, Any]) -> dict[str, Any]:
-    """How busy the machine was during a run: its load average against the cores
-    (from ``report["load"]``, when recorded) and the spread of the timed rounds.
-
-    Examples
-    --------
-    >>> rec = {"median_s": 1.0, "p90_s": 1.1}
-    >>> n = noise({"results": [rec], "load": {"before": {"load_avg_1m": 3.0,
-    ...                                                  "logical_cores": 2}}})
-    >>> n["noisy"], n["load"], n["spread"]
-    (True, 3.0, 1.1)
-    """
-    snapshots = [s for s in (report.get("load") or {}).values() if s]
-    loads = [s["load_avg_1m"] for s in snapshots if s.get("load_avg_1m") is not None]
-    cores = max([s.get("logical_cores") or 0 for s in snapshots] + [1])
-    spreads = [rec["p90_s"] / rec["median_s"] for rec in report.get("results", ())
-               if rec.get("p90_s") and rec.get("median_s")]
-    load = max(loads, default=None)
-    spread = statistics.median(spreads) if spreads else None
-    noisy = bool((load is not None and load > BUSY_LOAD_PER_CORE * cores)
-                 or (spread is not None and spread > BUSY_SPREAD))
-    parts = []
-    if load is not None:
-        parts.append(f"load average {load:.1f} on {cores} cores")
-    if spread is not None:
-        parts.append(f"rounds' p90/median: median {spread:.2f}, worst {max(spreads):.2f}")
-    return {"noisy": noisy, "load": load, "cores": cores, "spread": spread,
-            "worst_spread": max(spreads, default=None), "text": "; ".join(parts)}
 
 
 def _summary_lines(recs: list[dict[str, Any]]) -> list[str]:
@@ -181,6 +142,11 @@ def plot(report: dict[str, Any], path: str) -> None:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     for ax in list(axes.flat)[len(keys):]:
         ax.set_visible(False)
+    verdict = noise.assess(report)
+    if verdict.noisy:
+        # A figure travels without its table: it must carry the warning itself.
+        fig.suptitle(f"NOISY run ({verdict.summary()}):\nthese numbers may understate "
+                     "the library", color="red", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
