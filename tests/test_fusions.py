@@ -9,6 +9,7 @@ the contract defines the fused ones by ("bit for bit what ``layer_norm(h)`` give
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import ml_dtypes
 import numpy as np
@@ -1128,6 +1129,39 @@ def test_quantize_kernel_serial_and_parallel_agree(fmt):
         assert_bitwise(h, x + r)
         assert_bitwise(y, q_ref)
         assert_bitwise(s, s_ref)
+
+
+@pytest.mark.parametrize("shape", [(4, 300), (37, 64), (3000, 48)])
+def test_quantize_kernel_rows_whose_squares_overflow(shape):
+    # Overflowing rows (see rescale.py) among ordinary ones, in every block: the kernel
+    # stops before such a row and the driver finishes the block (from h with a
+    # residual, here written over x itself); long rows, short rows, enough rows for the
+    # parallel kernels; dynamic and static scales.
+    x = data(shape, "float32", 0)
+    x[1::3] *= np.float32(1e19)
+    r = data(shape, "float32", 1)
+    scale = np.float32(0.03)
+    for rms, add, static in itertools.product((False, True), repeat=3):
+        base = x + r if add else x
+        y32 = (ln.rms_norm if rms else ln.layer_norm)(base)
+        assert np.isfinite(y32).all()
+        q_ref, s_ref = qref(y32, "int8", scale if static else None)
+        kwargs = {"quantize": "int8", "scale": scale if static else None}
+        with quantized_calls(strict=True) as calls:
+            if add:
+                xi = x.copy()
+                fn = ln.add_rms_norm if rms else ln.add_layer_norm
+                q, h, s = fn(xi, r, residual_out=xi, **kwargs)
+                assert h is xi
+                assert_bitwise(xi, base)
+            else:
+                q, s = (ln.rms_norm if rms else ln.layer_norm)(x, **kwargs)
+        assert calls == ["int8"]
+        assert_bitwise(q, q_ref)
+        if static:
+            assert s is scale
+        else:
+            assert_bitwise(s, s_ref)
 
 
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])

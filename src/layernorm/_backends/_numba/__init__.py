@@ -452,10 +452,14 @@ def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
               (h, w, e, y, rstd, False))
 
 
-#: Format codes of the quantizing kernels (:mod:`.quantized`), by dtype name.
-QUANTIZE_FORMATS = {"int8": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
 LN_QUANT_WRITES = (5, 6, 7, 8, 13)  # h, q, mean, rstd, scale
 RMS_QUANT_WRITES = (4, 5, 6, 10)  # h, q, rstd, scale
+#: The kernels finishing stopped blocks of a quantized call: arrays written, arrays
+#: indexed by row (sliced to the stopped rows).
+LN_QUANT_RESCUED_WRITES = (4, 5, 6, 11)  # q, mean, rstd, scale
+LN_QUANT_RESCUED_ROWS = (0, 4, 5, 6, 10, 11)
+RMS_QUANT_RESCUED_WRITES = (3, 4, 8)  # q, rstd, scale
+RMS_QUANT_RESCUED_ROWS = (0, 3, 4, 7, 8)
 
 _NO_ROWS = np.empty(0, dtype=np.float32)
 
@@ -475,18 +479,26 @@ def quantized_forward(x3, r3, weight, bias, eps, h3, q3, mean, rstd, fmt, inv_ro
     x = _as_kernel_array(x3[:, :, 0], x_name)
     q = q3[:, :, 0].view(np.uint8)
     e = _acc_scalar(eps, x_name)
-    code = QUANTIZE_FORMATS[fmt]
     dynamic = inv_rows is None
     inv = _NO_ROWS if dynamic else inv_rows
-    rms = mean is None
     w, b = kernel_params(weight, bias, x.shape[1], rstd.dtype)
-    tail = (code, dynamic, inv, scale_out)
+    tail = (k.FORMAT_TAGS[fmt], dynamic, inv, scale_out)
     res = None if r3 is None else _as_kernel_array(r3[:, :, 0], r_name)
     h = None if r3 is None else _as_kernel_array(h3[:, :, 0], h_name)
-    if rms:
-        _run(k.rms_quant_forward_serial, k.rms_quant_forward_parallel, x.size,
-             RMS_QUANT_WRITES, x, res, w, e, h, q, rstd, *tail)
-    else:
-        _run(k.ln_quant_forward_serial, k.ln_quant_forward_parallel, x.size,
-             LN_QUANT_WRITES, x, res, w, b, e, h, q, mean, rstd,
-             k.merge_table(x.shape[1], rstd.dtype), *tail)
+    # A stopped block (a finite row whose squares overflow) is finished from its input:
+    # h with a residual (complete for the block), else x.
+    src = x if h is None else h
+    if mean is None:
+        pending = _run(k.rms_quant_forward_serial, k.rms_quant_forward_parallel, x.size,
+                       RMS_QUANT_WRITES, x, res, w, e, h, q, rstd, *tail)
+        _complete(pending, k.rms_quant_rescued_serial, RMS_QUANT_RESCUED_WRITES,
+                  RMS_QUANT_RESCUED_ROWS, (src, w, e, q, rstd, *tail))
+        return
+    tab = k.merge_table(x.shape[1], rstd.dtype)
+    serial, parallel = (k.ln_short_quant_forward_serial, k.ln_short_quant_forward_parallel) \
+        if x.shape[1] <= k.SHORT_ROW_MAX else (k.ln_quant_forward_serial,
+                                               k.ln_quant_forward_parallel)
+    pending = _run(serial, parallel, x.size, LN_QUANT_WRITES, x, res, w, b, e, h, q, mean,
+                   rstd, tab, *tail)
+    _complete(pending, k.ln_quant_rescued_serial, LN_QUANT_RESCUED_WRITES,
+              LN_QUANT_RESCUED_ROWS, (src, w, b, e, q, mean, rstd, tab, *tail))
