@@ -464,6 +464,34 @@ RMS_QUANT_RESCUED_ROWS = (0, 3, 4, 7, 8)
 _NO_ROWS = np.empty(0, dtype=np.float32)
 
 
+def quantized_kernels(k: Any, n: int, rms: bool) -> tuple[Any, Any]:
+    """The serial and parallel quantizing kernels for rows of ``n`` elements (``k``: the
+    kernels module)."""
+    if rms:
+        return k.rms_quant_forward_serial, k.rms_quant_forward_parallel
+    if n <= k.SHORT_ROW_MAX:
+        return k.ln_short_quant_forward_serial, k.ln_short_quant_forward_parallel
+    return k.ln_quant_forward_serial, k.ln_quant_forward_parallel
+
+
+def complete_quantized_rows(pending: Any, args: tuple[Any, ...], rms: bool) -> None:
+    """Finish a quantizing kernel's call (``args`` as the kernel took them) whose blocks
+    ``pending`` (its result) stopped before a finite row whose squares overflow: the rest
+    of each such block through the rescuing kernel, from ``h`` with a residual (complete
+    for the block), else from ``x``. Nothing to do if every block is done."""
+    if not (pending[:, 0] < pending[:, 1]).any():
+        return
+    k = load_kernels()
+    if rms:
+        x, _res, w, e, h, q, rstd, *tail = args
+        _complete(pending, k.rms_quant_rescued_serial, RMS_QUANT_RESCUED_WRITES,
+                  RMS_QUANT_RESCUED_ROWS, (x if h is None else h, w, e, q, rstd, *tail))
+    else:
+        x, _res, w, b, e, h, q, mean, rstd, *tail = args
+        _complete(pending, k.ln_quant_rescued_serial, LN_QUANT_RESCUED_WRITES,
+                  LN_QUANT_RESCUED_ROWS, (x if h is None else h, w, b, e, q, mean, rstd, *tail))
+
+
 def quantized_forward(x3, r3, weight, bias, eps, h3, q3, mean, rstd, fmt, inv_rows,
                       scale_out, dtypes) -> None:
     """The norm of ``x3`` (of ``h3 = x3 + r3`` with a residual ``r3``) quantized into ``q3``.
@@ -485,20 +513,13 @@ def quantized_forward(x3, r3, weight, bias, eps, h3, q3, mean, rstd, fmt, inv_ro
     tail = (k.FORMAT_TAGS[fmt], dynamic, inv, scale_out)
     res = None if r3 is None else _as_kernel_array(r3[:, :, 0], r_name)
     h = None if r3 is None else _as_kernel_array(h3[:, :, 0], h_name)
-    # A stopped block (a finite row whose squares overflow) is finished from its input:
-    # h with a residual (complete for the block), else x.
-    src = x if h is None else h
-    if mean is None:
-        pending = _run(k.rms_quant_forward_serial, k.rms_quant_forward_parallel, x.size,
-                       RMS_QUANT_WRITES, x, res, w, e, h, q, rstd, *tail)
-        _complete(pending, k.rms_quant_rescued_serial, RMS_QUANT_RESCUED_WRITES,
-                  RMS_QUANT_RESCUED_ROWS, (src, w, e, q, rstd, *tail))
-        return
-    tab = k.merge_table(x.shape[1], rstd.dtype)
-    serial, parallel = (k.ln_short_quant_forward_serial, k.ln_short_quant_forward_parallel) \
-        if x.shape[1] <= k.SHORT_ROW_MAX else (k.ln_quant_forward_serial,
-                                               k.ln_quant_forward_parallel)
-    pending = _run(serial, parallel, x.size, LN_QUANT_WRITES, x, res, w, b, e, h, q, mean,
-                   rstd, tab, *tail)
-    _complete(pending, k.ln_quant_rescued_serial, LN_QUANT_RESCUED_WRITES,
-              LN_QUANT_RESCUED_ROWS, (src, w, b, e, q, mean, rstd, tab, *tail))
+    rms = mean is None
+    serial, parallel = quantized_kernels(k, x.shape[1], rms)
+    if rms:
+        args = (x, res, w, e, h, q, rstd, *tail)
+    else:
+        args = (x, res, w, b, e, h, q, mean, rstd, k.merge_table(x.shape[1], rstd.dtype),
+                *tail)
+    pending = _run(serial, parallel, x.size, RMS_QUANT_WRITES if rms else LN_QUANT_WRITES,
+                   *args)
+    complete_quantized_rows(pending, args, rms)
