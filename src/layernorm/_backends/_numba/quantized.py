@@ -3,12 +3,12 @@
 Block of rows by block of rows, a block of ``BLOCK_ELEMENTS`` is normalized into a
 float32 scratch block by the same row functions as the plain forward
 (:func:`.forward_rows.ln_long_rows`, :func:`.forward_rows.ln_short_rows`,
-:func:`.forward_rows.rms_raw_rows`): that scratch
-holds ``y32``, the output in the accumulation precision before any rounding, bit for
-bit what the plain forward of the float32-widened input writes. While the block is in
-L2 each of its rows is then quantized (:func:`quantize_row`) and only the 1-byte codes
-go to memory. With a residual, the block's ``h = x + residual`` is computed and stored
-first, exactly as in :mod:`.fused`.
+:func:`.forward_rows.rms_raw_rows`): that scratch holds ``y32``, the output in the
+accumulation precision before any rounding, bit for bit what the plain forward of the
+float32-widened input writes. While the block is in L2 its rows are then quantized
+(:func:`row_inverse`, :func:`quantize_row`) and only the 1-byte codes go to memory.
+With a residual, the block's ``h = x + residual`` is computed and stored first, exactly
+as in :mod:`.fused`.
 
 The row loops stop before a finite row whose squares overflow (see :mod:`.rescale`),
 as the plain forward's do: each kernel returns its blocks' ``(stop, end)`` rows, the
@@ -119,30 +119,34 @@ def _store_codes_typed(fmt, view, vec, r, i):
     return lambda fmt, view, vec, r, i: store(view, vec, r, i)
 
 
-@njit(error_model="numpy")
-def quantize_row(yv, qv, tv, k, r, n, fmt, dynamic, inv_rows, scale_out):
-    """Row ``k`` of the float32 block view ``yv`` quantized into row ``r`` of ``qv``.
+@njit(inline="always", error_model="numpy")
+def row_inverse(yv, k, r, n, fmt, dynamic, inv_rows, scale_out):
+    """``1 / scale`` of row ``k`` of the float32 block view ``yv`` (row ``r`` of the call).
 
-    ``yv``'s rows are padded with zeros to a whole number of vectors (a zero changes no
-    maximum and its code is never stored); ``tv`` is a one-vector uint8 scratch row for
-    the codes of a last partial vector. ``fmt`` is the format's tag. ``dynamic``: the
-    row's scale is computed and stored in ``scale_out[r]``; otherwise ``inv_rows[r]`` is
-    ``1 / scale``.
+    ``dynamic``: the scale is computed from the row's ``amax`` and stored in
+    ``scale_out[r]``; otherwise ``inv_rows[r]`` is ``1 / scale``. ``yv``'s rows are
+    padded with zeros to a whole number of vectors (a zero changes no maximum).
     """
+    if not dynamic:
+        return inv_rows[r]
+    end = -(-n // LANES) * LANES
+    top = splat(np.float32(0.0))
+    for i in range(0, end, LANES):
+        top = vabsmax(top, vload(yv, k, i))
+    amax = hmax_bits(top)
+    scale = amax / qmax_of(fmt)
+    if amax == 0:
+        scale = np.float32(1.0)
+    scale_out[r] = scale
+    return np.float32(1.0) / scale
+
+
+@njit(inline="always", error_model="numpy")
+def quantize_row(yv, qv, tv, k, r, n, fmt, inv):
+    """Row ``k`` of the float32 block view ``yv`` times ``inv``, quantized into row ``r``
+    of ``qv``. ``tv`` is a one-vector uint8 scratch row for the codes of a last partial
+    vector (``yv``'s padding zeros are never stored)."""
     body = n // LANES * LANES
-    end = body if body == n else body + LANES
-    if dynamic:
-        top = splat(np.float32(0.0))
-        for i in range(0, end, LANES):
-            top = vabsmax(top, vload(yv, k, i))
-        amax = hmax_bits(top)
-        scale = amax / qmax_of(fmt)
-        if amax == 0:
-            scale = np.float32(1.0)
-        scale_out[r] = scale
-        inv = np.float32(1.0) / scale
-    else:
-        inv = inv_rows[r]
     iv = splat(inv)
     for i in range(0, body, LANES):
         store_codes(fmt, qv, vload(yv, k, i) * iv, r, i)
@@ -161,11 +165,20 @@ def _scratch(rows, n):
 
 @njit(error_model="numpy")
 def _quantize_block(y32, q, r0, r1, fmt, dynamic, inv_rows, scale_out):
+    """Rows ``r0 .. r1`` of ``q`` from rows ``0 ..`` of ``y32``: every row's ``1 / scale``
+    first, then the codes (the rows' chains of ``amax``, scale and inverse do not depend
+    on each other, so they overlap; measured, 1 thread, from L2: 40% less time per
+    element at n = 256, 18% at n = 1024 than row by row)."""
+    n = q.shape[1]
     tail = np.empty((1, LANES), dtype=np.uint8)
+    invs = np.empty(r1 - r0, dtype=np.float32)
     yv, qv, tv = raw(y32), raw(q), raw(tail)
     for k in range(r1 - r0):
-        quantize_row(yv, qv, tv, k, r0 + k, q.shape[1], fmt, dynamic, inv_rows, scale_out)
+        invs[k] = row_inverse(yv, k, r0 + k, n, fmt, dynamic, inv_rows, scale_out)
+    for k in range(r1 - r0):
+        quantize_row(yv, qv, tv, k, r0 + k, n, fmt, invs[k])
     alive(tail)
+    alive(invs)
 
 
 def _block_input(x, res, h, r0, r1):
