@@ -454,12 +454,9 @@ def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
 
 LN_QUANT_WRITES = (5, 6, 7, 8, 13)  # h, q, mean, rstd, scale
 RMS_QUANT_WRITES = (4, 5, 6, 10)  # h, q, rstd, scale
-#: The kernels finishing stopped blocks of a quantized call: arrays written, arrays
-#: indexed by row (sliced to the stopped rows).
+#: Arrays written by the kernels that redo a quantized call with overflowing rows.
 LN_QUANT_RESCUED_WRITES = (4, 5, 6, 11)  # q, mean, rstd, scale
-LN_QUANT_RESCUED_ROWS = (0, 4, 5, 6, 10, 11)
 RMS_QUANT_RESCUED_WRITES = (3, 4, 8)  # q, rstd, scale
-RMS_QUANT_RESCUED_ROWS = (0, 3, 4, 7, 8)
 
 _NO_ROWS = np.empty(0, dtype=np.float32)
 
@@ -474,22 +471,22 @@ def quantized_kernels(k: Any, n: int, rms: bool) -> tuple[Any, Any]:
     return k.ln_quant_forward_serial, k.ln_quant_forward_parallel
 
 
-def complete_quantized_rows(pending: Any, args: tuple[Any, ...], rms: bool) -> None:
-    """Finish a quantizing kernel's call (``args`` as the kernel took them) whose blocks
-    ``pending`` (its result) stopped before a finite row whose squares overflow: the rest
-    of each such block through the rescuing kernel, from ``h`` with a residual (complete
-    for the block), else from ``x``. Nothing to do if every block is done."""
-    if not (pending[:, 0] < pending[:, 1]).any():
+def complete_quantized_rows(stopped: int, args: tuple[Any, ...], rms: bool) -> None:
+    """Finish a quantizing kernel's call (``args`` as the kernel took them) whose
+    ``stopped`` blocks (its result) met a finite row whose squares overflow: the call is
+    redone by the rescuing kernel, from ``h`` with a residual (complete by then), else
+    from ``x``. Nothing to do if no block stopped."""
+    if not stopped:
         return
     k = load_kernels()
     if rms:
         x, _res, w, e, h, q, rstd, *tail = args
-        _complete(pending, k.rms_quant_rescued_serial, RMS_QUANT_RESCUED_WRITES,
-                  RMS_QUANT_RESCUED_ROWS, (x if h is None else h, w, e, q, rstd, *tail))
+        entry.call(k.rms_quant_rescued_serial, RMS_QUANT_RESCUED_WRITES,
+                   x if h is None else h, w, e, q, rstd, *tail)
     else:
         x, _res, w, b, e, h, q, mean, rstd, *tail = args
-        _complete(pending, k.ln_quant_rescued_serial, LN_QUANT_RESCUED_WRITES,
-                  LN_QUANT_RESCUED_ROWS, (x if h is None else h, w, b, e, q, mean, rstd, *tail))
+        entry.call(k.ln_quant_rescued_serial, LN_QUANT_RESCUED_WRITES,
+                   x if h is None else h, w, b, e, q, mean, rstd, *tail)
 
 
 def quantized_forward(x3, r3, weight, bias, eps, h3, q3, mean, rstd, fmt, inv_rows,
@@ -520,6 +517,6 @@ def quantized_forward(x3, r3, weight, bias, eps, h3, q3, mean, rstd, fmt, inv_ro
     else:
         args = (x, res, w, b, e, h, q, mean, rstd, k.merge_table(x.shape[1], rstd.dtype),
                 *tail)
-    pending = _run(serial, parallel, x.size, RMS_QUANT_WRITES if rms else LN_QUANT_WRITES,
+    stopped = _run(serial, parallel, x.size, RMS_QUANT_WRITES if rms else LN_QUANT_WRITES,
                    *args)
-    complete_quantized_rows(pending, args, rms)
+    complete_quantized_rows(stopped, args, rms)

@@ -11,11 +11,13 @@ With a residual, the block's ``h = x + residual`` is computed and stored first, 
 as in :mod:`.fused`.
 
 The row loops stop before a finite row whose squares overflow (see :mod:`.rescale`),
-as the plain forward's do: each kernel returns its blocks' ``(stop, end)`` rows, the
-rows before ``stop`` quantized, and the driver finishes ``stop .. end`` through
-:func:`ln_quant_rescued_serial` / :func:`rms_quant_rescued_serial` (on ``h`` with a
-residual: the block's ``h`` is complete), which rescale such rows in their loop. So a
-first call compiles neither the rescaling nor the other row path.
+as the plain forward's do: a block that stops leaves its other rows undone, each kernel
+returns the number of such blocks, and when there are any the driver redoes the call
+through :func:`ln_quant_rescued_serial` / :func:`rms_quant_rescued_serial` (from ``h``
+with a residual: it is complete), which rescale such rows in their loop and compute
+every other row as the kernels do. So a first call compiles neither the rescaling nor
+the other row path, and a call returns a plain integer (an array would cost a
+cache-resident call several microseconds).
 
 Quantization of one row (the contract's formula, in float32):
 
@@ -229,8 +231,9 @@ def _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows, scale_out
 
 
 # Entry kernels, one per row path and written out one by one (see .kernels): a call
-# compiles only its own path, for its own format. Each returns its blocks' (stop, end)
-# rows; the driver finishes a stopped block through the *_rescued kernels below.
+# compiles only its own path, for its own format. Each returns the number of blocks that
+# stopped before an overflowing row; the driver then redoes the call through the
+# *_rescued kernels below (from h with a residual: it is complete).
 
 
 @cached_njit(error_model="numpy")
@@ -242,14 +245,12 @@ def ln_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fm
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     y32 = _scratch(rb, n)
-    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
-    for blk in range(pending.shape[0]):
-        r0 = blk * rb
+    stopped = 0
+    for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
-        pending[blk, 0] = _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
-                                    dynamic, inv_rows, scale_out, y32, r0, r1)
-        pending[blk, 1] = r1
-    return pending
+        stopped += _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
+                                    dynamic, inv_rows, scale_out, y32, r0, r1) < r1
+    return stopped
 
 
 @cached_njit(parallel=True, error_model="numpy")
@@ -258,14 +259,14 @@ def ln_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, 
     """:func:`ln_quant_forward_serial` with blocks of rows over Numba's threads."""
     rows, n = x.shape
     rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
-    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
-    for blk in prange(pending.shape[0]):
+    blocks = (rows + rb - 1) // rb
+    done = np.empty(blocks, dtype=np.bool_)
+    for blk in prange(blocks):
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
-        pending[blk, 0] = _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
-                                    dynamic, inv_rows, scale_out, _scratch(rb, n), r0, r1)
-        pending[blk, 1] = r1
-    return pending
+        done[blk] = _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
+                                    dynamic, inv_rows, scale_out, _scratch(rb, n), r0, r1) == r1
+    return blocks - done.sum()
 
 
 @cached_njit(error_model="numpy")
@@ -275,14 +276,12 @@ def ln_short_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, t
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     y32 = _scratch(rb, n)
-    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
-    for blk in range(pending.shape[0]):
-        r0 = blk * rb
+    stopped = 0
+    for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
-        pending[blk, 0] = _ln_short_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab,
-                                          fmt, dynamic, inv_rows, scale_out, y32, r0, r1)
-        pending[blk, 1] = r1
-    return pending
+        stopped += _ln_short_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab,
+                                          fmt, dynamic, inv_rows, scale_out, y32, r0, r1) < r1
+    return stopped
 
 
 @cached_njit(parallel=True, error_model="numpy")
@@ -291,15 +290,15 @@ def ln_short_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out,
     """:func:`ln_short_quant_forward_serial` with blocks of rows over Numba's threads."""
     rows, n = x.shape
     rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
-    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
-    for blk in prange(pending.shape[0]):
+    blocks = (rows + rb - 1) // rb
+    done = np.empty(blocks, dtype=np.bool_)
+    for blk in prange(blocks):
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
-        pending[blk, 0] = _ln_short_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab,
+        done[blk] = _ln_short_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab,
                                           fmt, dynamic, inv_rows, scale_out,
-                                          _scratch(rb, n), r0, r1)
-        pending[blk, 1] = r1
-    return pending
+                                          _scratch(rb, n), r0, r1) == r1
+    return blocks - done.sum()
 
 
 @cached_njit(error_model="numpy")
@@ -310,14 +309,12 @@ def rms_quant_forward_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_r
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     y32 = _scratch(rb, n)
-    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
-    for blk in range(pending.shape[0]):
-        r0 = blk * rb
+    stopped = 0
+    for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
-        pending[blk, 0] = _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                                     scale_out, y32, r0, r1)
-        pending[blk, 1] = r1
-    return pending
+        stopped += _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
+                                     scale_out, y32, r0, r1) < r1
+    return stopped
 
 
 @cached_njit(parallel=True, error_model="numpy")
@@ -326,22 +323,22 @@ def rms_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv
     """:func:`rms_quant_forward_serial` with blocks of rows over Numba's threads."""
     rows, n = x.shape
     rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
-    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
-    for blk in prange(pending.shape[0]):
+    blocks = (rows + rb - 1) // rb
+    done = np.empty(blocks, dtype=np.bool_)
+    for blk in prange(blocks):
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
-        pending[blk, 0] = _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                                     scale_out, _scratch(rb, n), r0, r1)
-        pending[blk, 1] = r1
-    return pending
+        done[blk] = _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
+                                     scale_out, _scratch(rb, n), r0, r1) == r1
+    return blocks - done.sum()
 
 
 @cached_njit(error_model="numpy")
 def ln_quant_rescued_serial(x, w, b, eps, q, mean_out, rstd_out, tab, fmt, dynamic,
                             inv_rows, scale_out):
     """LayerNorm of the rows of ``x`` quantized into ``q``, every row done (finite rows
-    whose squares overflow rescaled, see :mod:`.rescale`): what finishes a stopped block
-    of the kernels above, so only a call that meets such a row compiles it."""
+    whose squares overflow rescaled, see :mod:`.rescale`): what redoes a call of the
+    kernels above that met such a row, so only such a call compiles it."""
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     y32 = _scratch(rb, n)
