@@ -9,6 +9,7 @@ the contract defines the fused ones by ("bit for bit what ``layer_norm(h)`` give
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import ml_dtypes
 import numpy as np
@@ -208,23 +209,32 @@ def fused_calls(stream=None):
 
 @contextlib.contextmanager
 def quantized_calls(strict=False):
-    """Counts the Numba backend's quantizing one-pass calls (their formats); ``strict``:
-    a quantization the engine composes instead raises."""
-    from layernorm import _engine
+    """Counts the Numba backend's quantizing one-pass calls (their formats), by the
+    general path or the short path; ``strict``: a quantization the engine composes
+    instead raises."""
+    from layernorm import _engine, _fast
     from layernorm._backends import _numba as backend
 
     calls = []
     real = backend.quantized_forward
+    real_short = _fast.quantized
 
     def spy(*args):
         calls.append(args[9])
         return real(*args)
+
+    def short_spy(*args):
+        result = real_short(*args)
+        if result is not None:  # the short path's call of the same kernels
+            calls.append(args[8])
+        return result
 
     def composed(*args, **kwargs):
         raise AssertionError("quantized by the composition, not the kernel")
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(backend, "quantized_forward", spy)
+        mp.setattr(_fast, "quantized", short_spy)
         if strict:
             mp.setattr(_engine, "quantize_rows", composed)
         yield calls
@@ -1128,6 +1138,93 @@ def test_quantize_kernel_serial_and_parallel_agree(fmt):
         assert_bitwise(h, x + r)
         assert_bitwise(y, q_ref)
         assert_bitwise(s, s_ref)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rms", [False, True])
+def test_quantize_short_path_is_the_composition(rms, fmt):
+    # Repeated small float32 calls take the short path (layernorm._fast): planned on the
+    # first call, the kernel called directly after. Trailing axes of several shapes,
+    # short and long rows, one call large enough for the parallel choice, with and
+    # without out= and statistics, dynamic and static scales.
+    from layernorm import _fast
+    from layernorm._backends import _numba as backend
+
+    def general(*args):
+        raise AssertionError("the general path, not the short path")
+
+    for shape, ns in [((33, 300), None), ((4, 5, 48), 48), ((2, 3, 40), (3, 40)),
+                      ((130, 600), None)]:
+        x = data(shape, "float32", 0, 3.0)
+        x.reshape(-1, x.shape[-1])[1] = 0.5  # a constant row
+        x.reshape(-1, x.shape[-1])[2, 3] = np.nan
+        pshape = x.shape[-1:] if not isinstance(ns, tuple) else ns
+        params = {"weight": data(pshape, "float32", 2)}
+        if not rms:
+            params["bias"] = data(pshape, "float32", 3)
+        norm = ln.rms_norm if rms else ln.layer_norm
+        y32, *stats_ref = norm(x, ns, return_stats=True, **params)
+        n = int(np.prod(pshape))
+        stats_shape = stats_ref[0].shape
+        for scale in (None, 0.02):
+            q_ref, s_ref = qref(y32.reshape(-1, n), fmt, scale)
+            q_ref = q_ref.reshape(shape)
+            out = np.empty(shape, q_ref.dtype)
+            for k in range(3):
+                with quantized_calls(strict=True) as calls, pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(backend, "quantized_forward", general)
+                    got = norm(x, ns, quantize=fmt, scale=scale, return_stats=k == 2,
+                               out=out if k == 1 else None, **params)
+                assert calls == [fmt]
+                assert_bitwise(got[0], q_ref)
+                if scale is None:
+                    assert_bitwise(got[1], s_ref.reshape(stats_shape))
+                else:
+                    assert got[1] is scale
+                if k == 1:
+                    assert got[0] is out
+                if k == 2:
+                    for got_stat, want in zip(got[2:], stats_ref, strict=True):
+                        assert_bitwise(got_stat, want)
+        assert any(isinstance(p, _fast.QuantPlan) and p.rows * p.n == x.size
+                   for p in _fast._PLANS.values())
+    with pytest.raises(ValueError, match="quantized dtype"):
+        norm(x, quantize=fmt, out=np.empty(x.shape, np.float32), **params)
+    with pytest.raises(ValueError, match="scale must be positive"):
+        norm(x, quantize=fmt, scale=-1.0, **params)
+
+
+@pytest.mark.parametrize("shape", [(4, 300), (37, 64), (3000, 48)])
+def test_quantize_kernel_rows_whose_squares_overflow(shape):
+    # Overflowing rows (see rescale.py) among ordinary ones, in every block: the kernel
+    # stops before such a row and the driver finishes the block (from h with a
+    # residual, here written over x itself); long rows, short rows, enough rows for the
+    # parallel kernels; dynamic and static scales.
+    x = data(shape, "float32", 0)
+    x[1::3] *= np.float32(1e19)
+    r = data(shape, "float32", 1)
+    scale = np.float32(0.03)
+    for rms, add, static in itertools.product((False, True), repeat=3):
+        base = x + r if add else x
+        y32 = (ln.rms_norm if rms else ln.layer_norm)(base)
+        assert np.isfinite(y32).all()
+        q_ref, s_ref = qref(y32, "int8", scale if static else None)
+        kwargs = {"quantize": "int8", "scale": scale if static else None}
+        with quantized_calls(strict=True) as calls:
+            if add:
+                xi = x.copy()
+                fn = ln.add_rms_norm if rms else ln.add_layer_norm
+                q, h, s = fn(xi, r, residual_out=xi, **kwargs)
+                assert h is xi
+                assert_bitwise(xi, base)
+            else:
+                q, s = (ln.rms_norm if rms else ln.layer_norm)(x, **kwargs)
+        assert calls == ["int8"]
+        assert_bitwise(q, q_ref)
+        if static:
+            assert s is scale
+        else:
+            assert_bitwise(s, s_ref)
 
 
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])

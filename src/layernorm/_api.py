@@ -112,6 +112,12 @@ def layer_norm(
                                   out)
         if result is not None:
             return result
+    elif (type(x) is np.ndarray and backend is None and quantize is not None
+            and weight_offset is _NO_OFFSET):
+        result = _fast.quantized(x, normalized_shape, weight, bias, eps, axis, return_stats,
+                                 out, quantize, scale, False)
+        if result is not None:
+            return result
     where = route(x, backend)
     extras = {"weight_offset": weight_offset, "quantize": quantize, "scale": scale}
     if where.library == "torch":
@@ -192,6 +198,12 @@ def rms_norm(
             and (weight_offset is _NO_OFFSET
                  or (type(weight_offset) is float and weight_offset == 0.0))):
         result = _fast.rms_norm(x, normalized_shape, weight, eps, axis, return_stats, out)
+        if result is not None:
+            return result
+    elif (type(x) is np.ndarray and backend is None and quantize is not None
+            and weight_offset is _NO_OFFSET):
+        result = _fast.quantized(x, normalized_shape, weight, None, eps, axis, return_stats,
+                                 out, quantize, scale, True)
         if result is not None:
             return result
     where = route(x, backend)

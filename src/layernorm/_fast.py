@@ -348,3 +348,161 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
     if type(done) is not int or done != plan.rows:
         _numba.complete_rms_norm_rows(done, (x2, w, e, y2, plan.no_stats, nt))
     return y
+
+
+# Quantized calls (quantize= on layer_norm / rms_norm): float32 rows, float32 or absent
+# parameters, a dynamic scale or a static Python float. The general path's checks cost
+# several times the kernel of a cache-resident call.
+
+
+class QuantPlan:
+    """What a validated quantized call needs to run again (see :class:`Plan`).
+
+    ``run`` calls the quantizing kernel of the call's row path and format with the
+    arguments :func:`._backends._numba.quantized_forward` would pass; the inverse of a
+    static scale is kept per value, one array of rows each.
+    """
+
+    __slots__ = (
+        "acc",
+        "default_eps",
+        "eps_scalars",
+        "inverses",
+        "n",
+        "negative_zeros",
+        "no_stats",
+        "ones",
+        "qdtype",
+        "rms",
+        "rows",
+        "run",
+        "shape2",
+        "stats_shape",
+        "tab",
+        "tag",
+    )
+
+    def __init__(self, rows: int, n: int, stats_shape: tuple[int, ...], quantize: str,
+                 kernels: Any, rms: bool) -> None:
+        self.rows, self.n, self.stats_shape, self.rms = rows, n, stats_shape, rms
+        self.shape2 = (rows, n)
+        acc = self.acc = np.dtype(np.float32)
+        self.qdtype = _engine.dtype_of(np, quantize)
+        self.tag = kernels.FORMAT_TAGS[quantize]
+        self.default_eps = MACHINE_EPS["float32"]
+        self.eps_scalars: dict[float, Any] = {}
+        self.inverses: dict[float, Any] = {}
+        self.ones, self.negative_zeros = _numba.kernel_params(None, None, n, acc)
+        self.no_stats = np.empty(0, dtype=acc)
+        self.tab = None if rms else kernels.merge_table(n, acc)
+        serial, parallel = _numba.quantized_kernels(kernels, n, rms)
+        writes = _numba.RMS_QUANT_WRITES if rms else _numba.LN_QUANT_WRITES
+        if rows * n >= SERIAL_MAX_ELEMENTS:
+            self.run = functools.partial(_numba.run_rows, serial, parallel, writes)
+        else:
+            self.run = _resolving(self, "run", serial, writes)
+
+    def inverse(self, scale: float) -> Any:
+        """``1 / scale`` in float32 for every row, or None if it is not a positive finite
+        float32 (the general path handles such a scale)."""
+        inv = self.inverses.get(scale)
+        if inv is None:
+            s = np.float32(scale)
+            if not 0 < s < np.inf:
+                return None
+            with np.errstate(over="ignore"):
+                one = np.float32(1.0) / s
+            if not one < np.inf:
+                return None
+            if len(self.inverses) > 64:
+                self.inverses.clear()
+            inv = self.inverses[scale] = np.full(self.rows, one, dtype=np.float32)
+        return inv
+
+
+def _quant_plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
+                quantize: str, rms: bool) -> QuantPlan | None:
+    params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
+    req = _engine.request(x, _NUMPY_ROUTE, normalized_shape, axis, **params)
+    layout = req.layout
+    if (req.dtype != "float32" or layout.perm is not None or layout.inner != 1
+            or layout.n == 0 or layout.rows == 0
+            or any(p is not None and p.dtype != np.float32 for p in params.values())):
+        return None
+    return QuantPlan(layout.rows, layout.n, layout.stats_shape, quantize,
+                     _numba.load_kernels(), rms)
+
+
+def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, axis: Any,
+              return_stats: bool, out: Any, quantize: Any, scale: Any, rms: bool) -> Any:
+    """The result of a known small ``quantize=`` call of :func:`layernorm.layer_norm`
+    (``rms``: :func:`layernorm.rms_norm`, ``bias`` None), else None."""
+    if (x.dtype != np.float32 or type(quantize) is not str
+            or not (scale is None or type(scale) is float)
+            or (normalized_shape is not None and type(normalized_shape) is not int
+                and not _plain_axes(normalized_shape))
+            or (axis is not None and type(axis) is not int and not _plain_axes(axis))
+            or not x.flags.c_contiguous):
+        return None
+    for p in (weight, bias):
+        if p is not None and not (type(p) is np.ndarray and p.flags.c_contiguous):
+            return None
+    key = (x.shape, normalized_shape, axis, None if weight is None else weight.shape,
+           None if weight is None else weight.dtype, None if bias is None else bias.shape,
+           None if bias is None else bias.dtype, quantize, rms)
+    try:
+        plan = _PLANS[key]
+    except KeyError:
+        try:
+            plan = _quant_plan(x, normalized_shape, axis, weight, bias, quantize, rms)
+        except (TypeError, ValueError, KeyError):
+            plan = None  # the general path raises the error
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    except TypeError:  # unhashable normalized_shape
+        return None
+    if plan is None:
+        return None
+    if rms and eps is None:
+        eps = plan.default_eps
+    e = plan.eps_scalars.get(eps) if type(eps) is float else None
+    if e is None and (e := _new_eps(plan, eps)) is None:
+        return None
+    if scale is None:
+        inv = plan.no_stats
+        scale = np.empty(plan.stats_shape, np.float32)
+        scale_rows = scale.reshape(-1)
+    else:
+        inv = plan.inverse(scale)
+        if inv is None:
+            return None
+        scale_rows = plan.no_stats
+    if out is None:
+        q = np.empty(x.shape, plan.qdtype)
+    elif (type(out) is np.ndarray and out.shape == x.shape and out.dtype == plan.qdtype
+          and out.flags.c_contiguous and out.flags.writeable and _apart(out, x)
+          and _apart(out, weight) and _apart(out, bias)):
+        q = out
+    else:
+        return None
+    q2 = q.reshape(plan.shape2).view(np.uint8)
+    x2 = x.reshape(plan.shape2)
+    w = plan.ones if weight is None else weight.reshape(-1)
+    if return_stats:
+        mean = None if rms else np.empty(plan.stats_shape, np.float32)
+        rstd = np.empty(plan.stats_shape, np.float32)
+        m = None if rms else mean.reshape(-1)
+        r = rstd.reshape(-1)
+    else:
+        m = r = plan.no_stats
+    tail = (plan.tag, inv is plan.no_stats, inv, scale_rows)
+    if rms:
+        args = (x2, None, w, e, None, q2, r, *tail)
+    else:
+        b = plan.negative_zeros if bias is None else bias.reshape(-1)
+        args = (x2, None, w, b, e, None, q2, m, r, plan.tab, *tail)
+    _numba.complete_quantized_rows(plan.run(*args), args, rms)
+    if not return_stats:
+        return q, scale
+    return (q, scale, rstd) if rms else (q, scale, mean, rstd)

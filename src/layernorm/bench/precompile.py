@@ -100,8 +100,9 @@ def calls(op: str, direction: str, dtype: str, layout: Layout) -> Callable[[], N
     x, gy, weight, bias = _inputs(layout, dtype)
     axis = layout.axis
     if direction == "quantized":
-        # One kernel per (op, dtype, parameters) serves the three formats and both kinds
-        # of scale; layouts it does not take compose from the plain kernels.
+        # One kernel per (op, dtype, parameters, row path) serves both kinds of scale;
+        # each 8-bit format compiles its own, and int8 is the one compiled here. Layouts
+        # the kernels do not take compose from the plain kernels.
         def quantized() -> None:
             fn = getattr(ln, op)
             args = (x, gy) if op.startswith("add_") else (x,)

@@ -452,12 +452,41 @@ def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
               (h, w, e, y, rstd, False))
 
 
-#: Format codes of the quantizing kernels (:mod:`.quantized`), by dtype name.
-QUANTIZE_FORMATS = {"int8": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
 LN_QUANT_WRITES = (5, 6, 7, 8, 13)  # h, q, mean, rstd, scale
 RMS_QUANT_WRITES = (4, 5, 6, 10)  # h, q, rstd, scale
+#: Arrays written by the kernels that redo a quantized call with overflowing rows.
+LN_QUANT_RESCUED_WRITES = (4, 5, 6, 11)  # q, mean, rstd, scale
+RMS_QUANT_RESCUED_WRITES = (3, 4, 8)  # q, rstd, scale
 
 _NO_ROWS = np.empty(0, dtype=np.float32)
+
+
+def quantized_kernels(k: Any, n: int, rms: bool) -> tuple[Any, Any]:
+    """The serial and parallel quantizing kernels for rows of ``n`` elements (``k``: the
+    kernels module)."""
+    if rms:
+        return k.rms_quant_forward_serial, k.rms_quant_forward_parallel
+    if n <= k.SHORT_ROW_MAX:
+        return k.ln_short_quant_forward_serial, k.ln_short_quant_forward_parallel
+    return k.ln_quant_forward_serial, k.ln_quant_forward_parallel
+
+
+def complete_quantized_rows(stopped: int, args: tuple[Any, ...], rms: bool) -> None:
+    """Finish a quantizing kernel's call (``args`` as the kernel took them) whose
+    ``stopped`` blocks (its result) met a finite row whose squares overflow: the call is
+    redone by the rescuing kernel, from ``h`` with a residual (complete by then), else
+    from ``x``. Nothing to do if no block stopped."""
+    if not stopped:
+        return
+    k = load_kernels()
+    if rms:
+        x, _res, w, e, h, q, rstd, *tail = args
+        entry.call(k.rms_quant_rescued_serial, RMS_QUANT_RESCUED_WRITES,
+                   x if h is None else h, w, e, q, rstd, *tail)
+    else:
+        x, _res, w, b, e, h, q, mean, rstd, *tail = args
+        entry.call(k.ln_quant_rescued_serial, LN_QUANT_RESCUED_WRITES,
+                   x if h is None else h, w, b, e, q, mean, rstd, *tail)
 
 
 def quantized_forward(x3, r3, weight, bias, eps, h3, q3, mean, rstd, fmt, inv_rows,
@@ -475,18 +504,19 @@ def quantized_forward(x3, r3, weight, bias, eps, h3, q3, mean, rstd, fmt, inv_ro
     x = _as_kernel_array(x3[:, :, 0], x_name)
     q = q3[:, :, 0].view(np.uint8)
     e = _acc_scalar(eps, x_name)
-    code = QUANTIZE_FORMATS[fmt]
     dynamic = inv_rows is None
     inv = _NO_ROWS if dynamic else inv_rows
-    rms = mean is None
     w, b = kernel_params(weight, bias, x.shape[1], rstd.dtype)
-    tail = (code, dynamic, inv, scale_out)
+    tail = (k.FORMAT_TAGS[fmt], dynamic, inv, scale_out)
     res = None if r3 is None else _as_kernel_array(r3[:, :, 0], r_name)
     h = None if r3 is None else _as_kernel_array(h3[:, :, 0], h_name)
+    rms = mean is None
+    serial, parallel = quantized_kernels(k, x.shape[1], rms)
     if rms:
-        _run(k.rms_quant_forward_serial, k.rms_quant_forward_parallel, x.size,
-             RMS_QUANT_WRITES, x, res, w, e, h, q, rstd, *tail)
+        args = (x, res, w, e, h, q, rstd, *tail)
     else:
-        _run(k.ln_quant_forward_serial, k.ln_quant_forward_parallel, x.size,
-             LN_QUANT_WRITES, x, res, w, b, e, h, q, mean, rstd,
-             k.merge_table(x.shape[1], rstd.dtype), *tail)
+        args = (x, res, w, b, e, h, q, mean, rstd, k.merge_table(x.shape[1], rstd.dtype),
+                *tail)
+    stopped = _run(serial, parallel, x.size, RMS_QUANT_WRITES if rms else LN_QUANT_WRITES,
+                   *args)
+    complete_quantized_rows(stopped, args, rms)

@@ -748,11 +748,16 @@ def hmax_bits(typingctx, vec):
         return None
 
     def codegen(context, builder, sig, args):
+        # A tree of lane-wise maxima (exact, so any order gives the same bits): a few
+        # dependent steps instead of one per lane.
         bits = _bits_of(builder, args[0])
+        h = WIDTH // 2
+        while h:
+            mask = ir.Constant(ir.VectorType(_I32, WIDTH), [(j + h) % WIDTH for j in range(WIDTH)])
+            other = builder.shuffle_vector(bits, bits, mask)
+            bits = builder.select(builder.icmp_signed(">", other, bits), other, bits)
+            h //= 2
         top = builder.extract_element(bits, ir.Constant(_I32, 0))
-        for j in range(1, WIDTH):
-            v = builder.extract_element(bits, ir.Constant(_I32, j))
-            top = builder.select(builder.icmp_signed(">", v, top), v, top)
         return builder.bitcast(top, ir.FloatType())
 
     return types.float32(vec), codegen

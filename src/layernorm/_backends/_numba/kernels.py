@@ -109,15 +109,21 @@ from .fused import (
     add_rms_forward_serial,
 )
 from .quantized import (
+    FORMAT_TAGS,
     ln_quant_forward_parallel,
     ln_quant_forward_serial,
+    ln_quant_rescued_serial,
+    ln_short_quant_forward_parallel,
+    ln_short_quant_forward_serial,
     rms_quant_forward_parallel,
     rms_quant_forward_serial,
+    rms_quant_rescued_serial,
 )
 from .rowmath import LANES, merge_table, widen_param
 
 __all__ = [
     "COL_BLOCK",
+    "FORMAT_TAGS",
     "LANES",
     "PAIR_MIN_N",
     "SHORT_BACKWARD_N",
@@ -142,10 +148,13 @@ __all__ = [
     "ln_gathered_forward_serial",
     "ln_quant_forward_parallel",
     "ln_quant_forward_serial",
+    "ln_quant_rescued_serial",
     "ln_short_backward_parallel",
     "ln_short_backward_serial",
     "ln_short_forward_parallel",
     "ln_short_forward_serial",
+    "ln_short_quant_forward_parallel",
+    "ln_short_quant_forward_serial",
     "merge_table",
     "rms_backward_parallel",
     "rms_backward_serial",
@@ -159,5 +168,6 @@ __all__ = [
     "rms_gathered_forward_serial",
     "rms_quant_forward_parallel",
     "rms_quant_forward_serial",
+    "rms_quant_rescued_serial",
     "widen_param",
 ]
