@@ -199,8 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_compile.add_argument("--backward", action="store_true",
                            help="also compile the backward kernels")
     p_compile.add_argument("--quantize", action="store_true",
-                           help="also compile the kernels of quantize= calls (one serves "
-                                "int8 and both float8 formats)")
+                           help="also compile the kernels of quantize='int8' calls "
+                                "(each 8-bit format compiles its own kernel on first use)")
     p_compile.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_compile.set_defaults(func=_cmd_compile)
     return parser
