@@ -32,9 +32,10 @@ from .rowmath import (
 
 
 @njit(inline="always", error_model="numpy")
-def _lane_tree_sum(lt):
-    """Row 0 of ``lt`` becomes the sum of its LANES rows, in :func:`tree_sum`'s tree."""
-    h = LANES // 2
+def _lane_tree_sum(lt, top):
+    """Row 0 of ``lt`` becomes the sum of its ``2 * top`` rows, in :func:`tree_sum`'s
+    tree (its levels ``h = top, ..., 1``)."""
+    h = top
     while h >= 1:
         for j in range(h):
             store2(lt, load2(lt, j, 0) + load2(lt, j + h, 0), j, 0)
@@ -107,14 +108,16 @@ def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out, r0
     for k in range(WIDTH):
         cs[2, k] = widen(x2[0, c0 + k])  # the shift K = x[0]
     kv = load2(cs, 2, 0)
-    for j in range(LANES):
+    # Lanes to columns: the row path's wide_tree_sum, lane j of a vector being row j of
+    # the lane-sum tiles here (its first level in the accumulation type).
+    half = LANES // 2
+    for j in range(half):
         a, q = _col_lane_sums(x2, c0, j, kv, zero, pad)
-        store2(lm, wide(a), j, 0)
-        store2(lm2, wide(q), j, 0)
-    # Lanes to columns: the row path's float64 tree sums, lane j of a vector being row j
-    # of the lane-sum tiles here.
-    _lane_tree_sum(lm)
-    _lane_tree_sum(lm2)
+        a2, q2 = _col_lane_sums(x2, c0, j + half, kv, zero, pad)
+        store2(lm, wide(a + a2), j, 0)
+        store2(lm2, wide(q + q2), j, 0)
+    _lane_tree_sum(lm, half // 2)
+    _lane_tree_sum(lm2, half // 2)
     for k in range(WIDTH):
         shift = cs[2, k]
         s = lm[0, k]
@@ -266,11 +269,7 @@ def _rms_cols(x2, y2, c0, w, eps, lanes, cs, rstd_out, r0, valid):
         for j in range(LANES):
             v = load2(x2, body + j, c0) if body + j < n else zero
             store2(lanes, load2(lanes, j, 0) + v * v, j, 0)
-    h = LANES // 2
-    while h >= 1:
-        for j in range(h):
-            store2(lanes, load2(lanes, j, 0) + load2(lanes, j + h, 0), j, 0)
-        h = h // 2
+    _lane_tree_sum(lanes, LANES // 2)
     one = cast(1.0, eps)
     for k in range(WIDTH):
         rstd = one / np.sqrt(lanes[0, k] / cast(n, eps) + eps)

@@ -124,25 +124,15 @@ def ln_long_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r0, r1, s0)
     Returns ``r1``, or the first finite row whose squares overflow: that row is left
     unwritten and the rows after it are not done (see :mod:`.rescale`)."""
     stop = r1
-    if r0 >= r1:
-        return stop
-    # Software-pipelined by one row: row r + 1's statistics come before row r's output
-    # pass in program order, so that the latency of their reductions overlaps the
-    # output pass's work (a row's statistics are a chain of dependent reductions).
-    shift, mu, m2 = row_moments(xv, r0, n, tv)
-    mean, mo, rstd = finish(shift, mu, m2, n, eps)
     for r in range(r0, r1):
-        next_shift, next_mean, next_mo, next_rstd = shift, mean, mo, rstd
-        if r + 1 < r1:
-            next_shift, mu, m2 = row_moments(xv, r + 1, n, tv)
-            next_mean, next_mo, next_rstd = finish(next_shift, mu, m2, n, eps)
+        shift, mu, m2 = row_moments(xv, r, n, tv)
+        mean, mo, rstd = finish(shift, mu, m2, n, eps)
         if not rstd > 0 and finite_row(xv, r, n):
             stop = r
             break
         ln_row_out(xv, yv, r, n, shift, mean, rstd, wv, bv, nt)
         put_stat(mean_out, s0 + (r - r0), mo)
         put_stat(rstd_out, s0 + (r - r0), rstd)
-        shift, mean, mo, rstd = next_shift, next_mean, next_mo, next_rstd
     if nt:
         store_fence()  # streaming stores done before another thread reads y
     return stop
@@ -167,17 +157,17 @@ def ln_raw_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r0, r1, s0):
 
 @njit(inline="always", error_model="numpy")
 def _folded_tree_sums(sv, first):
-    """:func:`.rowmath.tree_sum` of each of the LANES vectors in rows ``first ..`` of
-    ``sv``, in float64; the sum of row ``first + i`` lands in lane ``i`` (the same
+    """:func:`.rowmath.wide_tree_sum` of each of the LANES vectors in rows ``first ..`` of
+    ``sv`` (float64); the sum of row ``first + i`` lands in lane ``i`` (the same
     additions, see ``fold8``)."""
-    a0 = fold8(wide(vload(sv, first, 0)), wide(vload(sv, first + 1, 0)))
-    a1 = fold8(wide(vload(sv, first + 2, 0)), wide(vload(sv, first + 3, 0)))
-    a2 = fold8(wide(vload(sv, first + 4, 0)), wide(vload(sv, first + 5, 0)))
-    a3 = fold8(wide(vload(sv, first + 6, 0)), wide(vload(sv, first + 7, 0)))
-    a4 = fold8(wide(vload(sv, first + 8, 0)), wide(vload(sv, first + 9, 0)))
-    a5 = fold8(wide(vload(sv, first + 10, 0)), wide(vload(sv, first + 11, 0)))
-    a6 = fold8(wide(vload(sv, first + 12, 0)), wide(vload(sv, first + 13, 0)))
-    a7 = fold8(wide(vload(sv, first + 14, 0)), wide(vload(sv, first + 15, 0)))
+    a0 = wide(fold8(vload(sv, first, 0), vload(sv, first + 1, 0)))
+    a1 = wide(fold8(vload(sv, first + 2, 0), vload(sv, first + 3, 0)))
+    a2 = wide(fold8(vload(sv, first + 4, 0), vload(sv, first + 5, 0)))
+    a3 = wide(fold8(vload(sv, first + 6, 0), vload(sv, first + 7, 0)))
+    a4 = wide(fold8(vload(sv, first + 8, 0), vload(sv, first + 9, 0)))
+    a5 = wide(fold8(vload(sv, first + 10, 0), vload(sv, first + 11, 0)))
+    a6 = wide(fold8(vload(sv, first + 12, 0), vload(sv, first + 13, 0)))
+    a7 = wide(fold8(vload(sv, first + 14, 0), vload(sv, first + 15, 0)))
     b0 = fold4(a0, a1)
     b1 = fold4(a2, a3)
     b2 = fold4(a4, a5)

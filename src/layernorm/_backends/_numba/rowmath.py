@@ -27,10 +27,12 @@ lane ``j + h`` for ``h = 8, 4, 2, 1``).
    chains short, and summing whole chunks keeps partial sums small: a running sum of
    squares per element was measurably biased on data of a coarse grid (``1e4 + randn``
    in float32: squares of multiples of ``2**-10`` round one way).
-3. Lanes are combined exactly widened to ``D``: ``S = T(D(a))``, ``SS = T(D(q))``, the
-   shifted mean ``mu = S * (1/n)`` and ``M2 = fma(S, mu * -1, SS)`` (all in ``D``;
-   ``1/n`` rounded in ``D``).
-4. Cancellation check: if ``M2 < CANCEL * SS`` (more than three quarters of ``SS``
+3. Lanes are combined in the fixed tree, its first level (lane ``j`` plus lane
+   ``j + 8``) in ``T``, the others exactly widened to ``D``: ``S = T(a)``, ``SS = T(q)``;
+   then the shifted mean ``mu = S * (1/n)`` and ``M2 = fma(S, mu * -1, SS)`` (in ``D``,
+   ``1/n`` rounded in ``D``). The top levels of the tree, where a rounding costs most,
+   are float64.
+4. Cancellation check: if ``M2 < CANCEL * SS`` (more than five sixths of ``SS``
    cancelled: ``K`` lies more than ``sqrt(1/CANCEL - 1)`` deviations from the mean, an
    outlying first element or a far offset; :data:`CANCEL` is row 0 of the table
    :func:`merge_table`), the row is redone: ``K' = K + T(mu)`` (in ``T``), steps 2-3
@@ -100,12 +102,12 @@ WORK_ELEMENTS = 1 << 15
 TAB_ROWS = 1
 TAB_INV_N, TAB_CANCEL = 0, 1
 #: A row is redone with a better shift when its one-pass ``M2`` is below ``CANCEL``
-#: times its sum of squares: the shift ``x[0]`` lay more than ``sqrt(3)`` deviations
-#: from the mean (about 8% of ``randn`` rows). Below that the cancellation costs at
-#: most a factor 4 on the error of ``M2``: ``max |y - y_float64|`` stays under 1e-6 on
-#: ``1e4 + randn`` float32 rows (measured 8e-7 at ``n = 16384``, where the redo rate
-#: is 6%; 0.125 cost 8.5e-7 at ``n = 4096`` for 0.4% redone rows).
-CANCEL = 0.25
+#: times its sum of squares: the shift ``x[0]`` lay more than ``sqrt(5)`` deviations
+#: from the mean (about 2.5% of ``randn`` rows). Below that the cancellation costs at
+#: most a factor 6 on the error of ``M2``. Measured on ``1e4 + randn`` float32 rows,
+#: ``max |y - y_float64|``: 5.1e-7 at ``n = 4096`` (1/4: the same, but 8% of rows
+#: redone, which cost 15% at ``(1024, 64)``; 1/8: 8.5e-7, too close to the 1e-6 bar).
+CANCEL = 1 / 6
 
 
 @functools.lru_cache(maxsize=256)
@@ -227,6 +229,17 @@ def tree_sum(v):
     return lane(v, 0)
 
 
+@njit(error_model="numpy")
+def wide_tree_sum(v):
+    """:func:`tree_sum` of ``v`` with its first level (``h = 8``) in ``v``'s type and the
+    others in float64."""
+    w = wide(v + down8(v))
+    w = w + down4(w)
+    w = w + down2(w)
+    w = w + down1(w)
+    return lane(w, 0)
+
+
 @njit(inline="always", error_model="numpy")
 def tree8(a0, a1, a2, a3, a4, a5, a6, a7):
     """The fixed tree of ``PER_LANE`` accumulators."""
@@ -299,8 +312,8 @@ def lane_sums(xr, r, n, shift):
 @njit(inline="always", error_model="numpy")
 def moments(a, q, n):
     """(shifted mean, M2, sum of squares), float64, from a row's lane sums (step 3)."""
-    s = tree_sum(wide(a))
-    ss = tree_sum(wide(q))
+    s = wide_tree_sum(a)
+    ss = wide_tree_sum(q)
     mu = s * (1.0 / np.float64(n))
     return mu, fma(s, mu * -1.0, ss), ss
 
