@@ -29,7 +29,8 @@ Only jitted code can use what this module defines:
   per row; the result holds every block's ``lane j + lane j + h`` (``j < h``), ``a``'s
   blocks first. Folding 16 row vectors pairwise with ``h = 8, 4, 2, 1`` leaves row
   ``i``'s tree sum in lane ``i``, computed by the same additions as the tree of one row;
-* :func:`sqrt` of every lane;
+* :func:`sqrt` of every lane; :func:`wide` (every lane to float64, exactly) and
+  :func:`rounded` (a float64 vector back to the accumulation type, to nearest);
 * :func:`vabsmax` / :func:`hmax_bits` (the running and final ``max |v|`` of float32
   vectors, NaN-propagating, on bit patterns) and :func:`store_int8`,
   :func:`store_float8_e4m3fn`, :func:`store_float8_e5m2` (saturate, round half to even
@@ -262,6 +263,34 @@ def sqrt(typingctx, vec):
         return builder.call(fn, args)
 
     return vec(vec), codegen
+
+
+@intrinsic
+def wide(typingctx, vec):
+    """``vec`` with every lane converted exactly to float64 (a float64 vector unchanged)."""
+    if not isinstance(vec, Vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        if vec.dtype == types.float64:
+            return args[0]
+        return builder.fpext(args[0], ir.VectorType(ir.DoubleType(), WIDTH))
+
+    return vec_f64(vec), codegen
+
+
+@intrinsic
+def rounded(typingctx, vec, like):
+    """The float64 vector ``vec`` rounded to nearest to the type of the scalar ``like``."""
+    if vec != vec_f64 or like not in (types.float32, types.float64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        if like == types.float64:
+            return args[0]
+        return builder.fptrunc(args[0], ir.VectorType(ir.FloatType(), WIDTH))
+
+    return _vec_of(like)(vec, like), codegen
 
 
 # --------------------------------------------------------------------------- memory

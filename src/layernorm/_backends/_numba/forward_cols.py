@@ -15,31 +15,38 @@ import numpy as np
 from numba import njit, prange
 
 from ._scalars import cast, widen
-from ._simd import WIDTH, copy2, fma, lane, load2, runtime, splat, store2
+from ._simd import WIDTH, alive, copy2, fma, load2, raw, runtime, splat, store2, wide
 from .diskcache import cached_njit
 from .rescale import ln_column_rescaled, rms_column_rescaled
 from .rowmath import (
     CHUNK,
     LANES,
     PER_LANE,
-    TAB_COUNTS,
-    TAB_INV_N,
-    TAB_REM_C,
-    TAB_REM_F,
+    TAB_CANCEL,
     WORK_ELEMENTS,
-    chunk_tree,
-    chunk_weights,
+    chunk_sums,
     finish,
-    merge,
+    redo,
     square_tree,
 )
 
 
+@njit(inline="always", error_model="numpy")
+def _lane_tree_sum(lt, top):
+    """Row 0 of ``lt`` becomes the sum of its ``2 * top`` rows, in :func:`tree_sum`'s
+    tree (its levels ``h = top, ..., 1``)."""
+    h = top
+    while h >= 1:
+        for j in range(h):
+            store2(lt, load2(lt, j, 0) + load2(lt, j + h, 0), j, 0)
+        h = h // 2
+
+
 @njit(error_model="numpy")
-def _col_chunk(x2, row0, c0, g, kv, inv, pad, zero):
+def _col_chunk(x2, row0, c0, g, kv, pad):
     # Leaves written out: a helper called with the constants 0 .. 7 would be compiled
     # once per constant.
-    return chunk_tree(
+    return chunk_sums(
         load2(x2, row0, c0) - kv if g > 0 else pad,
         load2(x2, row0 + LANES, c0) - kv if g > 1 else pad,
         load2(x2, row0 + 2 * LANES, c0) - kv if g > 2 else pad,
@@ -47,18 +54,45 @@ def _col_chunk(x2, row0, c0, g, kv, inv, pad, zero):
         load2(x2, row0 + 4 * LANES, c0) - kv if g > 4 else pad,
         load2(x2, row0 + 5 * LANES, c0) - kv if g > 5 else pad,
         load2(x2, row0 + 6 * LANES, c0) - kv if g > 6 else pad,
-        load2(x2, row0 + 7 * LANES, c0) - kv if g > 7 else pad,
-        g, inv, zero)
+        load2(x2, row0 + 7 * LANES, c0) - kv if g > 7 else pad)
 
 
 @njit(inline="always", error_model="numpy")
-def _lane_tree_sum(lt):
-    """Row 0 of ``lt`` becomes the sum of its LANES rows, in :func:`tree_sum`'s tree."""
-    h = LANES // 2
-    while h >= 1:
-        for j in range(h):
-            store2(lt, load2(lt, j, 0) + load2(lt, j + h, 0), j, 0)
-        h = h // 2
+def _col_lane_sums(x2, c0, j, kv, zero, pad):
+    """Lane ``j``'s sums of ``v = x - K`` and ``v * v`` for columns ``c0 ..``: the row
+    path's :func:`.rowmath.lane_sums`, lane ``j`` of every vector there."""
+    n = x2.shape[0]
+    a = q = zero
+    groups = n // LANES
+    full = groups // PER_LANE
+    for c in range(full):
+        s, ss = _col_chunk(x2, c * CHUNK + j, c0, runtime(PER_LANE), kv, pad)
+        a = a + s
+        q = q + ss
+    g = groups - full * PER_LANE
+    if g > 0:
+        s, ss = _col_chunk(x2, full * CHUNK + j, c0, g, kv, pad)
+        a = a + s
+        q = q + ss
+    start = groups * LANES
+    if start < n:
+        v = (load2(x2, start + j, c0) - kv) if start + j < n else (kv - kv)
+        a = a + v
+        q = fma(v, v, q)
+    return a, q
+
+
+@njit(error_model="numpy")
+def _col_redo(x2, c, shift, mu, tab):
+    """:func:`.rowmath.redo` of column ``c`` of the tile ``x2``, as a scratch row."""
+    n = x2.shape[0]
+    xs = np.empty((1, n), dtype=x2.dtype)
+    for i in range(n):
+        xs[0, i] = x2[i, c]
+    out = redo(raw(xs), runtime(0), n, shift, mu, raw(tab))
+    alive(xs)
+    alive(tab)
+    return out
 
 
 @njit(inline="always", error_model="numpy")
@@ -69,66 +103,37 @@ def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out, r0
     """
     n = x2.shape[0]
     like = eps
-    kv = load2(x2, 0, c0)
     zero = splat(cast(0.0, like))
     pad = splat(cast(-0.0, like))
-    for j in range(LANES):
-        store2(lm, zero, j, 0)
-        store2(lm2, zero, j, 0)
-    groups = n // LANES
-    full = groups // PER_LANE
-    inv_full = splat(cast(1.0, like) / cast(PER_LANE, like))
-    for c in range(full):
-        f, cc = chunk_weights(c, PER_LANE, like)
-        fv = splat(f)
-        cv = splat(cc)
-        for j in range(LANES):
-            m, q = _col_chunk(x2, c * CHUNK + j, c0, runtime(PER_LANE), kv, inv_full, pad,
-                              zero)
-            mean, m2 = merge(load2(lm, j, 0), load2(lm2, j, 0), m, q, fv, cv)
-            store2(lm, mean, j, 0)
-            store2(lm2, m2, j, 0)
-    g = groups - full * PER_LANE
-    if g > 0:
-        f, cc = chunk_weights(full, g, like)
-        fv = splat(f)
-        cv = splat(cc)
-        inv = splat(cast(1.0, like) / cast(g, like))
-        for j in range(LANES):
-            m, q = _col_chunk(x2, full * CHUNK + j, c0, g, kv, inv, pad, zero)
-            mean, m2 = merge(load2(lm, j, 0), load2(lm2, j, 0), m, q, fv, cv)
-            store2(lm, mean, j, 0)
-            store2(lm2, m2, j, 0)
-    start = groups * LANES
-    r = n - start
-    if r > 0:
-        for j in range(LANES):
-            v = (load2(x2, start + j, c0) - kv) if j < r else (kv - kv)
-            d = v - v
-            mean, m2 = merge(load2(lm, j, 0), load2(lm2, j, 0), v, d * d,
-                              splat(tab[TAB_REM_F, j]), splat(tab[TAB_REM_C, j]))
-            store2(lm, mean, j, 0)
-            store2(lm2, m2, j, 0)
-    # Lanes to columns: the row path's two tree sums, lane j of a vector being row j of
-    # the lane-state tiles here.
-    for j in range(LANES):
-        store2(lt, splat(tab[TAB_COUNTS, j]) * load2(lm, j, 0), j, 0)
-    _lane_tree_sum(lt)
-    mu = load2(lt, 0, 0) * splat(tab[TAB_INV_N, 0])
-    for j in range(LANES):
-        d = load2(lm, j, 0) - mu
-        store2(lt, fma(splat(tab[TAB_COUNTS, j]) * d, d, load2(lm2, j, 0)), j, 0)
-    _lane_tree_sum(lt)
-    store2(cs, mu, 0, 0)
-    # cs rows: 0 shifted mean, 1 rstd (per column)
-    for k in range(LANES):
-        mean = cs[0, k]
-        mo, rstd = finish(lane(kv, k), mean, lt[0, k], n, eps)
-        cs[0, k] = mean
+    for k in range(WIDTH):
+        cs[2, k] = widen(x2[0, c0 + k])  # the shift K = x[0]
+    kv = load2(cs, 2, 0)
+    # Lanes to columns: the row path's wide_tree_sum, lane j of a vector being row j of
+    # the lane-sum tiles here (its first level in the accumulation type).
+    half = LANES // 2
+    for j in range(half):
+        a, q = _col_lane_sums(x2, c0, j, kv, zero, pad)
+        a2, q2 = _col_lane_sums(x2, c0, j + half, kv, zero, pad)
+        store2(lm, wide(a + a2), j, 0)
+        store2(lm2, wide(q + q2), j, 0)
+    _lane_tree_sum(lm, half // 2)
+    _lane_tree_sum(lm2, half // 2)
+    for k in range(WIDTH):
+        shift = cs[2, k]
+        s = lm[0, k]
+        ss = lm2[0, k]
+        mu = s * (1.0 / np.float64(n))
+        m2 = fma(s, -mu, ss)
+        if k < valid and m2 < np.float64(tab[0, TAB_CANCEL]) * ss:
+            shift, mu, m2 = _col_redo(x2, c0 + k, shift, cast(mu, like), tab)
+        mt, mo, rstd = finish(shift, mu, m2, n, eps)
+        cs[0, k] = mt
         cs[1, k] = rstd
+        cs[2, k] = shift
         if k < valid:
             mean_out[r0 + k] = mo
             rstd_out[r0 + k] = rstd
+    kv = load2(cs, 2, 0)
     mv = load2(cs, 0, 0)
     rv = load2(cs, 1, 0)
     for i in range(n):
@@ -194,8 +199,10 @@ def _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item)
 def _col_scratch(x, y, acc):
     n = x.shape[1]
     tw = _tile_columns(n)
-    scratch = (np.empty((LANES, WIDTH), dtype=acc), np.empty((LANES, WIDTH), dtype=acc),
-               np.empty((LANES, WIDTH), dtype=acc), np.empty((2, WIDTH), dtype=acc))
+    # float64 lane-sum tiles (LayerNorm), an accumulation-type tile, column statistics
+    scratch = (np.empty((LANES, WIDTH), dtype=np.float64),
+               np.empty((LANES, WIDTH), dtype=np.float64),
+               np.empty((LANES, WIDTH), dtype=acc), np.empty((3, WIDTH), dtype=acc))
     tiles = (np.empty((n, tw), dtype=x.dtype), np.empty((n, tw), dtype=y.dtype))
     return scratch, tiles
 
@@ -262,11 +269,7 @@ def _rms_cols(x2, y2, c0, w, eps, lanes, cs, rstd_out, r0, valid):
         for j in range(LANES):
             v = load2(x2, body + j, c0) if body + j < n else zero
             store2(lanes, load2(lanes, j, 0) + v * v, j, 0)
-    h = LANES // 2
-    while h >= 1:
-        for j in range(h):
-            store2(lanes, load2(lanes, j, 0) + load2(lanes, j + h, 0), j, 0)
-        h = h // 2
+    _lane_tree_sum(lanes, LANES // 2)
     one = cast(1.0, eps)
     for k in range(WIDTH):
         rstd = one / np.sqrt(lanes[0, k] / cast(n, eps) + eps)
@@ -285,7 +288,7 @@ def _rms_cols(x2, y2, c0, w, eps, lanes, cs, rstd_out, r0, valid):
 
 @njit(error_model="numpy")
 def _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item):
-    lanes, _, _, cs = scratch
+    _, _, lanes, cs = scratch
     xt, yt = tiles
     inner = x.shape[2]
     tw = xt.shape[1]

@@ -3,8 +3,8 @@
 * **row path** (row with unit stride): the ``LANES`` lanes of the row arithmetic
   (:mod:`.rowmath`) are the lanes of one SIMD vector (:mod:`._simd`), loaded straight
   from the row. In the LayerNorm forward, rows of at most ``SHORT_ROW_MAX`` elements go
-  ``LANES`` at a time: each row's lane state is computed alone, then the lane trees of
-  step 4 and the ``rstd`` of step 5 are evaluated for all of them at once on folded
+  ``LANES`` at a time: each row's lane sums are computed alone, then the lane trees of
+  step 3 and the ``rstd`` of step 5 are evaluated for all of them at once on folded
   vectors (row ``i`` in lane ``i``, the same additions in the same tree), which removes
   most of a short row's latency;
 * **gather path** (any other 2-D row): rows are copied into contiguous scratch rows,
@@ -34,6 +34,7 @@ from ._simd import (
     itemsize,
     put,
     raw,
+    rounded,
     runtime,
     splat,
     sqrt,
@@ -43,6 +44,7 @@ from ._simd import (
     vload_tail,
     vstore,
     vstore_nt,
+    wide,
 )
 from .diskcache import cached_njit
 from .rescale import finite_row, ln_row_rescaled, rms_row_rescaled
@@ -50,15 +52,16 @@ from .rowmath import (
     CHUNK,
     LANES,
     PER_LANE,
-    TAB_COUNTS,
-    TAB_INV_N,
     WORK_ELEMENTS,
     affine,
+    cancelled,
     copy_row,
     finish,
-    lane_moments,
+    lane_sums,
     put_stat,
+    redo,
     row_moments,
+    row_shift,
     square_tree,
     times_w,
     tree_sum,
@@ -70,11 +73,12 @@ from .rowmath import (
 #: n = 160-256 faster from L2 but 10-45% slower from L3, so longer rows keep the row
 #: path. Such rows never take streaming stores (``STREAM_MIN_ROW`` is larger).
 SHORT_ROW_MAX = 128
-#: Rows of the short-row path's scratch block: lane means, lane M2s, per-row work
-#: vectors (LANES rows each), then one row each of shifts, shifted means, rstd, means.
-_S_MEAN, _S_M2, _S_WORK = 0, LANES, 2 * LANES
-_S_SHIFT, _S_MU, _S_RSTD, _S_MEAN_OUT = 3 * LANES, 3 * LANES + 1, 3 * LANES + 2, 3 * LANES + 3
-_S_ROWS = 3 * LANES + 4
+#: Rows of the short-row path's scratch block: per-row lane sums of ``v`` and of
+#: ``v * v`` (LANES rows each), then one row each of shifts, shifted means, rstd and
+#: means (row ``i`` of the block in lane ``i``).
+_S_A, _S_Q = 0, LANES
+_S_SHIFT, _S_MU, _S_RSTD, _S_MEAN_OUT = 2 * LANES, 2 * LANES + 1, 2 * LANES + 2, 2 * LANES + 3
+_S_ROWS = 2 * LANES + 4
 
 
 @njit(inline="always", error_model="numpy")
@@ -121,9 +125,8 @@ def ln_long_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r0, r1, s0)
     unwritten and the rows after it are not done (see :mod:`.rescale`)."""
     stop = r1
     for r in range(r0, r1):
-        shift = widen(get(xv, r, 0))
-        mean, m2 = row_moments(xv, r, n, shift, tv)
-        mo, rstd = finish(shift, mean, m2, n, eps)
+        shift, mu, m2 = row_moments(xv, r, n, tv)
+        mean, mo, rstd = finish(shift, mu, m2, n, eps)
         if not rstd > 0 and finite_row(xv, r, n):
             stop = r
             break
@@ -154,16 +157,17 @@ def ln_raw_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r0, r1, s0):
 
 @njit(inline="always", error_model="numpy")
 def _folded_tree_sums(sv, first):
-    """:func:`tree_sum` of each of the LANES vectors in rows ``first ..`` of ``sv``; the
-    sum of row ``first + i`` lands in lane ``i`` (the same additions, see ``fold8``)."""
-    a0 = fold8(vload(sv, first, 0), vload(sv, first + 1, 0))
-    a1 = fold8(vload(sv, first + 2, 0), vload(sv, first + 3, 0))
-    a2 = fold8(vload(sv, first + 4, 0), vload(sv, first + 5, 0))
-    a3 = fold8(vload(sv, first + 6, 0), vload(sv, first + 7, 0))
-    a4 = fold8(vload(sv, first + 8, 0), vload(sv, first + 9, 0))
-    a5 = fold8(vload(sv, first + 10, 0), vload(sv, first + 11, 0))
-    a6 = fold8(vload(sv, first + 12, 0), vload(sv, first + 13, 0))
-    a7 = fold8(vload(sv, first + 14, 0), vload(sv, first + 15, 0))
+    """:func:`.rowmath.wide_tree_sum` of each of the LANES vectors in rows ``first ..`` of
+    ``sv`` (float64); the sum of row ``first + i`` lands in lane ``i`` (the same
+    additions, see ``fold8``)."""
+    a0 = wide(fold8(vload(sv, first, 0), vload(sv, first + 1, 0)))
+    a1 = wide(fold8(vload(sv, first + 2, 0), vload(sv, first + 3, 0)))
+    a2 = wide(fold8(vload(sv, first + 4, 0), vload(sv, first + 5, 0)))
+    a3 = wide(fold8(vload(sv, first + 6, 0), vload(sv, first + 7, 0)))
+    a4 = wide(fold8(vload(sv, first + 8, 0), vload(sv, first + 9, 0)))
+    a5 = wide(fold8(vload(sv, first + 10, 0), vload(sv, first + 11, 0)))
+    a6 = wide(fold8(vload(sv, first + 12, 0), vload(sv, first + 13, 0)))
+    a7 = wide(fold8(vload(sv, first + 14, 0), vload(sv, first + 15, 0)))
     b0 = fold4(a0, a1)
     b1 = fold4(a2, a3)
     b2 = fold4(a4, a5)
@@ -176,20 +180,22 @@ def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
     """:func:`ln_long_rows` for rows of at most ``SHORT_ROW_MAX``, ``LANES`` rows at a time.
 
     A short row's time goes to the latency of its two lane trees and of its ``rstd``.
-    Here each row's lane state is computed as on the row path and parked in a scratch
+    Here each row's lane sums are computed as on the row path and parked in a scratch
     block; the trees of ``LANES`` rows are then folded together (row ``i`` in lane ``i``)
-    and ``rstd`` is computed for all of them in one vector: the same IEEE operations per
-    row, so the same bits. A last partial block fills its unused lanes with its last row
-    again (loops of constant length run faster) and stores that row once. Returns as
-    :func:`ln_long_rows` does.
+    and the moments and ``rstd`` are computed for all of them in one vector: the same
+    IEEE operations per row, so the same bits. A row whose ``M2`` cancelled is redone
+    alone by the row path's :func:`.rowmath.redo`. A last partial block fills its unused
+    lanes with its last row again (loops of constant length run faster) and stores that
+    row once. Returns as :func:`ln_long_rows` does.
     """
     scratch = np.full((_S_ROWS, LANES), eps)
+    wide_scratch = np.zeros((2, LANES), np.float64)  # M2, sums of squares
     sv = raw(scratch)
-    counts = vload(tv, TAB_COUNTS, 0)
-    inv_n = splat(get(tv, TAB_INV_N, 0))
-    n_vec = splat(cast(n, eps))
-    eps_vec = splat(eps)
-    one = splat(cast(1.0, eps))
+    wv64 = raw(wide_scratch)
+    inv_n = splat(1.0 / np.float64(n))
+    eps_vec = splat(np.float64(eps))
+    one = splat(1.0)
+    minus = splat(-1.0)
     last = r1 - 1
     stop = r1
     for first in range(r0, r1, LANES):
@@ -197,30 +203,37 @@ def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
             break
         for i in range(LANES):
             row = min(first + i, last)
-            shift = widen(get(xv, row, 0))
+            shift = row_shift(xv, row, n)
             put(sv, _S_SHIFT, i, shift)
-            mean, m2 = lane_moments(xv, row, n, shift, tv)
-            vstore(sv, mean, _S_MEAN + i, 0)
-            vstore(sv, m2, _S_M2 + i, 0)
-            vstore(sv, counts * mean, _S_WORK + i, 0)
-        mu = _folded_tree_sums(sv, _S_WORK) * inv_n
-        vstore(sv, mu, _S_MU, 0)
-        for i in range(LANES):
-            d = vload(sv, _S_MEAN + i, 0) - splat(get(sv, _S_MU, i))
-            vstore(sv, fma(counts * d, d, vload(sv, _S_M2 + i, 0)), _S_WORK + i, 0)
-        m2 = _folded_tree_sums(sv, _S_WORK)
-        vstore(sv, one / sqrt(m2 / n_vec + eps_vec), _S_RSTD, 0)
-        vstore(sv, vload(sv, _S_SHIFT, 0) + mu, _S_MEAN_OUT, 0)
+            a, q = lane_sums(xv, row, n, shift)
+            vstore(sv, a, _S_A + i, 0)
+            vstore(sv, q, _S_Q + i, 0)
+        s = _folded_tree_sums(sv, _S_A)
+        ss = _folded_tree_sums(sv, _S_Q)
+        mu = s * inv_n
+        m2 = fma(s, mu * minus, ss)
+        vstore(wv64, m2, 0, 0)
+        vstore(wv64, ss, 1, 0)
+        mt = rounded(mu, eps)
+        vstore(sv, mt, _S_MU, 0)
+        vstore(sv, rounded(one / sqrt(m2 * inv_n + eps_vec), eps), _S_RSTD, 0)
+        vstore(sv, vload(sv, _S_SHIFT, 0) + mt, _S_MEAN_OUT, 0)
         for i in range(min(LANES, r1 - first)):
+            shift = get(sv, _S_SHIFT, i)
+            mean = get(sv, _S_MU, i)
             rstd = get(sv, _S_RSTD, i)
+            mo = get(sv, _S_MEAN_OUT, i)
+            if cancelled(get(wv64, 0, i), get(wv64, 1, i), tv):
+                shift, mu2, m2r = redo(xv, first + i, n, shift, mean, tv)
+                mean, mo, rstd = finish(shift, mu2, m2r, n, eps)
             if not rstd > 0 and finite_row(xv, first + i, n):
                 stop = first + i
                 break
-            ln_row_out(xv, yv, first + i, n, get(sv, _S_SHIFT, i), get(sv, _S_MU, i), rstd,
-                        wv, bv, False)
-            put_stat(mean_out, s0 + (first - r0) + i, get(sv, _S_MEAN_OUT, i))
+            ln_row_out(xv, yv, first + i, n, shift, mean, rstd, wv, bv, False)
+            put_stat(mean_out, s0 + (first - r0) + i, mo)
             put_stat(rstd_out, s0 + (first - r0) + i, rstd)
     alive(scratch)
+    alive(wide_scratch)
     return stop
 
 

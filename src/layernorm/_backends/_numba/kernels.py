@@ -7,15 +7,16 @@ of threads, so each row's result is bitwise reproducible. Three code paths perfo
 * **row path** (2-D, row with unit stride): the ``LANES`` lanes of the row arithmetic
   are the lanes of one SIMD vector (:mod:`._simd`), loaded straight from the row. In the
   LayerNorm forward, rows of at most ``SHORT_ROW_MAX`` elements go ``LANES`` at a time:
-  each row's lane state is computed alone, then the lane trees of step 4 and the
+  each row's lane sums are computed alone, then the lane trees of step 3 and the
   ``rstd`` of step 5 are evaluated for all of them at once on folded vectors (row ``i``
   in lane ``i``, the same additions in the same tree), which removes most of a short
-  row's latency;
+  row's latency; the rare row that step 4 redoes is redone alone;
 * **gather path** (any other 2-D row): rows are copied into contiguous scratch rows,
   run through the row path, and the results copied out;
 * **column path** (3-D, ``inner > 1``, the channels-first case): ``WIDTH`` neighbouring
   columns are processed at once, one column per SIMD lane, and the row arithmetic's
-  lanes become a loop over lane-state vectors. A work item copies a tile of up to
+  lanes become a loop over lane-state vectors (a column that step 4 redoes is copied
+  into a scratch row and redone by the row path's code). A work item copies a tile of up to
   ``8 * WIDTH`` columns into an ``(n, columns)`` scratch tile in row order first (rows
   are far apart; a sequential walk is what the prefetchers follow), padding a last
   partial block by repeating its last column. The backward of this layout gathers each
@@ -32,9 +33,9 @@ The kernels see a 2-D ``(rows, n)`` array, or the columns of a 3-D ``(outer, n, 
 one, and nothing else. Modules, by job:
 
 * :mod:`.rowmath`: the row arithmetic every path shares (constants, widening of 16-bit
-  parameters, affine step, moment merge and finish, tree sums, row moments), and the
-  host-side table of its ``n``-dependent weights (:func:`.rowmath.merge_table`, passed
-  to the LayerNorm kernels as ``tab``);
+  parameters, affine step, lane sums, moments, the cancellation check and redo, finish,
+  tree sums), and the host-side table of its ``n``-dependent constants
+  (:func:`.rowmath.merge_table`, passed to the LayerNorm kernels as ``tab``);
 * :mod:`.forward_rows`: LayerNorm/RMSNorm forward of rows (row, short-row and gather
   paths, each its own entry kernel, serial and parallel);
 * :mod:`.forward_cols`: the channels-first forward (column path);

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._scalars import widen
-from ._simd import get, lane, raw, splat, store_fence, vload, vstore
+from ._simd import lane, raw, splat, store_fence, vload, vstore
 from .diskcache import cached_njit
 from .forward_rows import ln_row_out
 from .rowmath import LANES, finish, row_moments
@@ -27,9 +26,8 @@ def statistics_pass(x, eps, tab, shift_out, mu_out, rstd_out):
     n = x.shape[1]
     xv, tv = raw(x), raw(tab)
     for r in range(x.shape[0]):
-        shift = widen(get(xv, r, 0))
-        mean, m2 = row_moments(xv, r, n, shift, tv)
-        _, rstd = finish(shift, mean, m2, n, eps)
+        shift, mu, m2 = row_moments(xv, r, n, tv)
+        mean, _, rstd = finish(shift, mu, m2, n, eps)
         shift_out[r] = shift
         mu_out[r] = mean
         rstd_out[r] = rstd

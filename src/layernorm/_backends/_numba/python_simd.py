@@ -35,6 +35,7 @@ __all__ = [
     "load2",
     "put",
     "raw",
+    "rounded",
     "runtime",
     "splat",
     "sqrt",
@@ -49,6 +50,7 @@ __all__ = [
     "vload_tail",
     "vstore",
     "vstore_nt",
+    "wide",
 ]
 
 
@@ -114,6 +116,16 @@ fold8, fold4, fold2, fold1 = _fold(8), _fold(4), _fold(2), _fold(1)
 def sqrt(vec: np.ndarray) -> np.ndarray:
     """Square root of every lane."""
     return np.sqrt(vec)
+
+
+def wide(vec: np.ndarray) -> np.ndarray:
+    """Every lane as float64."""
+    return np.asarray(vec, np.float64)
+
+
+def rounded(vec: np.ndarray, like: Any) -> np.ndarray:
+    """The float64 vector rounded to the type of the scalar ``like``."""
+    return np.asarray(vec).astype(np.asarray(like).dtype)
 
 
 def raw(arr: np.ndarray) -> np.ndarray:

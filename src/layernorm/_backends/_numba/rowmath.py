@@ -6,41 +6,51 @@ of threads, so each row's result is bitwise reproducible. This module holds the 
 of it that more than one layout uses; :mod:`.forward_rows`, :mod:`.forward_cols` and
 :mod:`.backward` put them together (:mod:`.kernels` has the overview).
 
-Row arithmetic, LayerNorm statistics (one pass over memory)
-----------------------------------------------------------
-Accumulation type ``T`` is float32 (float64 for float64 input). Values are shifted by
-``K = x[0]``, so a constant row has centred values exactly 0. Element ``i`` belongs to
-lane ``i % LANES``; ``G = n // LANES`` full groups give every lane ``G`` elements and
-the ``r = n % LANES`` remaining elements go one each to lanes ``0 .. r-1``.
+Row arithmetic, LayerNorm statistics (one pass over memory, a second on rare rows)
+--------------------------------------------------------------------------------
+Accumulation type ``T`` is float32 (float64 for float64 input); ``D`` is float64.
+Element ``i`` belongs to lane ``i % LANES``; ``G = n // LANES`` full groups give every
+lane ``G`` elements and the ``r = n % LANES`` remaining elements go one each to lanes
+``0 .. r-1``. ``T(v)`` is the sum of a vector's lanes in the fixed tree (lane ``j`` plus
+lane ``j + h`` for ``h = 8, 4, 2, 1``).
 
-1. Groups are taken ``PER_LANE`` (8) at a time (a chunk of ``CHUNK`` elements; the last
-   chunk may hold ``g < PER_LANE`` groups). Per chunk and lane, with ``v_k = x - K``
-   of the lane's ``g`` elements (``v_k = -0.0`` for ``k >= g``, which adds exactly
-   nothing): ``s = ((v_0 + v_1) + (v_2 + v_3)) + ((v_4 + v_5) + (v_6 + v_7))``,
-   ``m = s * (1/g)``, ``d_k = v_k - m`` (``+0.0`` for ``k >= g``) and
-   ``q = (fma(d_0, d_0, d_1 * d_1) + fma(d_2, d_2, d_3 * d_3)) + (fma(d_4, d_4, d_5 * d_5)
-   + fma(d_6, d_6, d_7 * d_7))``. The fixed trees (not running sums) keep the
-   dependency chains short: a running sum over the chunk was latency-bound.
-2. The chunk is merged into the lane state ``(mean, M2)`` (both start at 0) with Chan's
-   formula and scalar weights ``f = g / (a + g)``, ``c = a * f`` where ``a`` is the
-   lane's count so far: ``d = m - mean; mean = mean + d * f; M2 = (M2 + q) + (d * d) * c``.
-3. The remainder is merged the same way, as a chunk of one element per lane (``m = v``,
-   ``q = (v - v)**2``) with per-lane weights that are 0 for lanes ``>= r`` (those lanes
-   see ``v = K - K``).
-4. Lanes are combined with counts ``c_j`` (``G`` or ``G + 1`` elements): with
-   ``T(v)``, the sum of a vector's lanes in the fixed tree (lane ``j`` plus lane
-   ``j + h`` for ``h = 8, 4, 2, 1``), ``mean_shifted = T(c * mean) * (1/n)``,
-   ``d = mean - mean_shifted`` and ``M2 = T(fma(c * d, d, M2))``: the exact
-   decomposition of the total ``M2``, with two short tree sums instead of a chain of
-   merges. All weights depend on ``n`` only and are computed once per call
-   (:func:`merge_table`).
-5. ``rstd = 1 / sqrt(M2 / n + eps)``, ``mean = K + mean_shifted``, and the output pass
-   computes ``y = fma(((x - K) - mean_shifted) * rstd, w, b)`` element by element. The
-   backend passes ``w = 1`` for an absent weight and ``b = -0.0`` for an absent bias:
-   ``fma(v, 1, -0.0) = v``, ``fma(v, w, -0.0) = v * w`` and ``fma(v, 1, b) = v + b``
-   exactly, so one compiled kernel serves every combination. Float16/bfloat16 ``w`` and
-   ``b`` are widened exactly to float32 before the kernels see them
-   (:func:`widen_param`).
+1. The shift is ``K = x[0]`` (so a constant row has centred values exactly 0).
+2. One pass of sums, per lane, of ``v = x - K`` (in ``T``): groups are taken
+   ``PER_LANE`` (8) at a time (a chunk of ``CHUNK`` elements; the last chunk may hold
+   ``g < PER_LANE`` groups, its leaves ``v_k`` for ``k >= g`` are ``-0.0``, which adds
+   exactly nothing). Per chunk and lane ``s = ((v_0 + v_1) + (v_2 + v_3)) + ((v_4 + v_5)
+   + (v_6 + v_7))`` and ``q = (fma(v_0, v_0, v_1 * v_1) + fma(v_2, v_2, v_3 * v_3)) +
+   (fma(v_4, v_4, v_5 * v_5) + fma(v_6, v_6, v_7 * v_7))``, added in chunk order to the
+   lane's sums ``a = a + s`` and ``q_lane = q_lane + q`` (both start at +0.0). The
+   remainder element ``v`` of a lane (lanes ``>= r``: ``v = K - K``) then adds
+   ``a = a + v`` and ``q_lane = fma(v, v, q_lane)``. The fixed trees keep the dependency
+   chains short, and summing whole chunks keeps partial sums small: a running sum of
+   squares per element was measurably biased on data of a coarse grid (``1e4 + randn``
+   in float32: squares of multiples of ``2**-10`` round one way).
+3. Lanes are combined in the fixed tree, its first level (lane ``j`` plus lane
+   ``j + 8``) in ``T``, the others exactly widened to ``D``: ``S = T(a)``, ``SS = T(q)``;
+   then the shifted mean ``mu = S * (1/n)`` and ``M2 = fma(S, mu * -1, SS)`` (in ``D``,
+   ``1/n`` rounded in ``D``). The top levels of the tree, where a rounding costs most,
+   are float64.
+4. Cancellation check: if ``M2 < CANCEL * SS`` (more than five sixths of ``SS``
+   cancelled: ``K`` lies more than ``sqrt(1/CANCEL - 1)`` deviations from the mean, an
+   outlying first element or a far offset; :data:`CANCEL` is row 0 of the table
+   :func:`merge_table`), the row is redone: ``K' = K + T(mu)`` (in ``T``), steps 2-3
+   again with ``K'`` (from cache: the row was just read), and ``M2`` clamped at 0. That
+   is the corrected two-pass algorithm (``M2 = sum d**2 - (sum d)**2 / n`` with
+   ``d = x - K'``, ``sum d`` now small), accurate however far the first element lies.
+   The decision depends only on the row's values, so every path takes it alike.
+5. ``rstd = T(1 / sqrt(M2 * (1/n) + eps))`` (in ``D``), ``mean_shifted = T(mu)``,
+   ``mean = K + mean_shifted`` (in ``T``), and the output pass computes
+   ``y = fma(((x - K) - mean_shifted) * rstd, w, b)`` element by element (``K`` being
+   ``K'`` on a redone row). The backend passes ``w = 1`` for an absent weight and
+   ``b = -0.0`` for an absent bias: ``fma(v, 1, -0.0) = v``, ``fma(v, w, -0.0) = v * w``
+   and ``fma(v, 1, b) = v + b`` exactly, so one compiled kernel serves every
+   combination. Float16/bfloat16 ``w`` and ``b`` are widened exactly to float32 before
+   the kernels see them (:func:`widen_param`).
+
+A row whose ``rstd`` is not positive (its sums of squares overflow ``T``) is left to
+:mod:`.rescale` by the row loops.
 
 ``fma`` is IEEE fusedMultiplyAdd, written explicitly: one rounding, the same bits on
 every machine. The compiler is never allowed to contract or reorder anything itself.
@@ -78,6 +88,7 @@ from ._simd import (
     vload,
     vload_tail,
     vstore,
+    wide,
 )
 from .diskcache import cached_njit
 
@@ -86,19 +97,26 @@ PER_LANE = 8
 CHUNK = LANES * PER_LANE
 #: Elements per parallel work item (no effect on results).
 WORK_ELEMENTS = 1 << 15
-#: Rows of the merge-weight table: the remainder's (f, c) per lane, the partial chunk's
-#: (f, c, 1/g), the lanes' element counts, and 1/n.
-TAB_ROWS = 5
-TAB_REM_F, TAB_REM_C, TAB_PARTIAL, TAB_COUNTS, TAB_INV_N = 0, 1, 2, 3, 4
+#: Columns of row 0 of the table of ``n``-dependent constants (:func:`merge_table`):
+#: ``1/n`` and the cancellation threshold ``CANCEL``.
+TAB_ROWS = 1
+TAB_INV_N, TAB_CANCEL = 0, 1
+#: A row is redone with a better shift when its one-pass ``M2`` is below ``CANCEL``
+#: times its sum of squares: the shift ``x[0]`` lay more than ``sqrt(5)`` deviations
+#: from the mean (about 2.5% of ``randn`` rows). Below that the cancellation costs at
+#: most a factor 6 on the error of ``M2``. Measured on ``1e4 + randn`` float32 rows,
+#: ``max |y - y_float64|``: 5.1e-7 at ``n = 4096`` (1/4: the same, but 8% of rows
+#: redone, which cost 15% at ``(1024, 64)``; 1/8: 8.5e-7, too close to the 1e-6 bar).
+CANCEL = 1 / 6
 
 
 @functools.lru_cache(maxsize=256)
 def merge_table(n: int, dtype: Any) -> np.ndarray:
-    """Weights of the row arithmetic that depend on ``n`` only (rows ``TAB_*``).
+    """Constants of the row arithmetic that depend on ``n`` only (row 0, columns ``TAB_*``).
 
     Computed on the host once per ``(n, dtype)`` and passed to the kernels (a read-only
-    array): the same IEEE operations in ``dtype`` as in a kernel, so the same bits, and
-    nothing to compile.
+    array): ``1/n`` rounded in ``dtype`` as a kernel would, and the threshold
+    ``CANCEL``, so that nothing in them is compiled in.
 
     Parameters
     ----------
@@ -115,29 +133,13 @@ def merge_table(n: int, dtype: Any) -> np.ndarray:
     Examples
     --------
     >>> tab = merge_table(20, np.dtype(np.float32))
-    >>> float(tab[TAB_INV_N, 0]) == float(np.float32(1) / np.float32(20))
+    >>> float(tab[0, TAB_INV_N]) == float(np.float32(1) / np.float32(20))
     True
     """
     t = np.dtype(dtype).type
-    groups, r = divmod(n, LANES)
     tab = np.zeros((TAB_ROWS, LANES), dtype=dtype)
-    one = t(1.0)
-    for j in range(LANES):
-        tab[TAB_COUNTS, j] = t(groups + (1 if j < r else 0))
-        if j < r:
-            f = one / t(groups + 1)
-            tab[TAB_REM_F, j] = f
-            tab[TAB_REM_C, j] = t(groups) * f
-    full = groups // PER_LANE
-    g = groups - full * PER_LANE
-    if g > 0:
-        # The partial chunk's weights (chunk_weights(full, g)), hoisted out of the rows.
-        a = full * PER_LANE
-        f = t(g) / t(a + g)
-        tab[TAB_PARTIAL, 0] = f
-        tab[TAB_PARTIAL, 1] = t(a) * f
-        tab[TAB_PARTIAL, 2] = one / t(g)
-    tab[TAB_INV_N, 0] = one / t(max(n, 1))
+    tab[0, TAB_INV_N] = t(1.0) / t(max(n, 1))
+    tab[0, TAB_CANCEL] = t(CANCEL)
     tab.flags.writeable = False
     return tab
 
@@ -210,22 +212,12 @@ def _affine(v, w, b, i):
 
 
 @njit(inline="always", error_model="numpy")
-def merge(mean, m2, m, q, f, c):
-    d = m - mean
-    return mean + d * f, (m2 + q) + (d * d) * c
-
-
-@njit(inline="always", error_model="numpy")
-def chunk_weights(chunk, g, like):
-    a = chunk * PER_LANE
-    f = cast(g, like) / cast(a + g, like)
-    return f, cast(a, like) * f
-
-
-@njit(inline="always", error_model="numpy")
-def finish(shift, mean, m2, n, eps):
-    rstd = cast(1.0, eps) / np.sqrt(m2 / cast(n, eps) + eps)
-    return shift + mean, rstd
+def finish(shift, mu, m2, n, eps):
+    """(shifted mean, mean, rstd) in the accumulation type from the float64 shifted mean
+    and ``M2`` (step 5)."""
+    mt = cast(mu, eps)
+    rstd = cast(1.0 / np.sqrt(m2 * (1.0 / np.float64(n)) + np.float64(eps)), eps)
+    return mt, shift + mt, rstd
 
 
 @njit(error_model="numpy")
@@ -238,19 +230,20 @@ def tree_sum(v):
 
 
 @njit(error_model="numpy")
-def chunk_tree(v0, v1, v2, v3, v4, v5, v6, v7, g, inv, zero):
-    """(m, q) of one chunk from its ``PER_LANE`` shifted leaves (absent ones are -0.0)."""
-    s = ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))
-    m = s * inv
-    d0 = v0 - m
-    d1 = v1 - m if g > 1 else zero
-    d2 = v2 - m if g > 2 else zero
-    d3 = v3 - m if g > 3 else zero
-    d4 = v4 - m if g > 4 else zero
-    d5 = v5 - m if g > 5 else zero
-    d6 = v6 - m if g > 6 else zero
-    d7 = v7 - m if g > 7 else zero
-    return m, square_tree(d0, d1, d2, d3, d4, d5, d6, d7)
+def wide_tree_sum(v):
+    """:func:`tree_sum` of ``v`` with its first level (``h = 8``) in ``v``'s type and the
+    others in float64."""
+    w = wide(v + down8(v))
+    w = w + down4(w)
+    w = w + down2(w)
+    w = w + down1(w)
+    return lane(w, 0)
+
+
+@njit(inline="always", error_model="numpy")
+def tree8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """The fixed tree of ``PER_LANE`` accumulators."""
+    return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
 
 
 @njit(error_model="numpy")
@@ -258,17 +251,29 @@ def square_tree(d0, d1, d2, d3, d4, d5, d6, d7):
     """``d0**2 + ... + d7**2`` in the fixed tree (pairs fused: ``fma(d0, d0, d1 * d1)``).
 
     Absent leaves are +0.0: their squares add exactly nothing to sums of squares, which
-    are never -0.0.
+    are never -0.0. (RMSNorm's chunks.)
     """
     return ((fma(d0, d0, d1 * d1) + fma(d2, d2, d3 * d3))
             + (fma(d4, d4, d5 * d5) + fma(d6, d6, d7 * d7)))
 
 
+@njit(inline="always", error_model="numpy")
+def row_shift(xr, r, n):
+    """The shift ``K`` of a row: its first element (step 1)."""
+    return widen(get(xr, r, 0))
+
+
 @njit(error_model="numpy")
-def _row_chunk(xr, r, base, g, kv, inv, pad, zero):
+def chunk_sums(v0, v1, v2, v3, v4, v5, v6, v7):
+    """Sum and sum of squares of a chunk's ``PER_LANE`` leaves, in the fixed trees."""
+    return tree8(v0, v1, v2, v3, v4, v5, v6, v7), square_tree(v0, v1, v2, v3, v4, v5, v6, v7)
+
+
+@njit(error_model="numpy")
+def _row_chunk(xr, r, base, g, kv, pad):
     # Leaves written out: a helper called with the constants 0 .. 7 would be compiled
     # once per constant.
-    return chunk_tree(
+    return chunk_sums(
         vload(xr, r, base) - kv if g > 0 else pad,
         vload(xr, r, base + LANES) - kv if g > 1 else pad,
         vload(xr, r, base + 2 * LANES) - kv if g > 2 else pad,
@@ -276,49 +281,69 @@ def _row_chunk(xr, r, base, g, kv, inv, pad, zero):
         vload(xr, r, base + 4 * LANES) - kv if g > 4 else pad,
         vload(xr, r, base + 5 * LANES) - kv if g > 5 else pad,
         vload(xr, r, base + 6 * LANES) - kv if g > 6 else pad,
-        vload(xr, r, base + 7 * LANES) - kv if g > 7 else pad,
-        g, inv, zero)
+        vload(xr, r, base + 7 * LANES) - kv if g > 7 else pad)
 
 
-@njit(inline="always", error_model="numpy")
-def row_moments(xr, r, n, shift, tab):
-    """(shifted mean, M2) of a unit-stride row."""
-    mean, m2 = lane_moments(xr, r, n, shift, tab)
-    counts = vload(tab, TAB_COUNTS, 0)
-    mu = tree_sum(counts * mean) * get(tab, TAB_INV_N, 0)
-    d = mean - splat(mu)
-    return mu, tree_sum(fma(counts * d, d, m2))
-
-
-@njit(inline="always", error_model="numpy")
-def lane_moments(xr, r, n, shift, tab):
-    """Per-lane (shifted mean, M2) of a unit-stride row: steps 1-3 of the row arithmetic."""
-    like = shift
+@njit(error_model="numpy")
+def lane_sums(xr, r, n, shift):
+    """Per-lane sums of ``v = x - shift`` and of ``v * v`` of a unit-stride row (step 2)."""
     kv = splat(shift)
-    zero = splat(cast(0.0, like))
-    pad = splat(cast(-0.0, like))
-    mean = zero
-    m2 = zero
+    a = q = splat(cast(0.0, shift))
+    pad = splat(cast(-0.0, shift))
     groups = n // LANES
     full = groups // PER_LANE
-    inv_full = splat(cast(1.0, like) / cast(PER_LANE, like))
     for c in range(full):
-        m, q = _row_chunk(xr, r, c * CHUNK, runtime(PER_LANE), kv, inv_full, pad, zero)
-        f, cc = chunk_weights(c, PER_LANE, like)
-        mean, m2 = merge(mean, m2, m, q, splat(f), splat(cc))
+        s, ss = _row_chunk(xr, r, c * CHUNK, runtime(PER_LANE), kv, pad)
+        a = a + s
+        q = q + ss
     g = groups - full * PER_LANE
     if g > 0:
-        m, q = _row_chunk(xr, r, full * CHUNK, g, kv, splat(get(tab, TAB_PARTIAL, 2)), pad,
-                          zero)
-        mean, m2 = merge(mean, m2, m, q, splat(get(tab, TAB_PARTIAL, 0)),
-                          splat(get(tab, TAB_PARTIAL, 1)))
+        s, ss = _row_chunk(xr, r, full * CHUNK, g, kv, pad)
+        a = a + s
+        q = q + ss
     start = groups * LANES
     if start < n:
         v = vload_tail(xr, r, start, n - start, shift) - kv
-        d = v - v
-        mean, m2 = merge(mean, m2, v, d * d, vload(tab, TAB_REM_F, 0),
-                          vload(tab, TAB_REM_C, 0))
-    return mean, m2
+        a = a + v
+        q = fma(v, v, q)
+    return a, q
+
+
+@njit(inline="always", error_model="numpy")
+def moments(a, q, n):
+    """(shifted mean, M2, sum of squares), float64, from a row's lane sums (step 3)."""
+    s = wide_tree_sum(a)
+    ss = wide_tree_sum(q)
+    mu = s * (1.0 / np.float64(n))
+    return mu, fma(s, mu * -1.0, ss), ss
+
+
+@njit(inline="always", error_model="numpy")
+def cancelled(m2, ss, tab):
+    """Whether a one-pass ``M2`` lost too much to cancellation (step 4)."""
+    return m2 < np.float64(get(tab, 0, TAB_CANCEL)) * ss
+
+
+@njit(error_model="numpy")
+def redo(xr, r, n, shift, mu, tab):
+    """(shift, shifted mean, M2) of a unit-stride row, redone with the shift
+    ``shift + mu`` (step 4; ``mu`` in the accumulation type)."""
+    shift = shift + mu
+    a, q = lane_sums(xr, r, n, shift)
+    mu2, m2, _ = moments(a, q, n)
+    return shift, mu2, (m2 if not m2 < 0.0 else 0.0)
+
+
+@njit(inline="always", error_model="numpy")
+def row_moments(xr, r, n, tab):
+    """(shift, shifted mean, M2) of a unit-stride row: steps 1-4 of the row arithmetic
+    (the mean and ``M2`` in float64)."""
+    shift = row_shift(xr, r, n)
+    a, q = lane_sums(xr, r, n, shift)
+    mu, m2, ss = moments(a, q, n)
+    if cancelled(m2, ss, tab):
+        return redo(xr, r, n, shift, cast(mu, shift), tab)
+    return shift, mu, m2
 
 
 @njit(error_model="numpy")
