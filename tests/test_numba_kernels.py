@@ -312,8 +312,9 @@ def test_serial_and_parallel_kernels_agree():
     np.testing.assert_allclose(sums, partials.astype(np.float64).sum(axis=1), rtol=1e-4,
                                atol=1e-3)
     rms = []
-    for fn in (k.rms_backward_serial, k.rms_backward_parallel,
-               k.rms_gathered_backward_serial, k.rms_gathered_backward_parallel):
+    for fn in (k.rms_backward_serial, k.rms_backward_parallel, k.rms_paired_backward_serial,
+               k.rms_paired_backward_parallel, k.rms_gathered_backward_serial,
+               k.rms_gathered_backward_parallel):
         gx = np.empty_like(x)
         partials = np.zeros((1, -(-rows // backend.GRAD_ROW_BLOCK), n), np.float32)
         sums = backend.entry.call(fn, backend.RMS_BACKWARD_WRITES, gy, x, rstd, w, gx,
@@ -328,10 +329,10 @@ def test_serial_and_parallel_kernels_agree():
 @pytest.mark.parametrize("n", [80, 83, 300, "tiled"])
 @pytest.mark.parametrize("rows", [1, 3, 133])
 def test_backward_skewed_and_tiled_rows(rows, n, has_res):
-    """The skewed and the tiled row schedules (tiles of four rows, a shorter last tile,
-    blocks of GRAD_ROW_BLOCK rows that tiles never cross: 133 rows are two full blocks
-    and five rows) give the any-stride kernel's bits, serial and parallel, with and
-    without grad_residual, and the float64 reference's values."""
+    """The skewed and the tiled (RMSNorm: paired) row schedules (tiles of four rows, a
+    shorter last tile, blocks of GRAD_ROW_BLOCK rows that tiles never cross: 133 rows are
+    two full blocks and five rows) give the any-stride kernel's bits, serial and
+    parallel, with and without grad_residual, and the float64 reference's values."""
     k = backend.load_kernels()
     n = k.TILE_MIN_N + 37 if n == "tiled" else n
     x = _rows(rows, n, 31)
@@ -358,6 +359,26 @@ def test_backward_skewed_and_tiled_rows(rows, n, has_res):
     np.testing.assert_allclose(gx, want_x, rtol=1e-4, atol=5e-5)
     np.testing.assert_allclose(sums[0], want_w, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(sums[1], want_b, rtol=1e-4, atol=1e-3)
+    # RMSNorm: skewed rows and (long rows) pairs.
+    _, rstd = ln.rms_norm(x, n, w, return_stats=True)
+    rstd = rstd.reshape(rows)
+    results = []
+    for fn in (k.rms_gathered_backward_serial, k.rms_backward_serial, k.rms_backward_parallel,
+               k.rms_paired_backward_serial, k.rms_paired_backward_parallel):
+        gx = np.empty_like(x)
+        partials = np.zeros((1, -(-rows // backend.GRAD_ROW_BLOCK), n), np.float32)
+        sums = backend.entry.call(fn, backend.RMS_BACKWARD_WRITES, gy, x, rstd, w, gx,
+                                  partials, backend.GRAD_ROW_BLOCK, gres, has_res)
+        results.append((gx, partials, sums))
+    for other in results[1:]:
+        for a, e in zip(other, results[0], strict=True):
+            _same_bits(a, e)
+    gx, _, sums = results[0]
+    want_x, want_w = reference.rms_norm_backward(gy, x, (1,), w)
+    if has_res:
+        want_x = want_x + gres
+    np.testing.assert_allclose(gx, want_x, rtol=1e-4, atol=5e-5)
+    np.testing.assert_allclose(sums[0], want_w, rtol=1e-4, atol=1e-3)
 
 
 _THREADS_SCRIPT = textwrap.dedent(

@@ -16,7 +16,8 @@ then one read-modify-write of the dw/db partial vectors for the tile's rows
 (``dw = ((dw + a) + b) + ...``, exactly the single-row passes in row order). Both
 schedules prefetch (:func:`prefetch_at`) what the next loop reads from memory and the
 grad_x lines they are about to write (measured: without it, a single thread keeps too
-few memory reads in flight while it computes from cache).
+few memory reads in flight while it computes from cache). RMSNorm runs its rows skewed
+too, and rows of at least ``TILE_MIN_N`` two per pass.
 
 The column layout (``inner > 1``) gathers each column into a scratch row and runs the
 row helpers on it; so do rows of any other stride (``*_gathered_backward_*``), through
@@ -35,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import config
 from numba.extending import intrinsic
 
 from ._scalars import cast, narrow, widen
@@ -90,6 +92,13 @@ def prefetch_at(typingctx, address, offset, write):
         return context.get_dummy_value()
 
     return types.none(address, offset, write), codegen
+
+
+if config.DISABLE_JIT:  # Numba's debugging mode: the kernels run as Python, a hint is nothing
+
+    def prefetch_at(address, offset, write):
+        """No-op stand-in for the intrinsic under ``NUMBA_DISABLE_JIT=1``."""
+        return None
 
 
 @njit(inline="always", error_model="numpy")
@@ -702,6 +711,53 @@ def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
 
 
 @njit(error_model="numpy")
+def _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
+    """Unit-stride rows ``r0 .. r1``, skewed and prefetched as :func:`_ln_bwd_rows` (each
+    row's operations those of :func:`_rms_bwd_mean` and :func:`_rms_bwd_rows_out`)."""
+    n = x.shape[1]
+    last = x.shape[0] - 1
+    gyv, xv, gxv, grv, wv = raw(gy), raw(x), raw(gx), raw(gres), raw(w)
+    dw = raw(partials[0, blk])
+    like = rstd_in[r0]
+    zero = splat(cast(0.0, like))
+    inv_n = cast(1.0, like) / cast(n, like)
+    body = n - n % LANES
+    mgx = _rms_bwd_mean(gyv, xv, r0, n, rstd_in[r0], wv)
+    for r in range(r0, r1):
+        rn = r + 1 if r + 1 < r1 else r
+        gpf, xpf = vaddress(gyv, min(r + 2, last), 0), vaddress(xv, min(r + 2, last), 0)
+        wpf = vaddress(gxv, min(r + 1, last), 0)
+        s = rstd_in[r]
+        rv, mgxv, rvn = splat(s), splat(mgx), splat(rstd_in[rn])
+        acc = zero
+        for i in range(0, body, LANES):
+            o = i * itemsize(gyv)
+            prefetch_at(gpf, o, False)
+            prefetch_at(xpf, o, False)
+            prefetch_at(wpf, i * itemsize(gxv), True)
+            wvec = vload(wv, 0, i)
+            dy = vload(gyv, r, i)
+            xh = vload(xv, r, i) * rv
+            g = (dy * wvec - xh * mgxv) * rv
+            vstore(gxv, g + vload(grv, r, i) if has_res else g, r, i)
+            vstore(dw, vload(dw, 0, i) + dy * xh, 0, i)
+            gn = vload(gyv, rn, i) * wvec
+            acc = acc + gn * (vload(xv, rn, i) * rvn)
+        for i in range(body, n):
+            dy = widen(get(gyv, r, i))
+            xh = widen(get(xv, r, i)) * s
+            g = (times_w(dy, wv, i) - xh * mgx) * s
+            put(gxv, r, i, narrow(g + widen(get(grv, r, i)) if has_res else g, gxv))
+            put(dw, 0, i, get(dw, 0, i) + dy * xh)
+        if body < n:
+            count = n - body
+            gn = vload_tail(gyv, rn, body, count, cast(0.0, like)) * vload_tail(
+                wv, 0, body, count, cast(0.0, like))
+            acc = acc + gn * (vload_tail(xv, rn, body, count, cast(0.0, like)) * rvn)
+        mgx = tree_sum(acc) * inv_n
+
+
+@njit(error_model="numpy")
 def _rms_bwd_gathered(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
     """Rows of any stride through scratch rows, as :func:`_ln_bwd_gathered`."""
     n = x.shape[1]
@@ -731,8 +787,31 @@ def _rms_bwd_gathered(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_re
 
 @cached_njit(error_model="numpy")
 def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_res):
-    """RMSNorm backward of unit-stride 2-D rows on the calling thread (``gres``: as for
-    :func:`ln_backward_serial`)."""
+    """RMSNorm backward of unit-stride 2-D rows on the calling thread, skewed (``gres``:
+    as for :func:`ln_backward_serial`)."""
+    rows = x.shape[0]
+    for blk in range(partials.shape[1]):
+        r0 = blk * block_rows
+        _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0,
+                        min(rows, r0 + block_rows), gres, has_res)
+    return _block_sums(partials)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def rms_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_res):
+    """:func:`rms_backward_serial`, row blocks spread over threads."""
+    rows = x.shape[0]
+    for blk in prange(partials.shape[1]):
+        r0 = blk * block_rows
+        _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0,
+                        min(rows, r0 + block_rows), gres, has_res)
+    return _block_sums(partials)
+
+
+@cached_njit(error_model="numpy")
+def rms_paired_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_res):
+    """:func:`rms_backward_serial` unskewed, two rows per pass once rows are at least
+    ``PAIR_MIN_N`` long (the driver's choice for rows of at least ``TILE_MIN_N``)."""
     rows = x.shape[0]
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
@@ -742,8 +821,9 @@ def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_r
 
 
 @cached_njit(parallel=True, error_model="numpy")
-def rms_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_res):
-    """:func:`rms_backward_serial`, row blocks spread over threads."""
+def rms_paired_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gres,
+                                 has_res):
+    """:func:`rms_paired_backward_serial`, row blocks spread over threads."""
     rows = x.shape[0]
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows

@@ -83,6 +83,8 @@ from .backward import (
     rms_backward_serial,
     rms_gathered_backward_parallel,
     rms_gathered_backward_serial,
+    rms_paired_backward_parallel,
+    rms_paired_backward_serial,
 )
 from .forward_cols import (
     ln_forward_cols_parallel,
@@ -163,6 +165,8 @@ __all__ = [
     "rms_gathered_backward_serial",
     "rms_gathered_forward_parallel",
     "rms_gathered_forward_serial",
+    "rms_paired_backward_parallel",
+    "rms_paired_backward_serial",
     "rms_quant_forward_parallel",
     "rms_quant_forward_serial",
     "widen_param",
