@@ -260,7 +260,7 @@ def _gather_rows(xs, gys, grs, x, gy, gres, r, two, has_res):
             copy_row(grs, runtime(1), gres, r + 1)
 
 
-@njit(inline="always", error_model="numpy")
+@njit(error_model="numpy")
 def _gx_vec(gyr, xr, gxr, r, i, wvec, mv, rv, mgv, mgxv, grr, has_res):
     """grad_x of one vector of row ``r`` stored (plus grad_residual with ``has_res``);
     returns its (dy, dy * xhat), the row's dw/db terms."""
@@ -271,7 +271,7 @@ def _gx_vec(gyr, xr, gxr, r, i, wvec, mv, rv, mgv, mgxv, grr, has_res):
     return dy, dy * xh
 
 
-@njit(inline="always", error_model="numpy")
+@njit(error_model="numpy")
 def _gx_scalar(gyr, xr, gxr, r, i, w, m, s, mg, mgx, grr, has_res):
     """:func:`_gx_vec` of element ``i`` alone."""
     dy = widen(get(gyr, r, i))
@@ -281,14 +281,14 @@ def _gx_scalar(gyr, xr, gxr, r, i, w, m, s, mg, mgx, grr, has_res):
     return dy, dy * xh
 
 
-@njit(inline="always", error_model="numpy")
+@njit(error_model="numpy")
 def _acc_means(gyr, xr, r, i, wvec, mv, rv, ag, ax):
     """One vector of row ``r`` added to its sums of g and g * xhat."""
     g = vload(gyr, r, i) * wvec
     return ag + g, ax + g * ((vload(xr, r, i) - mv) * rv)
 
 
-@njit(inline="always", error_model="numpy")
+@njit(error_model="numpy")
 def _acc_means_tail(gyr, xr, r, body, count, wt, m, mv, rv, ag, ax):
     """The last partial vector of row ``r`` (lanes past the row add exactly nothing)."""
     g = vload_tail(gyr, r, body, count, cast(0.0, m)) * wt
@@ -346,11 +346,12 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, ha
         mgx = tree_sum(ax) * inv_n
 
 
-@njit(inline="always", error_model="numpy")
-def _ln_bwd_tile_means(gyr, xr, gxr, r, rb, rc, rd, n, mean_in, rstd_in, w):
-    """(mean of g, mean of g * xhat) of rows ``r, rb, rc, rd``, their first passes
-    interleaved (each row's additions as :func:`_ln_bwd_means` makes them); prefetches
-    the tile's grad_x (``TILE_ROWS`` rows from ``r``) for writing."""
+@njit(error_model="numpy")
+def _ln_bwd_tile_means(gyr, xr, gxr, r, n, mean_in, rstd_in, w):
+    """(mean of g, mean of g * xhat) of the ``TILE_ROWS`` rows from ``r``, their first
+    passes interleaved (each row's additions as :func:`_ln_bwd_means` makes them);
+    prefetches the tile's grad_x for writing."""
+    rb, rc, rd = r + 1, r + 2, r + 3
     ma, mb, mc, md = mean_in[r], mean_in[rb], mean_in[rc], mean_in[rd]
     mva, mvb, mvc, mvd = splat(ma), splat(mb), splat(mc), splat(md)
     rva, rvb = splat(rstd_in[r]), splat(rstd_in[rb])
@@ -386,17 +387,15 @@ def _ln_bwd_tile_means(gyr, xr, gxr, r, rb, rc, rd, n, mean_in, rstd_in, w):
             (tree_sum(agd) * inv_n, tree_sum(axd) * inv_n))
 
 
-@njit(inline="always", error_model="numpy")
-def _ln_bwd_tile_out(gyr, xr, gxr, r, cnt, n, mean_in, rstd_in, sums, w, dw, db, grr,
-                     has_res, nxt, pf):
-    """grad_x of rows ``r .. r + cnt`` (``cnt <= TILE_ROWS``) and their dw/db terms,
-    added in row order with one read and write of the partial vectors per tile:
-    ``dw = ((dw + a) + b) + ...`` is exactly ``cnt`` single-row passes. With ``pf``,
-    prefetches grad_y and x of the next tile (rows from ``nxt``) in address order."""
+@njit(error_model="numpy")
+def _ln_bwd_tile_out(gyr, xr, gxr, r, n, mean_in, rstd_in, sums, w, dw, db, grr, has_res,
+                     nxt):
+    """grad_x of the ``TILE_ROWS`` rows from ``r`` and their dw/db terms, added in row
+    order with one read and write of the partial vectors per tile: ``dw = ((dw + a) + b)
+    + ...`` is exactly the single-row passes. Prefetches grad_y and x of the rows from
+    ``nxt`` (the next tile) in address order."""
     (mga, mgxa), (mgb, mgxb), (mgc, mgxc), (mgd, mgxd) = sums
-    rb = r + 1 if cnt > 1 else r
-    rc = r + 2 if cnt > 2 else r
-    rd = r + 3 if cnt > 3 else r
+    rb, rc, rd = r + 1, r + 2, r + 3
     ma, sa, mb, sb = mean_in[r], rstd_in[r], mean_in[rb], rstd_in[rb]
     mc, sc, md, sd = mean_in[rc], rstd_in[rc], mean_in[rd], rstd_in[rd]
     mva, rva, mgva, mgxva = splat(ma), splat(sa), splat(mga), splat(mgxa)
@@ -408,77 +407,75 @@ def _ln_bwd_tile_out(gyr, xr, gxr, r, cnt, n, mean_in, rstd_in, sums, w, dw, db,
     xbase = vaddress(xr, nxt, 0)
     step = TILE_ROWS * itemsize(gyr)
     for i in range(0, body, LANES):
-        if pf:
-            o = i * step
-            prefetch_at(gbase, o, False)
-            prefetch_at(gbase, o + 64, False)
-            prefetch_at(gbase, o + 128, False)
-            prefetch_at(gbase, o + 192, False)
-            prefetch_at(xbase, o, False)
-            prefetch_at(xbase, o + 64, False)
-            prefetch_at(xbase, o + 128, False)
-            prefetch_at(xbase, o + 192, False)
+        o = i * step
+        prefetch_at(gbase, o, False)
+        prefetch_at(gbase, o + 64, False)
+        prefetch_at(gbase, o + 128, False)
+        prefetch_at(gbase, o + 192, False)
+        prefetch_at(xbase, o, False)
+        prefetch_at(xbase, o + 64, False)
+        prefetch_at(xbase, o + 128, False)
+        prefetch_at(xbase, o + 192, False)
         wvec = vload(w, 0, i)
-        tw = vload(dw, 0, i)
-        tb = vload(db, 0, i)
-        dy, t = _gx_vec(gyr, xr, gxr, r, i, wvec, mva, rva, mgva, mgxva, grr, has_res)
-        tw = tw + t
-        tb = tb + dy
-        if cnt > 1:
-            dy, t = _gx_vec(gyr, xr, gxr, rb, i, wvec, mvb, rvb, mgvb, mgxvb, grr, has_res)
-            tw = tw + t
-            tb = tb + dy
-        if cnt > 2:
-            dy, t = _gx_vec(gyr, xr, gxr, rc, i, wvec, mvc, rvc, mgvc, mgxvc, grr, has_res)
-            tw = tw + t
-            tb = tb + dy
-        if cnt > 3:
-            dy, t = _gx_vec(gyr, xr, gxr, rd, i, wvec, mvd, rvd, mgvd, mgxvd, grr, has_res)
-            tw = tw + t
-            tb = tb + dy
-        vstore(dw, tw, 0, i)
-        vstore(db, tb, 0, i)
+        dya, ta = _gx_vec(gyr, xr, gxr, r, i, wvec, mva, rva, mgva, mgxva, grr, has_res)
+        dyb, tb = _gx_vec(gyr, xr, gxr, rb, i, wvec, mvb, rvb, mgvb, mgxvb, grr, has_res)
+        dyc, tc = _gx_vec(gyr, xr, gxr, rc, i, wvec, mvc, rvc, mgvc, mgxvc, grr, has_res)
+        dyd, td = _gx_vec(gyr, xr, gxr, rd, i, wvec, mvd, rvd, mgvd, mgxvd, grr, has_res)
+        vstore(dw, (((vload(dw, 0, i) + ta) + tb) + tc) + td, 0, i)
+        vstore(db, (((vload(db, 0, i) + dya) + dyb) + dyc) + dyd, 0, i)
     for i in range(body, n):
-        tw = get(dw, 0, i)
-        tb = get(db, 0, i)
-        dy, t = _gx_scalar(gyr, xr, gxr, r, i, w, ma, sa, mga, mgxa, grr, has_res)
-        tw = tw + t
-        tb = tb + dy
-        if cnt > 1:
-            dy, t = _gx_scalar(gyr, xr, gxr, rb, i, w, mb, sb, mgb, mgxb, grr, has_res)
-            tw = tw + t
-            tb = tb + dy
-        if cnt > 2:
-            dy, t = _gx_scalar(gyr, xr, gxr, rc, i, w, mc, sc, mgc, mgxc, grr, has_res)
-            tw = tw + t
-            tb = tb + dy
-        if cnt > 3:
-            dy, t = _gx_scalar(gyr, xr, gxr, rd, i, w, md, sd, mgd, mgxd, grr, has_res)
-            tw = tw + t
-            tb = tb + dy
-        put(dw, 0, i, tw)
-        put(db, 0, i, tb)
+        dya, ta = _gx_scalar(gyr, xr, gxr, r, i, w, ma, sa, mga, mgxa, grr, has_res)
+        dyb, tb = _gx_scalar(gyr, xr, gxr, rb, i, w, mb, sb, mgb, mgxb, grr, has_res)
+        dyc, tc = _gx_scalar(gyr, xr, gxr, rc, i, w, mc, sc, mgc, mgxc, grr, has_res)
+        dyd, td = _gx_scalar(gyr, xr, gxr, rd, i, w, md, sd, mgd, mgxd, grr, has_res)
+        put(dw, 0, i, (((get(dw, 0, i) + ta) + tb) + tc) + td)
+        put(db, 0, i, (((get(db, 0, i) + dya) + dyb) + dyc) + dyd)
 
 
 @njit(error_model="numpy")
 def _ln_bwd_tiles(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
     """Unit-stride rows ``r0 .. r1`` (partial block ``blk``) in tiles of ``TILE_ROWS``
-    rows (the block's last tile may be shorter; tiles never cross blocks)."""
+    rows; the rows after the block's last full tile one by one (tiles never cross blocks).
+
+    The tile code has no per-row conditions, so that LLVM does not version its loops
+    (compile time)."""
     n = x.shape[1]
     rows = x.shape[0]
     gyv, xv, gxv, grv, wv = raw(gy), raw(x), raw(gx), raw(gres), raw(w)
     dw = raw(partials[0, blk])
     db = raw(partials[1, blk])
-    for r in range(r0, r1, TILE_ROWS):
-        cnt = min(TILE_ROWS, r1 - r)
-        # Rows past the tile's end repeat its last row: computed, never used.
-        rb = r + 1 if cnt > 1 else r
-        rc = r + 2 if cnt > 2 else rb
-        rd = r + 3 if cnt > 3 else rc
-        sums = _ln_bwd_tile_means(gyv, xv, gxv, r, rb, rc, rd, n, mean_in, rstd_in, wv)
-        more = r + TILE_ROWS < rows
-        _ln_bwd_tile_out(gyv, xv, gxv, r, cnt, n, mean_in, rstd_in, sums, wv, dw, db, grv,
-                         has_res, r + TILE_ROWS if more else r, more)
+    full = r0 + (r1 - r0) // TILE_ROWS * TILE_ROWS
+    for r in range(r0, full, TILE_ROWS):
+        sums = _ln_bwd_tile_means(gyv, xv, gxv, r, n, mean_in, rstd_in, wv)
+        # The last tile prefetches itself again (cached already).
+        nxt = r + TILE_ROWS if r + 2 * TILE_ROWS <= rows else r
+        _ln_bwd_tile_out(gyv, xv, gxv, r, n, mean_in, rstd_in, sums, wv, dw, db, grv,
+                         has_res, nxt)
+    # The last rows one by one, from the tile's compiled helpers (compile time).
+    body = n - n % LANES
+    for r in range(full, r1):
+        m, s = mean_in[r], rstd_in[r]
+        mv, rv = splat(m), splat(s)
+        ag = splat(cast(0.0, m))
+        ax = ag
+        for i in range(0, body, LANES):
+            ag, ax = _acc_means(gyv, xv, r, i, vload(wv, 0, i), mv, rv, ag, ax)
+        if body < n:
+            wt = vload_tail(wv, 0, body, n - body, cast(0.0, m))
+            ag, ax = _acc_means_tail(gyv, xv, r, body, n - body, wt, m, mv, rv, ag, ax)
+        inv_n = cast(1.0, m) / cast(n, m)
+        mg = tree_sum(ag) * inv_n
+        mgx = tree_sum(ax) * inv_n
+        mgv, mgxv = splat(mg), splat(mgx)
+        for i in range(0, body, LANES):
+            dy, t = _gx_vec(gyv, xv, gxv, r, i, vload(wv, 0, i), mv, rv, mgv, mgxv, grv,
+                            has_res)
+            vstore(dw, vload(dw, 0, i) + t, 0, i)
+            vstore(db, vload(db, 0, i) + dy, 0, i)
+        for i in range(body, n):
+            dy, t = _gx_scalar(gyv, xv, gxv, r, i, wv, m, s, mg, mgx, grv, has_res)
+            put(dw, 0, i, get(dw, 0, i) + t)
+            put(db, 0, i, get(db, 0, i) + dy)
 
 
 @njit(error_model="numpy")
