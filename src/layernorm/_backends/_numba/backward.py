@@ -260,7 +260,6 @@ def _gather_rows(xs, gys, grs, x, gy, gres, r, two, has_res):
             copy_row(grs, runtime(1), gres, r + 1)
 
 
-@njit(error_model="numpy")
 def _gx_vec(gyr, xr, gxr, r, i, wvec, mv, rv, mgv, mgxv, grr, has_res):
     """grad_x of one vector of row ``r`` stored (plus grad_residual with ``has_res``);
     returns its (dy, dy * xhat), the row's dw/db terms."""
@@ -271,7 +270,6 @@ def _gx_vec(gyr, xr, gxr, r, i, wvec, mv, rv, mgv, mgxv, grr, has_res):
     return dy, dy * xh
 
 
-@njit(error_model="numpy")
 def _gx_scalar(gyr, xr, gxr, r, i, w, m, s, mg, mgx, grr, has_res):
     """:func:`_gx_vec` of element ``i`` alone."""
     dy = widen(get(gyr, r, i))
@@ -281,18 +279,29 @@ def _gx_scalar(gyr, xr, gxr, r, i, w, m, s, mg, mgx, grr, has_res):
     return dy, dy * xh
 
 
-@njit(error_model="numpy")
 def _acc_means(gyr, xr, r, i, wvec, mv, rv, ag, ax):
     """One vector of row ``r`` added to its sums of g and g * xhat."""
     g = vload(gyr, r, i) * wvec
     return ag + g, ax + g * ((vload(xr, r, i) - mv) * rv)
 
 
-@njit(error_model="numpy")
 def _acc_means_tail(gyr, xr, r, body, count, wt, m, mv, rv, ag, ax):
     """The last partial vector of row ``r`` (lanes past the row add exactly nothing)."""
     g = vload_tail(gyr, r, body, count, cast(0.0, m)) * wt
     return ag + g, ax + g * ((vload_tail(xr, r, body, count, m) - mv) * rv)
+
+
+# The row helpers twice: inlined into the skewed loops (measured about 20% faster
+# there), and compiled once as functions for the tiled kernel, whose four rows per
+# loop would otherwise be typed once per call site (compile time).
+_gx_vec_fn = njit(error_model="numpy")(_gx_vec)
+_gx_scalar_fn = njit(error_model="numpy")(_gx_scalar)
+_acc_means_fn = njit(error_model="numpy")(_acc_means)
+_acc_means_tail_fn = njit(error_model="numpy")(_acc_means_tail)
+_gx_vec = njit(inline="always", error_model="numpy")(_gx_vec)
+_gx_scalar = njit(inline="always", error_model="numpy")(_gx_scalar)
+_acc_means = njit(inline="always", error_model="numpy")(_acc_means)
+_acc_means_tail = njit(inline="always", error_model="numpy")(_acc_means_tail)
 
 
 @njit(error_model="numpy")
@@ -369,17 +378,17 @@ def _ln_bwd_tile_means(gyr, xr, gxr, r, n, mean_in, rstd_in, w):
         prefetch_at(base, o + 128, True)
         prefetch_at(base, o + 192, True)
         wvec = vload(w, 0, i)
-        aga, axa = _acc_means(gyr, xr, r, i, wvec, mva, rva, aga, axa)
-        agb, axb = _acc_means(gyr, xr, rb, i, wvec, mvb, rvb, agb, axb)
-        agc, axc = _acc_means(gyr, xr, rc, i, wvec, mvc, rvc, agc, axc)
-        agd, axd = _acc_means(gyr, xr, rd, i, wvec, mvd, rvd, agd, axd)
+        aga, axa = _acc_means_fn(gyr, xr, r, i, wvec, mva, rva, aga, axa)
+        agb, axb = _acc_means_fn(gyr, xr, rb, i, wvec, mvb, rvb, agb, axb)
+        agc, axc = _acc_means_fn(gyr, xr, rc, i, wvec, mvc, rvc, agc, axc)
+        agd, axd = _acc_means_fn(gyr, xr, rd, i, wvec, mvd, rvd, agd, axd)
     if body < n:
         count = n - body
         wt = vload_tail(w, 0, body, count, cast(0.0, ma))
-        aga, axa = _acc_means_tail(gyr, xr, r, body, count, wt, ma, mva, rva, aga, axa)
-        agb, axb = _acc_means_tail(gyr, xr, rb, body, count, wt, mb, mvb, rvb, agb, axb)
-        agc, axc = _acc_means_tail(gyr, xr, rc, body, count, wt, mc, mvc, rvc, agc, axc)
-        agd, axd = _acc_means_tail(gyr, xr, rd, body, count, wt, md, mvd, rvd, agd, axd)
+        aga, axa = _acc_means_tail_fn(gyr, xr, r, body, count, wt, ma, mva, rva, aga, axa)
+        agb, axb = _acc_means_tail_fn(gyr, xr, rb, body, count, wt, mb, mvb, rvb, agb, axb)
+        agc, axc = _acc_means_tail_fn(gyr, xr, rc, body, count, wt, mc, mvc, rvc, agc, axc)
+        agd, axd = _acc_means_tail_fn(gyr, xr, rd, body, count, wt, md, mvd, rvd, agd, axd)
     inv_n = cast(1.0, ma) / cast(n, ma)
     return ((tree_sum(aga) * inv_n, tree_sum(axa) * inv_n),
             (tree_sum(agb) * inv_n, tree_sum(axb) * inv_n),
@@ -417,19 +426,23 @@ def _ln_bwd_tile_out(gyr, xr, gxr, r, n, mean_in, rstd_in, sums, w, dw, db, grr,
         prefetch_at(xbase, o + 128, False)
         prefetch_at(xbase, o + 192, False)
         wvec = vload(w, 0, i)
-        dya, ta = _gx_vec(gyr, xr, gxr, r, i, wvec, mva, rva, mgva, mgxva, grr, has_res)
-        dyb, tb = _gx_vec(gyr, xr, gxr, rb, i, wvec, mvb, rvb, mgvb, mgxvb, grr, has_res)
-        dyc, tc = _gx_vec(gyr, xr, gxr, rc, i, wvec, mvc, rvc, mgvc, mgxvc, grr, has_res)
-        dyd, td = _gx_vec(gyr, xr, gxr, rd, i, wvec, mvd, rvd, mgvd, mgxvd, grr, has_res)
+        dya, ta = _gx_vec_fn(gyr, xr, gxr, r, i, wvec, mva, rva, mgva, mgxva, grr, has_res)
+        dyb, tb = _gx_vec_fn(gyr, xr, gxr, rb, i, wvec, mvb, rvb, mgvb, mgxvb, grr, has_res)
+        dyc, tc = _gx_vec_fn(gyr, xr, gxr, rc, i, wvec, mvc, rvc, mgvc, mgxvc, grr, has_res)
+        dyd, td = _gx_vec_fn(gyr, xr, gxr, rd, i, wvec, mvd, rvd, mgvd, mgxvd, grr, has_res)
         vstore(dw, (((vload(dw, 0, i) + ta) + tb) + tc) + td, 0, i)
         vstore(db, (((vload(db, 0, i) + dya) + dyb) + dyc) + dyd, 0, i)
     for i in range(body, n):
-        dya, ta = _gx_scalar(gyr, xr, gxr, r, i, w, ma, sa, mga, mgxa, grr, has_res)
-        dyb, tb = _gx_scalar(gyr, xr, gxr, rb, i, w, mb, sb, mgb, mgxb, grr, has_res)
-        dyc, tc = _gx_scalar(gyr, xr, gxr, rc, i, w, mc, sc, mgc, mgxc, grr, has_res)
-        dyd, td = _gx_scalar(gyr, xr, gxr, rd, i, w, md, sd, mgd, mgxd, grr, has_res)
-        put(dw, 0, i, (((get(dw, 0, i) + ta) + tb) + tc) + td)
-        put(db, 0, i, (((get(db, 0, i) + dya) + dyb) + dyc) + dyd)
+        tw = get(dw, 0, i)
+        tb = get(db, 0, i)
+        for q in range(TILE_ROWS):  # one loop body, not four (compile time)
+            mg, mgx = sums[q]
+            dy, t = _gx_scalar_fn(gyr, xr, gxr, r + q, i, w, mean_in[r + q], rstd_in[r + q],
+                                  mg, mgx, grr, has_res)
+            tw = tw + t
+            tb = tb + dy
+        put(dw, 0, i, tw)
+        put(db, 0, i, tb)
 
 
 @njit(error_model="numpy")
@@ -459,21 +472,21 @@ def _ln_bwd_tiles(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, h
         ag = splat(cast(0.0, m))
         ax = ag
         for i in range(0, body, LANES):
-            ag, ax = _acc_means(gyv, xv, r, i, vload(wv, 0, i), mv, rv, ag, ax)
+            ag, ax = _acc_means_fn(gyv, xv, r, i, vload(wv, 0, i), mv, rv, ag, ax)
         if body < n:
             wt = vload_tail(wv, 0, body, n - body, cast(0.0, m))
-            ag, ax = _acc_means_tail(gyv, xv, r, body, n - body, wt, m, mv, rv, ag, ax)
+            ag, ax = _acc_means_tail_fn(gyv, xv, r, body, n - body, wt, m, mv, rv, ag, ax)
         inv_n = cast(1.0, m) / cast(n, m)
         mg = tree_sum(ag) * inv_n
         mgx = tree_sum(ax) * inv_n
         mgv, mgxv = splat(mg), splat(mgx)
         for i in range(0, body, LANES):
-            dy, t = _gx_vec(gyv, xv, gxv, r, i, vload(wv, 0, i), mv, rv, mgv, mgxv, grv,
+            dy, t = _gx_vec_fn(gyv, xv, gxv, r, i, vload(wv, 0, i), mv, rv, mgv, mgxv, grv,
                             has_res)
             vstore(dw, vload(dw, 0, i) + t, 0, i)
             vstore(db, vload(db, 0, i) + dy, 0, i)
         for i in range(body, n):
-            dy, t = _gx_scalar(gyv, xv, gxv, r, i, wv, m, s, mg, mgx, grv, has_res)
+            dy, t = _gx_scalar_fn(gyv, xv, gxv, r, i, wv, m, s, mg, mgx, grv, has_res)
             put(dw, 0, i, get(dw, 0, i) + t)
             put(db, 0, i, get(db, 0, i) + dy)
 
