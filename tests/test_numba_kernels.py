@@ -297,7 +297,8 @@ def test_serial_and_parallel_kernels_agree():
     # gradients, which each kernel returns summed over its blocks in order.
     grads = []
     for fn in (k.ln_backward_serial, k.ln_backward_parallel, k.ln_short_backward_serial,
-               k.ln_short_backward_parallel, k.ln_gathered_backward_serial,
+               k.ln_short_backward_parallel, k.ln_tiled_backward_serial,
+               k.ln_tiled_backward_parallel, k.ln_gathered_backward_serial,
                k.ln_gathered_backward_parallel):
         gx = np.empty_like(x)
         partials = np.zeros((2, -(-rows // backend.GRAD_ROW_BLOCK), n), np.float32)
@@ -311,8 +312,9 @@ def test_serial_and_parallel_kernels_agree():
     np.testing.assert_allclose(sums, partials.astype(np.float64).sum(axis=1), rtol=1e-4,
                                atol=1e-3)
     rms = []
-    for fn in (k.rms_backward_serial, k.rms_backward_parallel,
-               k.rms_gathered_backward_serial, k.rms_gathered_backward_parallel):
+    for fn in (k.rms_backward_serial, k.rms_backward_parallel, k.rms_paired_backward_serial,
+               k.rms_paired_backward_parallel, k.rms_gathered_backward_serial,
+               k.rms_gathered_backward_parallel):
         gx = np.empty_like(x)
         partials = np.zeros((1, -(-rows // backend.GRAD_ROW_BLOCK), n), np.float32)
         sums = backend.entry.call(fn, backend.RMS_BACKWARD_WRITES, gy, x, rstd, w, gx,
@@ -321,6 +323,62 @@ def test_serial_and_parallel_kernels_agree():
     for other in rms[1:]:
         for a, e in zip(other, rms[0], strict=True):
             _same_bits(a, e)
+
+
+@pytest.mark.parametrize("has_res", [False, True])
+@pytest.mark.parametrize("n", [80, 83, 300, "tiled"])
+@pytest.mark.parametrize("rows", [1, 3, 133])
+def test_backward_skewed_and_tiled_rows(rows, n, has_res):
+    """The skewed and the tiled (RMSNorm: paired) row schedules (tiles of four rows, a
+    shorter last tile, blocks of GRAD_ROW_BLOCK rows that tiles never cross: 133 rows are
+    two full blocks and five rows) give the any-stride kernel's bits, serial and
+    parallel, with and without grad_residual, and the float64 reference's values."""
+    k = backend.load_kernels()
+    n = k.TILE_MIN_N + 37 if n == "tiled" else n
+    x = _rows(rows, n, 31)
+    gy = _rows(rows, n, 32, offset=0.0)
+    gres = _rows(rows, n, 33, offset=0.0) if has_res else x
+    w, b = _params(n, 31)
+    _, mean, rstd = ln.layer_norm(x, n, w, b, return_stats=True)
+    mean, rstd = mean.reshape(rows), rstd.reshape(rows)
+    results = []
+    for fn in (k.ln_gathered_backward_serial, k.ln_backward_serial, k.ln_backward_parallel,
+               k.ln_tiled_backward_serial, k.ln_tiled_backward_parallel):
+        gx = np.empty_like(x)
+        partials = np.zeros((2, -(-rows // backend.GRAD_ROW_BLOCK), n), np.float32)
+        sums = backend.entry.call(fn, backend.LN_BACKWARD_WRITES, gy, x, mean, rstd, w, gx,
+                                  partials, backend.GRAD_ROW_BLOCK, gres, has_res)
+        results.append((gx, partials, sums))
+    for other in results[1:]:
+        for a, e in zip(other, results[0], strict=True):
+            _same_bits(a, e)
+    gx, _, sums = results[0]
+    want_x, want_w, want_b = reference.layer_norm_backward(gy, x, (1,), w)
+    if has_res:
+        want_x = want_x + gres
+    np.testing.assert_allclose(gx, want_x, rtol=1e-4, atol=5e-5)
+    np.testing.assert_allclose(sums[0], want_w, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(sums[1], want_b, rtol=1e-4, atol=1e-3)
+    # RMSNorm: skewed rows and (long rows) pairs.
+    _, rstd = ln.rms_norm(x, n, w, return_stats=True)
+    rstd = rstd.reshape(rows)
+    results = []
+    for fn in (k.rms_gathered_backward_serial, k.rms_backward_serial, k.rms_backward_parallel,
+               k.rms_paired_backward_serial, k.rms_paired_backward_parallel):
+        gx = np.empty_like(x)
+        partials = np.zeros((1, -(-rows // backend.GRAD_ROW_BLOCK), n), np.float32)
+        sums = backend.entry.call(fn, backend.RMS_BACKWARD_WRITES, gy, x, rstd, w, gx,
+                                  partials, backend.GRAD_ROW_BLOCK, gres, has_res)
+        results.append((gx, partials, sums))
+    for other in results[1:]:
+        for a, e in zip(other, results[0], strict=True):
+            _same_bits(a, e)
+    gx, _, sums = results[0]
+    want_x, want_w = reference.rms_norm_backward(gy, x, (1,), w)
+    if has_res:
+        want_x = want_x + gres
+    np.testing.assert_allclose(gx, want_x, rtol=1e-4, atol=5e-5)
+    np.testing.assert_allclose(sums[0], want_w, rtol=1e-4, atol=1e-3)
 
 
 _THREADS_SCRIPT = textwrap.dedent(
@@ -403,11 +461,12 @@ def test_threads_script_is_deterministic_in_process():
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("n", [5, 16, 40, 64, 79, 80, "pairs"])
 def test_backward_rows_in_batch_match_rows_alone(rms, n):
-    """Short rows keep grad_weight partials in registers, long rows run in pairs: each
-    row's grad_x and its grad_weight/grad_bias terms must have the single-row bits."""
+    """Short rows keep grad_weight partials in registers, long rows run in tiles (and in
+    pairs when strided): each row's grad_x and its grad_weight/grad_bias terms must have
+    the single-row bits."""
     k = backend.load_kernels()
-    n = k.PAIR_MIN_N + 37 if n == "pairs" else n
-    rows = 7  # three pairs and a single row
+    n = max(k.PAIR_MIN_N, k.TILE_MIN_N) + 37 if n == "pairs" else n
+    rows = 7  # three pairs and a single row; a tile of four and one of three
     x = _rows(rows, n, 21)
     gy = _rows(rows, n, 22, offset=0.0)
     w, b = _params(n, 21)

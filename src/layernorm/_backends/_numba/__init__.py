@@ -341,20 +341,24 @@ def _unit_strides(gy: Any, x: Any, gx: Any, grad_residual: Any) -> bool:
 def ln_backward_kernels(k: Any, gy: Any, x: Any, gx: Any,
                         grad_residual: Any = None) -> tuple[Any, Any]:
     """The (serial, parallel) LayerNorm backward kernels for 2-D rows: one per path
-    (unit-stride rows, short ones, any stride), all giving the same bits."""
+    (unit-stride rows, short ones, long ones, any stride), all giving the same bits."""
     if not _unit_strides(gy, x, gx, grad_residual):
         return k.ln_gathered_backward_serial, k.ln_gathered_backward_parallel
     if x.shape[1] < k.SHORT_BACKWARD_N:
         return k.ln_short_backward_serial, k.ln_short_backward_parallel
+    if x.shape[1] >= k.TILE_MIN_N:
+        return k.ln_tiled_backward_serial, k.ln_tiled_backward_parallel
     return k.ln_backward_serial, k.ln_backward_parallel
 
 
 def rms_backward_kernels(k: Any, gy: Any, x: Any, gx: Any,
                          grad_residual: Any = None) -> tuple[Any, Any]:
     """The (serial, parallel) RMSNorm backward kernels for 2-D rows (see
-    :func:`ln_backward_kernels`; there is no short-row path)."""
+    :func:`ln_backward_kernels`; there is no short-row path, long rows run in pairs)."""
     if not _unit_strides(gy, x, gx, grad_residual):
         return k.rms_gathered_backward_serial, k.rms_gathered_backward_parallel
+    if x.shape[1] >= k.TILE_MIN_N:
+        return k.rms_paired_backward_serial, k.rms_paired_backward_parallel
     return k.rms_backward_serial, k.rms_backward_parallel
 
 

@@ -7,6 +7,18 @@ block of rows (2-D: ``block_rows`` consecutive rows in order; 3-D: one partial p
 ``(outer index, COL_BLOCK columns)``), then summed over blocks in order by the kernel
 itself, which returns the sums.
 
+Unit-stride rows take one of three schedules, all with the same per-row arithmetic (the
+same bits): rows shorter than ``SHORT_BACKWARD_N`` keep the partials in registers; rows
+up to ``TILE_MIN_N`` run *skewed*, the second pass of row ``r`` in one loop with the
+first pass of row ``r + 1`` (DRAM reads in flight while the cached row is finished);
+longer rows run in tiles of ``TILE_ROWS`` rows, first passes of the tile interleaved,
+then one read-modify-write of the dw/db partial vectors for the tile's rows
+(``dw = ((dw + a) + b) + ...``, exactly the single-row passes in row order). Both
+schedules prefetch (:func:`prefetch_at`) what the next loop reads from memory and the
+grad_x lines they are about to write (measured: without it, a single thread keeps too
+few memory reads in flight while it computes from cache). RMSNorm runs its rows skewed
+too, and rows of at least ``TILE_MIN_N`` two per pass.
+
 The column layout (``inner > 1``) gathers each column into a scratch row and runs the
 row helpers on it; so do rows of any other stride (``*_gathered_backward_*``), through
 a pair of scratch rows.
@@ -22,21 +34,71 @@ kernel serves both) and is never read.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import config
+from numba.extending import intrinsic
 
 from ._scalars import cast, narrow, widen
-from ._simd import alive, get, put, raw, runtime, splat, vload, vload_tail, vstore
+from ._simd import (
+    alive,
+    get,
+    itemsize,
+    put,
+    raw,
+    runtime,
+    splat,
+    vaddress,
+    vload,
+    vload_tail,
+    vstore,
+)
 from .diskcache import cached_njit
 from .rowmath import LANES, copy_row, times_w, tree_sum
 
-#: Rows at least this long run the backward two rows per pass (no effect on results;
-#: measured: it pays once the partial sums no longer fit in L1, and costs below).
+#: Rows at least this long run the backward two rows per pass in the any-stride path
+#: (no effect on results; measured: it pays once the partial sums no longer fit in L1).
 PAIR_MIN_N = 2048
+#: Unit-stride rows at least this long take the tiled backward kernels (four rows per
+#: tile), shorter ones the skewed kernels (no effect on results; measured, see below).
+TILE_MIN_N = 2048
+#: Rows per tile of the tiled backward.
+TILE_ROWS = 4
 #: Columns per grad_weight/grad_bias partial block in the channels-first backward.
 COL_BLOCK = 64
 #: Unit-stride rows shorter than this take the short-row backward kernels, which keep
 #: the partial sums in registers (no effect on results).
 SHORT_BACKWARD_N = 5 * LANES
+
+
+@intrinsic
+def prefetch_at(typingctx, address, offset, write):
+    """A hint that the cache line at byte ``address + offset`` will be read (``write``
+    False) or written (True) soon: ``llvm.prefetch``, never a fault, no effect on results.
+    ``address`` is an integer (:func:`vaddress`), ``write`` a literal bool."""
+    if not isinstance(address, types.Integer) or not isinstance(offset, types.Integer) \
+            or not isinstance(write, types.BooleanLiteral):
+        return None
+    rw = 1 if write.literal_value else 0
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        i64 = ir.IntType(64)
+        off = args[1] if offset.bitwidth == 64 else builder.sext(args[1], i64)
+        ptr = builder.inttoptr(builder.add(args[0], off), ir.IntType(8).as_pointer())
+        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type], fnty)
+        builder.call(fn, [ptr, ir.Constant(i32, rw), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(address, offset, write), codegen
+
+
+if config.DISABLE_JIT:  # Numba's debugging mode: the kernels run as Python, a hint is nothing
+
+    def prefetch_at(address, offset, write):
+        """No-op stand-in for the intrinsic under ``NUMBA_DISABLE_JIT=1``."""
+        return None
 
 
 @njit(inline="always", error_model="numpy")
@@ -198,26 +260,235 @@ def _gather_rows(xs, gys, grs, x, gy, gres, r, two, has_res):
             copy_row(grs, runtime(1), gres, r + 1)
 
 
+def _gx_vec(gyr, xr, gxr, r, i, wvec, mv, rv, mgv, mgxv, grr, has_res):
+    """grad_x of one vector of row ``r`` stored (plus grad_residual with ``has_res``);
+    returns its (dy, dy * xhat), the row's dw/db terms."""
+    dy = vload(gyr, r, i)
+    xh = (vload(xr, r, i) - mv) * rv
+    g = ((dy * wvec - mgv) - xh * mgxv) * rv
+    vstore(gxr, g + vload(grr, r, i) if has_res else g, r, i)
+    return dy, dy * xh
+
+
+def _gx_scalar(gyr, xr, gxr, r, i, w, m, s, mg, mgx, grr, has_res):
+    """:func:`_gx_vec` of element ``i`` alone."""
+    dy = widen(get(gyr, r, i))
+    xh = (widen(get(xr, r, i)) - m) * s
+    g = ((times_w(dy, w, i) - mg) - xh * mgx) * s
+    put(gxr, r, i, narrow(g + widen(get(grr, r, i)) if has_res else g, gxr))
+    return dy, dy * xh
+
+
+def _acc_means(gyr, xr, r, i, wvec, mv, rv, ag, ax):
+    """One vector of row ``r`` added to its sums of g and g * xhat."""
+    g = vload(gyr, r, i) * wvec
+    return ag + g, ax + g * ((vload(xr, r, i) - mv) * rv)
+
+
+def _acc_means_tail(gyr, xr, r, body, count, wt, m, mv, rv, ag, ax):
+    """The last partial vector of row ``r`` (lanes past the row add exactly nothing)."""
+    g = vload_tail(gyr, r, body, count, cast(0.0, m)) * wt
+    return ag + g, ax + g * ((vload_tail(xr, r, body, count, m) - mv) * rv)
+
+
+# The row helpers twice: inlined into the skewed loops (measured about 20% faster
+# there), and compiled once as functions for the tiled kernel, whose four rows per
+# loop would otherwise be typed once per call site (compile time).
+_gx_vec_fn = njit(error_model="numpy")(_gx_vec)
+_gx_scalar_fn = njit(error_model="numpy")(_gx_scalar)
+_acc_means_fn = njit(error_model="numpy")(_acc_means)
+_acc_means_tail_fn = njit(error_model="numpy")(_acc_means_tail)
+_gx_vec = njit(inline="always", error_model="numpy")(_gx_vec)
+_gx_scalar = njit(inline="always", error_model="numpy")(_gx_scalar)
+_acc_means = njit(inline="always", error_model="numpy")(_acc_means)
+_acc_means_tail = njit(inline="always", error_model="numpy")(_acc_means_tail)
+
+
 @njit(error_model="numpy")
 def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
-    """Unit-stride rows ``r0 .. r1`` (partial block ``blk``) of any length."""
+    """Unit-stride rows ``r0 .. r1`` (partial block ``blk``), skewed: one loop computes
+    grad_x of row ``r`` (in cache) and the means of row ``r + 1`` (from memory),
+    prefetching row ``r + 2`` and, for writing, the grad_x of row ``r + 1``.
+
+    Each row's sums, grad_x and dw/db terms are those of :func:`_ln_bwd_means` and
+    :func:`_ln_bwd_rows_out` (the same operations in the same order).
+    """
     n = x.shape[1]
+    last = x.shape[0] - 1
     gyv, xv, gxv, grv, wv = raw(gy), raw(x), raw(gx), raw(gres), raw(w)
     dw = raw(partials[0, blk])
     db = raw(partials[1, blk])
-    # Long rows in pairs (a last single row alone): the parameter-gradient partial sums,
-    # too long for L1 then, are read and written once per pair. Each row's arithmetic is
-    # the same either way.
-    step = 2 if n >= PAIR_MIN_N else 1
-    for r in range(r0, r1, step):
-        two = step == 2 and r + 1 < r1
-        rb = r + 1 if two else r
-        ma, sa_ = mean_in[r], rstd_in[r]
-        mb, sb_ = mean_in[rb], rstd_in[rb]
-        ga, gxa = _ln_bwd_means(gyv, xv, r, n, ma, sa_, wv)
-        gb, gxb = _ln_bwd_means(gyv, xv, rb, n, mb, sb_, wv) if two else (ga, gxa)
-        _ln_bwd_rows_out(gyv, xv, gxv, r, rb, two, n, (ma, sa_, ga, gxa), (mb, sb_, gb, gxb),
-                         wv, dw, db, grv, has_res)
+    like = mean_in[r0]
+    zero = splat(cast(0.0, like))
+    inv_n = cast(1.0, like) / cast(n, like)
+    body = n - n % LANES
+    mg, mgx = _ln_bwd_means(gyv, xv, r0, n, mean_in[r0], rstd_in[r0], wv)
+    for r in range(r0, r1):
+        # The block's last row computes the means of itself again, unused.
+        rn = r + 1 if r + 1 < r1 else r
+        gpf, xpf = vaddress(gyv, min(r + 2, last), 0), vaddress(xv, min(r + 2, last), 0)
+        wpf = vaddress(gxv, min(r + 1, last), 0)
+        m, s = mean_in[r], rstd_in[r]
+        mn = mean_in[rn]
+        mv, rv, mgv, mgxv = splat(m), splat(s), splat(mg), splat(mgx)
+        mvn, rvn = splat(mn), splat(rstd_in[rn])
+        ag = zero
+        ax = zero
+        for i in range(0, body, LANES):
+            o = i * itemsize(gyv)
+            prefetch_at(gpf, o, False)
+            prefetch_at(xpf, o, False)
+            prefetch_at(wpf, i * itemsize(gxv), True)
+            wvec = vload(wv, 0, i)
+            dy, t = _gx_vec(gyv, xv, gxv, r, i, wvec, mv, rv, mgv, mgxv, grv, has_res)
+            vstore(dw, vload(dw, 0, i) + t, 0, i)
+            vstore(db, vload(db, 0, i) + dy, 0, i)
+            ag, ax = _acc_means(gyv, xv, rn, i, wvec, mvn, rvn, ag, ax)
+        for i in range(body, n):
+            dy, t = _gx_scalar(gyv, xv, gxv, r, i, wv, m, s, mg, mgx, grv, has_res)
+            put(dw, 0, i, get(dw, 0, i) + t)
+            put(db, 0, i, get(db, 0, i) + dy)
+        if body < n:
+            wt = vload_tail(wv, 0, body, n - body, cast(0.0, like))
+            ag, ax = _acc_means_tail(gyv, xv, rn, body, n - body, wt, mn, mvn, rvn, ag, ax)
+        mg = tree_sum(ag) * inv_n
+        mgx = tree_sum(ax) * inv_n
+
+
+@njit(error_model="numpy")
+def _ln_bwd_tile_means(gyr, xr, gxr, r, n, mean_in, rstd_in, w):
+    """(mean of g, mean of g * xhat) of the ``TILE_ROWS`` rows from ``r``, their first
+    passes interleaved (each row's additions as :func:`_ln_bwd_means` makes them);
+    prefetches the tile's grad_x for writing."""
+    rb, rc, rd = r + 1, r + 2, r + 3
+    ma, mb, mc, md = mean_in[r], mean_in[rb], mean_in[rc], mean_in[rd]
+    mva, mvb, mvc, mvd = splat(ma), splat(mb), splat(mc), splat(md)
+    rva, rvb = splat(rstd_in[r]), splat(rstd_in[rb])
+    rvc, rvd = splat(rstd_in[rc]), splat(rstd_in[rd])
+    zero = splat(cast(0.0, ma))
+    aga, axa, agb, axb, agc, axc, agd, axd = zero, zero, zero, zero, zero, zero, zero, zero
+    body = n - n % LANES
+    base = vaddress(gxr, r, 0)
+    step = TILE_ROWS * itemsize(gxr)
+    for i in range(0, body, LANES):
+        # The tile's grad_x lines in address order, TILE_ROWS lines per vector column.
+        o = i * step
+        prefetch_at(base, o, True)
+        prefetch_at(base, o + 64, True)
+        prefetch_at(base, o + 128, True)
+        prefetch_at(base, o + 192, True)
+        wvec = vload(w, 0, i)
+        aga, axa = _acc_means_fn(gyr, xr, r, i, wvec, mva, rva, aga, axa)
+        agb, axb = _acc_means_fn(gyr, xr, rb, i, wvec, mvb, rvb, agb, axb)
+        agc, axc = _acc_means_fn(gyr, xr, rc, i, wvec, mvc, rvc, agc, axc)
+        agd, axd = _acc_means_fn(gyr, xr, rd, i, wvec, mvd, rvd, agd, axd)
+    if body < n:
+        count = n - body
+        wt = vload_tail(w, 0, body, count, cast(0.0, ma))
+        aga, axa = _acc_means_tail_fn(gyr, xr, r, body, count, wt, ma, mva, rva, aga, axa)
+        agb, axb = _acc_means_tail_fn(gyr, xr, rb, body, count, wt, mb, mvb, rvb, agb, axb)
+        agc, axc = _acc_means_tail_fn(gyr, xr, rc, body, count, wt, mc, mvc, rvc, agc, axc)
+        agd, axd = _acc_means_tail_fn(gyr, xr, rd, body, count, wt, md, mvd, rvd, agd, axd)
+    inv_n = cast(1.0, ma) / cast(n, ma)
+    return ((tree_sum(aga) * inv_n, tree_sum(axa) * inv_n),
+            (tree_sum(agb) * inv_n, tree_sum(axb) * inv_n),
+            (tree_sum(agc) * inv_n, tree_sum(axc) * inv_n),
+            (tree_sum(agd) * inv_n, tree_sum(axd) * inv_n))
+
+
+@njit(error_model="numpy")
+def _ln_bwd_tile_out(gyr, xr, gxr, r, n, mean_in, rstd_in, sums, w, dw, db, grr, has_res,
+                     nxt):
+    """grad_x of the ``TILE_ROWS`` rows from ``r`` and their dw/db terms, added in row
+    order with one read and write of the partial vectors per tile: ``dw = ((dw + a) + b)
+    + ...`` is exactly the single-row passes. Prefetches grad_y and x of the rows from
+    ``nxt`` (the next tile) in address order."""
+    (mga, mgxa), (mgb, mgxb), (mgc, mgxc), (mgd, mgxd) = sums
+    rb, rc, rd = r + 1, r + 2, r + 3
+    ma, sa, mb, sb = mean_in[r], rstd_in[r], mean_in[rb], rstd_in[rb]
+    mc, sc, md, sd = mean_in[rc], rstd_in[rc], mean_in[rd], rstd_in[rd]
+    mva, rva, mgva, mgxva = splat(ma), splat(sa), splat(mga), splat(mgxa)
+    mvb, rvb, mgvb, mgxvb = splat(mb), splat(sb), splat(mgb), splat(mgxb)
+    mvc, rvc, mgvc, mgxvc = splat(mc), splat(sc), splat(mgc), splat(mgxc)
+    mvd, rvd, mgvd, mgxvd = splat(md), splat(sd), splat(mgd), splat(mgxd)
+    body = n - n % LANES
+    gbase = vaddress(gyr, nxt, 0)
+    xbase = vaddress(xr, nxt, 0)
+    step = TILE_ROWS * itemsize(gyr)
+    for i in range(0, body, LANES):
+        o = i * step
+        prefetch_at(gbase, o, False)
+        prefetch_at(gbase, o + 64, False)
+        prefetch_at(gbase, o + 128, False)
+        prefetch_at(gbase, o + 192, False)
+        prefetch_at(xbase, o, False)
+        prefetch_at(xbase, o + 64, False)
+        prefetch_at(xbase, o + 128, False)
+        prefetch_at(xbase, o + 192, False)
+        wvec = vload(w, 0, i)
+        dya, ta = _gx_vec_fn(gyr, xr, gxr, r, i, wvec, mva, rva, mgva, mgxva, grr, has_res)
+        dyb, tb = _gx_vec_fn(gyr, xr, gxr, rb, i, wvec, mvb, rvb, mgvb, mgxvb, grr, has_res)
+        dyc, tc = _gx_vec_fn(gyr, xr, gxr, rc, i, wvec, mvc, rvc, mgvc, mgxvc, grr, has_res)
+        dyd, td = _gx_vec_fn(gyr, xr, gxr, rd, i, wvec, mvd, rvd, mgvd, mgxvd, grr, has_res)
+        vstore(dw, (((vload(dw, 0, i) + ta) + tb) + tc) + td, 0, i)
+        vstore(db, (((vload(db, 0, i) + dya) + dyb) + dyc) + dyd, 0, i)
+    for i in range(body, n):
+        tw = get(dw, 0, i)
+        tb = get(db, 0, i)
+        for q in range(TILE_ROWS):  # one loop body, not four (compile time)
+            mg, mgx = sums[q]
+            dy, t = _gx_scalar_fn(gyr, xr, gxr, r + q, i, w, mean_in[r + q], rstd_in[r + q],
+                                  mg, mgx, grr, has_res)
+            tw = tw + t
+            tb = tb + dy
+        put(dw, 0, i, tw)
+        put(db, 0, i, tb)
+
+
+@njit(error_model="numpy")
+def _ln_bwd_tiles(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
+    """Unit-stride rows ``r0 .. r1`` (partial block ``blk``) in tiles of ``TILE_ROWS``
+    rows; the rows after the block's last full tile one by one (tiles never cross blocks).
+
+    The tile code has no per-row conditions, so that LLVM does not version its loops
+    (compile time)."""
+    n = x.shape[1]
+    rows = x.shape[0]
+    gyv, xv, gxv, grv, wv = raw(gy), raw(x), raw(gx), raw(gres), raw(w)
+    dw = raw(partials[0, blk])
+    db = raw(partials[1, blk])
+    full = r0 + (r1 - r0) // TILE_ROWS * TILE_ROWS
+    for r in range(r0, full, TILE_ROWS):
+        sums = _ln_bwd_tile_means(gyv, xv, gxv, r, n, mean_in, rstd_in, wv)
+        # The last tile prefetches itself again (cached already).
+        nxt = r + TILE_ROWS if r + 2 * TILE_ROWS <= rows else r
+        _ln_bwd_tile_out(gyv, xv, gxv, r, n, mean_in, rstd_in, sums, wv, dw, db, grv,
+                         has_res, nxt)
+    # The last rows one by one, from the tile's compiled helpers (compile time).
+    body = n - n % LANES
+    for r in range(full, r1):
+        m, s = mean_in[r], rstd_in[r]
+        mv, rv = splat(m), splat(s)
+        ag = splat(cast(0.0, m))
+        ax = ag
+        for i in range(0, body, LANES):
+            ag, ax = _acc_means_fn(gyv, xv, r, i, vload(wv, 0, i), mv, rv, ag, ax)
+        if body < n:
+            wt = vload_tail(wv, 0, body, n - body, cast(0.0, m))
+            ag, ax = _acc_means_tail_fn(gyv, xv, r, body, n - body, wt, m, mv, rv, ag, ax)
+        inv_n = cast(1.0, m) / cast(n, m)
+        mg = tree_sum(ag) * inv_n
+        mgx = tree_sum(ax) * inv_n
+        mgv, mgxv = splat(mg), splat(mgx)
+        for i in range(0, body, LANES):
+            dy, t = _gx_vec_fn(gyv, xv, gxv, r, i, vload(wv, 0, i), mv, rv, mgv, mgxv, grv,
+                            has_res)
+            vstore(dw, vload(dw, 0, i) + t, 0, i)
+            vstore(db, vload(db, 0, i) + dy, 0, i)
+        for i in range(body, n):
+            dy, t = _gx_scalar_fn(gyv, xv, gxv, r, i, wv, m, s, mg, mgx, grv, has_res)
+            put(dw, 0, i, get(dw, 0, i) + t)
+            put(db, 0, i, get(db, 0, i) + dy)
 
 
 @njit(error_model="numpy")
@@ -266,8 +537,9 @@ def _block_sums(partials):
     return total
 
 
-# Entry kernels, one per path so that a call compiles only its own: unit-stride rows,
-# unit-stride rows shorter than SHORT_BACKWARD_N, rows of any stride. The driver picks;
+# Entry kernels, one per path so that a call compiles only its own: unit-stride rows
+# (skewed), unit-stride rows of at least TILE_MIN_N (tiled), unit-stride rows shorter than
+# SHORT_BACKWARD_N, rows of any stride. The driver picks;
 # all give a row the same bits. Each returns the parameter-gradient partials summed
 # over blocks in order, ``(count, n)``.
 
@@ -297,6 +569,31 @@ def ln_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, g
         r0 = blk * block_rows
         _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
                      min(rows, r0 + block_rows), gres, has_res)
+    return _block_sums(partials)
+
+
+@cached_njit(error_model="numpy")
+def ln_tiled_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gres,
+                             has_res):
+    """:func:`ln_backward_serial` in tiles of ``TILE_ROWS`` rows (for rows of at least
+    ``TILE_MIN_N``)."""
+    rows = x.shape[0]
+    for blk in range(partials.shape[1]):
+        r0 = blk * block_rows
+        _ln_bwd_tiles(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
+                      min(rows, r0 + block_rows), gres, has_res)
+    return _block_sums(partials)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def ln_tiled_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gres,
+                               has_res):
+    """:func:`ln_tiled_backward_serial`, row blocks spread over threads."""
+    rows = x.shape[0]
+    for blk in prange(partials.shape[1]):
+        r0 = blk * block_rows
+        _ln_bwd_tiles(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
+                      min(rows, r0 + block_rows), gres, has_res)
     return _block_sums(partials)
 
 
@@ -424,6 +721,53 @@ def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
 
 
 @njit(error_model="numpy")
+def _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
+    """Unit-stride rows ``r0 .. r1``, skewed and prefetched as :func:`_ln_bwd_rows` (each
+    row's operations those of :func:`_rms_bwd_mean` and :func:`_rms_bwd_rows_out`)."""
+    n = x.shape[1]
+    last = x.shape[0] - 1
+    gyv, xv, gxv, grv, wv = raw(gy), raw(x), raw(gx), raw(gres), raw(w)
+    dw = raw(partials[0, blk])
+    like = rstd_in[r0]
+    zero = splat(cast(0.0, like))
+    inv_n = cast(1.0, like) / cast(n, like)
+    body = n - n % LANES
+    mgx = _rms_bwd_mean(gyv, xv, r0, n, rstd_in[r0], wv)
+    for r in range(r0, r1):
+        rn = r + 1 if r + 1 < r1 else r
+        gpf, xpf = vaddress(gyv, min(r + 2, last), 0), vaddress(xv, min(r + 2, last), 0)
+        wpf = vaddress(gxv, min(r + 1, last), 0)
+        s = rstd_in[r]
+        rv, mgxv, rvn = splat(s), splat(mgx), splat(rstd_in[rn])
+        acc = zero
+        for i in range(0, body, LANES):
+            o = i * itemsize(gyv)
+            prefetch_at(gpf, o, False)
+            prefetch_at(xpf, o, False)
+            prefetch_at(wpf, i * itemsize(gxv), True)
+            wvec = vload(wv, 0, i)
+            dy = vload(gyv, r, i)
+            xh = vload(xv, r, i) * rv
+            g = (dy * wvec - xh * mgxv) * rv
+            vstore(gxv, g + vload(grv, r, i) if has_res else g, r, i)
+            vstore(dw, vload(dw, 0, i) + dy * xh, 0, i)
+            gn = vload(gyv, rn, i) * wvec
+            acc = acc + gn * (vload(xv, rn, i) * rvn)
+        for i in range(body, n):
+            dy = widen(get(gyv, r, i))
+            xh = widen(get(xv, r, i)) * s
+            g = (times_w(dy, wv, i) - xh * mgx) * s
+            put(gxv, r, i, narrow(g + widen(get(grv, r, i)) if has_res else g, gxv))
+            put(dw, 0, i, get(dw, 0, i) + dy * xh)
+        if body < n:
+            count = n - body
+            gn = vload_tail(gyv, rn, body, count, cast(0.0, like)) * vload_tail(
+                wv, 0, body, count, cast(0.0, like))
+            acc = acc + gn * (vload_tail(xv, rn, body, count, cast(0.0, like)) * rvn)
+        mgx = tree_sum(acc) * inv_n
+
+
+@njit(error_model="numpy")
 def _rms_bwd_gathered(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
     """Rows of any stride through scratch rows, as :func:`_ln_bwd_gathered`."""
     n = x.shape[1]
@@ -453,8 +797,31 @@ def _rms_bwd_gathered(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_re
 
 @cached_njit(error_model="numpy")
 def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_res):
-    """RMSNorm backward of unit-stride 2-D rows on the calling thread (``gres``: as for
-    :func:`ln_backward_serial`)."""
+    """RMSNorm backward of unit-stride 2-D rows on the calling thread, skewed (``gres``:
+    as for :func:`ln_backward_serial`)."""
+    rows = x.shape[0]
+    for blk in range(partials.shape[1]):
+        r0 = blk * block_rows
+        _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0,
+                        min(rows, r0 + block_rows), gres, has_res)
+    return _block_sums(partials)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def rms_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_res):
+    """:func:`rms_backward_serial`, row blocks spread over threads."""
+    rows = x.shape[0]
+    for blk in prange(partials.shape[1]):
+        r0 = blk * block_rows
+        _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0,
+                        min(rows, r0 + block_rows), gres, has_res)
+    return _block_sums(partials)
+
+
+@cached_njit(error_model="numpy")
+def rms_paired_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_res):
+    """:func:`rms_backward_serial` unskewed, two rows per pass once rows are at least
+    ``PAIR_MIN_N`` long (the driver's choice for rows of at least ``TILE_MIN_N``)."""
     rows = x.shape[0]
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
@@ -464,8 +831,9 @@ def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_r
 
 
 @cached_njit(parallel=True, error_model="numpy")
-def rms_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_res):
-    """:func:`rms_backward_serial`, row blocks spread over threads."""
+def rms_paired_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gres,
+                                 has_res):
+    """:func:`rms_paired_backward_serial`, row blocks spread over threads."""
     rows = x.shape[0]
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
