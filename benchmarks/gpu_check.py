@@ -578,7 +578,7 @@ def _quantized(cp, backend, x3, fmt, rms, w, b, dtypes, scale=None, r3=None, eps
         h = cp.empty((rows, n), "float32" if dtypes[2] == "float32" else x3.dtype)[:, :, None]
     backend.quantized_forward(x3, r3, w, None if rms else b, eps, h, q[:, :, None],
                               None if rms else mean, rstd, fmt, inv,
-                              scale_out if scale is None else None, dtypes)
+                              scale_out if scale is None else cp.empty(0, "float32"), dtypes)
     return q, (scale_out if scale is None else None), mean, rstd, h
 
 
@@ -842,6 +842,12 @@ class Row:
 def moved_bytes(op: str, rows: int, n: int, itemsize: int) -> int:
     """Fewest bytes the op must move: each input read once, each output written once."""
     elems = rows * n
+    if op == "ln_fwd_q8":
+        return elems * (itemsize + 1)  # x in, codes out
+    if op == "add_rms_f8":
+        return elems * (3 * itemsize + 1)  # x, residual in, h and codes out
+    if op == "ln_bwd_res":
+        return 4 * elems * itemsize  # x, dy, grad_residual in, dx out
     if op.endswith("fwd"):
         return 2 * elems * itemsize  # x in, y out (parameters and stats are negligible)
     return 3 * elems * itemsize  # x and dy in, dx out
@@ -890,7 +896,7 @@ def bench_case(cp, backend, torch, timer, op: str, dtype: str, n: int, rows: int
     elements used."""
     itemsize = 4 if dtype == "float32" else 2
     row = Row(op, dtype, n, rows, moved_bytes(op, rows, n, itemsize), layout=layout)
-    sets = _buffers(rows * n * itemsize * (2 if op.endswith("fwd") else 3))
+    sets = _buffers(row.bytes)
     rng = cp.random.default_rng(n)
 
     def make(shift: float):
@@ -909,7 +915,7 @@ def bench_case(cp, backend, torch, timer, op: str, dtype: str, n: int, rows: int
         return (bits >> 16).astype(cp.uint16)
 
     xs = [make(0.5 + k) for k in range(sets)]
-    gys = [make(0.0) for _ in range(sets)] if op.endswith("bwd") else []
+    gys = [make(0.0) for _ in range(sets)] if "bwd" in op or op == "add_rms_f8" else []
     w = cp.asarray(rng.standard_normal(n, dtype=cp.float32) * 0.1 + 1.0)
     b = cp.asarray(rng.standard_normal(n, dtype=cp.float32) * 0.1)
     ys = [cp.empty((rows, n), dtype=x.dtype) for x in xs]
@@ -929,10 +935,27 @@ def bench_case(cp, backend, torch, timer, op: str, dtype: str, n: int, rows: int
         backend.layer_norm_forward(x3[0], w, b, EPS, y3[0], mean, rstd, dtype)
         fns = [lambda k=k: backend.layer_norm_backward(gy3[k], x3[k], mean, rstd, w, y3[k],
                                                        dtype) for k in range(sets)]
-    else:
+    elif op == "rms_bwd":
         backend.rms_norm_forward(x3[0], w, EPS, y3[0], rstd, dtype)
         fns = [lambda k=k: backend.rms_norm_backward(gy3[k], x3[k], rstd, w, y3[k], dtype)
                for k in range(sets)]
+    elif op == "ln_bwd_res":  # grad_residual: dy itself (another buffer of the same size)
+        backend.layer_norm_forward(x3[0], w, b, EPS, y3[0], mean, rstd, dtype)
+        fns = [lambda k=k: backend.layer_norm_backward(gy3[k], x3[k], mean, rstd, w, y3[k],
+                                                       dtype, grad_residual=gy3[k - 1])
+               for k in range(sets)]
+    else:  # the quantized forwards: codes into uint8 rows, a scale per row
+        qs = [cp.empty((rows, n), dtype=cp.uint8)[:, :, None] for _ in range(sets)]
+        scale = cp.empty(rows, dtype=cp.float32)
+        if op == "ln_fwd_q8":
+            fns = [lambda k=k: backend.quantized_forward(
+                x3[k], None, w, b, EPS, None, qs[k], mean, rstd, "int8", None, scale,
+                (dtype,) * 3) for k in range(sets)]
+        else:  # h = x + residual in x's dtype, stored as x is
+            hs = [cp.empty((rows, n), dtype=x.dtype)[:, :, None] for x in xs]
+            fns = [lambda k=k: backend.quantized_forward(
+                x3[k], gy3[k], w, None, EPS, hs[k], qs[k], None, rstd, "float8_e4m3fn", None,
+                scale, (dtype,) * 3) for k in range(sets)]
     row.ours_us = timer(fns)
 
     # Device-to-device copy of the same bytes (half read, half written).
@@ -941,7 +964,7 @@ def bench_case(cp, backend, torch, timer, op: str, dtype: str, n: int, rows: int
     dst = cp.empty(half, dtype=cp.uint8)
     row.copy_us = timer([lambda s=s: copy_bytes(dst, s) for s in src])
 
-    if torch is not None and torch.cuda.is_available():
+    if torch is not None and torch.cuda.is_available() and op not in FUSED_OPS:
         def to_torch(a):
             if dtype == "bfloat16":  # uint16 bits -> int16 (DLPack-safe) -> bfloat16 view
                 return torch.from_dlpack(a.view(cp.int16)).view(torch.bfloat16)
@@ -983,11 +1006,11 @@ def fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 def table(rows: list[Row], header: str) -> str:
     lines = [header,
-             f"{'op':<8}{'dtype':<10}{'layout':<9}{'rows x n':>14}{'ours us':>11}{'GB/s':>9}"
+             f"{'op':<11}{'dtype':<10}{'layout':<9}{'rows x n':>14}{'ours us':>11}{'GB/s':>9}"
              f"{'% copy':>8}{'torch us':>11}{'speed-up':>10}{'copy us':>10}"]
     for r in rows:
         shape = f"{r.rows}x{r.n}"
-        head = f"{r.op:<8}{r.dtype:<10}{r.layout:<9}{shape:>14}"
+        head = f"{r.op:<11}{r.dtype:<10}{r.layout:<9}{shape:>14}"
         if r.error:
             lines.append(f"{head}  ERROR {r.error[:60]}")
             continue
@@ -1031,7 +1054,7 @@ def run_bench(rows_n: int, widths, dtypes, ops, budget_s: float, dry: bool = Fal
     rows: list[Row] = []
     t_end = time.monotonic() + budget_s
     cases = [(op, dtype, layout, n) for op in ops for dtype in dtypes for layout in layouts
-             for n in widths]
+             for n in widths if op not in FUSED_OPS or layout == "contig"]
     for op, dtype, layout, n in cases:
         if time.monotonic() > t_end:
             rows.append(Row(op, dtype, n, rows_n, 0, error="skipped: time budget",
@@ -1191,6 +1214,8 @@ def main(argv: list[str] | None = None) -> int:
             guarded(results, "invariance (bits)", check_invariance)
         elif name == "subnormal":
             guarded(results, "subnormal (no FTZ)", check_subnormal)
+        elif name == "quantized":
+            guarded(results, "quantized + grad_residual (bits)", check_quantized)
         elif name == "torch":
             guarded(results, "torch agreement", check_torch)
         elif name == "bench":
