@@ -6,7 +6,10 @@ compiles only what it runs. Only the supported ``(T, Acc)`` pairs are instantiat
 ``(__half, float)``, ``(__nv_bfloat16, float)``, ``(float, float)`` and
 ``(double, double)``; the fused residual add (``add_fwd_rows``) only for the
 ``(x, residual, h)`` dtypes of :data:`ADD_DTYPES` (any other residual dtype the engine
-routes here is first widened, exactly, to float32: :func:`add_operands`).
+routes here is first widened, exactly, to float32: :func:`add_operands`); the quantizing
+forwards (``quant_fwd_rows``, ``quant_add_fwd_rows``: 8-bit codes, the format a run-time
+argument) for float32 accumulation only (:data:`QUANT_DTYPES`,
+:data:`QUANT_ADD_DTYPES`), with float32's configuration whatever x's dtype.
 
 Compilation: NVRTC directly, then :class:`cupy.RawModule` loads the binary
 ---------------------------------------------------------------------------

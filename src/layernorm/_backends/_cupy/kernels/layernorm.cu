@@ -42,6 +42,12 @@
 // (forward_rows) on those values, with the configuration of h's type: y (x's type) is
 // bit for bit fwd_rows of the stored h, rounded to x's type. h and y may be x or r
 // themselves (in place); see forward_rows for the order of loads and stores.
+//
+// Quantized output (quant_fwd_rows, quant_add_fwd_rows) and grad_residual
+// ------------------------------------------------------------------------
+// The same row code writes y as 8-bit codes with a per-row scale (see "quantized
+// output" below), and the backward kernels add the gradient of the residual stream to
+// grad_x before its rounding: neither is a separate pass over memory.
 
 // Constants shared with the host come from launch.py as -D defines (one definition, in
 // Python): a copy here could drift from the grid and buffer sizes the host computes.
