@@ -15,9 +15,17 @@ that launches every kernel family: row and cols kernels, vector and scalar paths
 rows, the tile loop, several parameter-gradient tree levels), ``invariance`` (bit checks
 on the real binary: layouts, a row alone, and grids capped to 1 block against the
 default), ``subnormal`` (``eps=0`` rows with subnormal squared deviations stay finite:
-no flush-to-zero), ``torch`` (values against ``torch.nn.functional`` on the same
+no flush-to-zero), ``quantized`` (the quantizing kernels, with and without the residual,
+every configuration and format, dynamic and static scales: codes and scales bit for bit
+the contract's formula applied to the composition's y32, chosen y32 values for ties,
+saturation and NaN, a row alone, grids of one block; and ``grad_residual`` inside the
+backward kernels: bit for bit grad_x + grad_residual for float32/float64, the same bits
+under every layout), ``torch`` (values against ``torch.nn.functional`` on the same
 device) and ``bench`` (GB/s against a device copy, forward and backward, contiguous and
-strided rows, float32 and bfloat16). The last thing printed is the table of sections.
+strided rows, float32 and bfloat16; the fused ops ``ln_fwd_q8`` (LayerNorm to int8
+codes, dynamic scale), ``add_rms_f8`` (residual add and RMSNorm to float8_e4m3fn codes)
+and ``ln_bwd_res`` (backward with grad_residual), contiguous rows only). The last thing
+printed is the table of sections.
 
 Nothing is downloaded: the script uses what is importable (CuPy is required for the GPU
 part; PyTorch only for the comparison columns, which are left empty without it) and
@@ -49,7 +57,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 
-OPS = ("ln_fwd", "rms_fwd", "ln_bwd", "rms_bwd")
+OPS = ("ln_fwd", "rms_fwd", "ln_bwd", "rms_bwd", "ln_fwd_q8", "add_rms_f8", "ln_bwd_res")
+#: Ops of the fused kernels, which take rows of unit stride (timed on contiguous rows).
+FUSED_OPS = ("ln_fwd_q8", "add_rms_f8", "ln_bwd_res")
 DTYPES = ("float32", "bfloat16")
 LAYOUTS = ("contig", "strided")
 ROWS = 8192
@@ -57,7 +67,8 @@ WIDTHS = (64, 768, 1024, 1000, 4096, 8192, 16384, 65536)
 EPS = 1e-5
 #: In run order: the quick bit checks first, then the suites, the benchmark last (its
 #: budget shrinks to what is left of --budget).
-SECTIONS = ("compile", "invariance", "subnormal", "torch", "tests", "sanitizer", "bench")
+SECTIONS = ("compile", "invariance", "subnormal", "quantized", "torch", "tests", "sanitizer",
+            "bench")
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
 #: Kernels are compiled once into this cache and reused by every later process (tests,
 #: sanitizer runs), so no sanitizer run pays for NVRTC.
@@ -384,6 +395,9 @@ def probe(cp=None, backend=None, sms: int | None = None) -> int:
         for name, x3, gy3, _ in _layouts(cp, x, gy):
             _run_all(cp, backend, dtype, x3, gy3, w, b)
             log(f"probe {dtype} {rows}x{n} {name}: ok")
+            if dtype != "float64":
+                _run_fused(cp, backend, dtype, x3, gy3, w, b)
+                log(f"probe {dtype} {rows}x{n} {name} fused: ok")
     # Fortran order with enough rows for the cols kernels (32 rows per SM)
     sms = launch._sm_count(0) if sms is None else sms
     x, gy, w, b = _device_inputs(cp, "float32", 32 * sms + 3, 6, 1)
@@ -502,6 +516,224 @@ def check_invariance(cp=None, backend=None, dtypes=("float32", "bfloat16", "floa
     return "PASS", f"{cases} comparisons bit-identical"
 
 
+# ------------------------------------------------ quantized output, grad_residual
+
+QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+def quantize_reference(y32, fmt: str, scale=None):
+    """(codes as bytes, scale) of float32 rows ``y32`` by the contract's formula (host
+    NumPy float32; float8 rounding by ml_dtypes), for comparison with the kernels."""
+    import numpy as np
+
+    y32 = np.asarray(y32, np.float32)
+    qmax = np.float32(QMAX[fmt])
+    if scale is None:
+        amax = np.max(np.abs(y32), axis=1)
+        s = np.where(amax == 0, np.float32(1), amax / qmax).astype(np.float32)
+    else:
+        s = np.full(y32.shape[0], scale, np.float32)
+    inv = (np.float32(1) / s).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = (y32 * inv[:, None]).astype(np.float32)
+        if fmt == "int8":
+            v = np.clip(np.where(np.isnan(v), np.float32(0), v), -128, 127)
+            return np.rint(v).astype(np.int8).view(np.uint8), s
+        import ml_dtypes
+
+        return np.clip(v, -qmax, qmax).astype(getattr(ml_dtypes, fmt)).view(np.uint8), s
+
+
+def _same_codes(got, want, fmt: str) -> bool:
+    """Bytes equal; for float8 any NaN code where the reference has a NaN code."""
+    import numpy as np
+
+    got, want = np.ascontiguousarray(_host(got)).view(np.uint8), np.asarray(want, np.uint8)
+    if fmt == "int8":
+        return bool((got == want).all())
+    nan = {"float8_e4m3fn": (0x7F,), "float8_e5m2": (0x7D, 0x7E, 0x7F)}[fmt]
+    is_nan = lambda c: np.isin(c & 0x7F, nan)  # noqa: E731
+    return bool((is_nan(got) == is_nan(want)).all() and (got[~is_nan(want)]
+                                                         == want[~is_nan(want)]).all())
+
+
+def _same_or_nan(got, want) -> bool:
+    import numpy as np
+
+    g, w = np.asarray(_host(got), np.float64), np.asarray(_host(want), np.float64)
+    return bool(np.array_equal(np.isnan(g), np.isnan(w)) and (g[~np.isnan(w)]
+                                                              == w[~np.isnan(w)]).all())
+
+
+def _quantized(cp, backend, x3, fmt, rms, w, b, dtypes, scale=None, r3=None, eps=EPS):
+    """One quantized_forward call: (codes (rows, n) bytes, scale or None, mean, rstd, h)."""
+    rows, n, _ = x3.shape
+    q = cp.empty((rows, n), cp.uint8)
+    mean, rstd = cp.empty(rows, "float32"), cp.empty(rows, "float32")
+    scale_out = cp.empty(rows, "float32")
+    inv = None if scale is None else cp.asarray(
+        __import__("numpy").full(rows, 1 / __import__("numpy").float32(scale), "float32"))
+    h = None
+    if r3 is not None:  # h in float32, or stored as x is
+        h = cp.empty((rows, n), "float32" if dtypes[2] == "float32" else x3.dtype)[:, :, None]
+    backend.quantized_forward(x3, r3, w, None if rms else b, eps, h, q[:, :, None],
+                              None if rms else mean, rstd, fmt, inv,
+                              scale_out if scale is None else cp.empty(0, "float32"), dtypes)
+    return q, (scale_out if scale is None else None), mean, rstd, h
+
+
+def _run_fused(cp, backend, dtype: str, x3, gy3, w, b) -> None:
+    """The probe's fused launches for one layout: quantized (rows of unit stride only)
+    and grad_residual."""
+    outer, n, inner = x3.shape
+    rows = outer * inner
+    if inner == 1 and (n == 1 or x3.strides[1] == x3.itemsize):
+        for k, fmt in enumerate(QMAX):
+            _quantized(cp, backend, x3, fmt, k == 1, w, b, (dtype,) * 3,
+                       None if k != 2 else 0.25)
+        r3 = cp.zeros((outer, n), "float32")[:, :, None] + 0.5
+        _quantized(cp, backend, x3, "int8", False, w, b, (dtype, "float32", "float32"),
+                   r3=r3)
+    mean, rstd = cp.empty(rows, "float32"), cp.empty(rows, "float32")
+    y = cp.empty(x3.shape, x3.dtype)
+    backend.layer_norm_forward(x3, w, b, EPS, y, mean, rstd, dtype)
+    gx = cp.empty(x3.shape, x3.dtype)
+    backend.layer_norm_backward(gy3, x3, mean, rstd, w, gx, dtype, grad_residual=gy3)
+    backend.rms_norm_backward(gy3, x3, rstd, w, gx, dtype, grad_residual=gy3)
+
+
+def _code_table(fmt: str):
+    """y32 rows probing ties, saturation, subnormal codes, infinity and NaN in ``fmt``."""
+    import numpy as np
+
+    if fmt == "int8":
+        vals = [0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -127.5, 127.5, 128.0, 1e6, -128.5, -1e30]
+    else:
+        e4 = fmt == "float8_e4m3fn"
+        tiny, step, qmax = 2.0 ** (-9 if e4 else -16), (0.125 if e4 else 0.25), QMAX[fmt]
+        vals = [1 + step / 2, 1 + 3 * step / 2, -(1 + step / 2), tiny / 2, 3 * tiny / 2,
+                -5 * tiny / 2, 1e-45, qmax, qmax * 1.03, -qmax * 1.0625, 1e30, -1e38]
+    base = np.array(vals, np.float32)
+    table = [base, -base, np.where(np.arange(base.size) == 3, np.inf, base),
+             np.where(np.arange(base.size) == 0, np.nan, base), np.zeros_like(base)]
+    return [t.astype(np.float32) for t in table]
+
+
+def check_quantized(cp=None, backend=None, dtypes=("float32", "bfloat16", "float16"),
+                    max_n: int | None = None) -> tuple[str, str]:
+    """The quantizing kernels and grad_residual on the real binary (see the module
+    docstring): codes, scales and statistics against the composition (the plain float32
+    forward of the widened row, quantized by :func:`quantize_reference`), bit for bit."""
+    import numpy as np
+
+    from layernorm._backends._cupy import launch
+
+    cp, backend = _device_modules(cp, backend)
+    bad, cases = [], 0
+
+    def expect(ok, what):
+        nonlocal cases
+        cases += 1
+        if not ok:
+            bad.append(what)
+
+    lengths = sorted({g * m * 4 for g, m in launch.CONFIGS}
+                     | {g * m * 4 - 3 for g, m in launch.CONFIGS if g * m * 4 > 3}
+                     | {2048 * 4 + 1})
+    step = 0
+    for dtype in dtypes:
+        for n in [n for n in lengths if max_n is None or n <= max_n]:
+            rows = 37
+            x, _, w, b = _device_inputs(cp, dtype, rows, n, n)
+            xh = _decode(x, dtype).astype(np.float32)
+            xh[3, n // 2] = np.nan
+            x = cp.asarray(_encode(xh.astype(np.float64), dtype))
+            rng = np.random.default_rng(n)
+            r32 = rng.standard_normal((rows, n)).astype(np.float32)
+            for add in (False, True):
+                dtypes3 = (dtype, "float32", "float32") if add else (dtype,) * 3
+                a = (xh + r32).astype(np.float32) if add else xh
+                a_dev = cp.asarray(a)
+                r3 = cp.asarray(r32)[:, :, None] if add else None
+                for rms in (False, True):
+                    fmt = tuple(QMAX)[step % 3]
+                    scale = None if step % 2 == 0 else 0.0625
+                    step += 1
+                    tag = f"{dtypes3} n={n} {'rms' if rms else 'ln'} {fmt} scale={scale}"
+                    y32 = cp.empty((rows, n), "float32")
+                    mean, rstd = cp.empty(rows, "float32"), cp.empty(rows, "float32")
+                    if rms:
+                        backend.rms_norm_forward(a_dev[:, :, None], w, EPS, y32[:, :, None],
+                                                 rstd, "float32")
+                    else:
+                        backend.layer_norm_forward(a_dev[:, :, None], w, b, EPS,
+                                                   y32[:, :, None], mean, rstd, "float32")
+                    q_ref, s_ref = quantize_reference(_host(y32), fmt, scale)
+                    q, s, qm, qr, h = _quantized(cp, backend, x[:, :, None], fmt, rms, w, b,
+                                                 dtypes3, scale, r3)
+                    expect(_same_codes(q, q_ref, fmt), f"{tag} codes")
+                    if scale is None:
+                        expect(_same_or_nan(s, s_ref), f"{tag} scale")
+                    expect(_same_or_nan(qr, rstd), f"{tag} rstd")
+                    if not rms:
+                        expect(_same_or_nan(qm, mean), f"{tag} mean")
+                    if add:
+                        expect(_same_or_nan(h[:, :, 0], a), f"{tag} h")
+                    alone = _quantized(cp, backend, x[rows - 1:, :, None], fmt, rms, w, b,
+                                       dtypes3, scale, None if r3 is None else r3[rows - 1:])
+                    expect((_bits(alone[0][0]) == _bits(q[rows - 1])).all(), f"{tag} alone")
+                    grid = launch._grid
+                    launch._grid = lambda *args: 1
+                    try:
+                        one = _quantized(cp, backend, x[:, :, None], fmt, rms, w, b, dtypes3,
+                                         scale, r3)
+                    finally:
+                        launch._grid = grid
+                    expect((_bits(one[0]) == _bits(q)).all(), f"{tag} grid=1")
+    # Chosen y32 values: RMSNorm of ones with eps = 0 gives y32 = weight exactly.
+    for fmt in QMAX:
+        for k, y32 in enumerate(_code_table(fmt)):
+            ones = cp.ones((1, y32.size), "float32")[:, :, None]
+            for scale in (None, 1.0):
+                q, s, _, _, _ = _quantized(cp, backend, ones, fmt, True, cp.asarray(y32), None,
+                                           ("float32",) * 3, scale, eps=0.0)
+                q_ref, s_ref = quantize_reference(y32[None], fmt, scale)
+                expect(_same_codes(q, q_ref, fmt), f"{fmt} code table row {k} scale={scale}")
+                if scale is None:
+                    expect(_same_or_nan(s, s_ref), f"{fmt} code table row {k} scale")
+    # grad_residual: grad_x + grad_residual bit for bit (float32, float64), every layout.
+    for dtype in ("float32", "float64", "bfloat16"):
+        for n in (5, 1000, 8193):
+            x, gy, w, b = _device_inputs(cp, dtype, 37, n, n + 1)
+            gr, _, _, _ = _device_inputs(cp, dtype, 37, n, n + 2)
+            ref = _run_all(cp, backend, dtype, x[:, :, None], gy[:, :, None], w, b)
+            acc = "float64" if dtype == "float64" else "float32"
+            first = {}  # 16-bit: the contiguous layout's grad_x, which the others must equal
+            for name, x3, gy3, back in _layouts(cp, x, gy):
+                gr3 = next(v for nm, v, _, _ in _layouts(cp, gr, gr) if nm == name)
+                for rms in (False, True):
+                    gx = cp.empty(x3.shape, x3.dtype)
+                    if rms:
+                        backend.rms_norm_backward(gy3, x3, ref["rms_rstd"], w, gx, dtype,
+                                                  grad_residual=gr3)
+                        plain = ref["rms_gx"]
+                    else:
+                        backend.layer_norm_backward(gy3, x3, ref["mean"], ref["rstd"], w, gx,
+                                                    dtype, grad_residual=gr3)
+                        plain = ref["gx"]
+                    tag = f"grad_residual {dtype} n={n} {name} {'rms' if rms else 'ln'}"
+                    if dtype == acc:
+                        want = _host(plain)[:, :, 0] + _host(gr)
+                        expect((_bits(back(gx)) == _bits(want)).all(), tag)
+                    elif name == "contiguous":
+                        first[rms] = back(gx)
+                    else:
+                        expect((_bits(back(gx)) == _bits(first[rms])).all(), tag)
+    if bad:
+        return "FAIL", f"{len(bad)}/{cases} differ: " + ", ".join(bad[:6])
+    return "PASS", f"{cases} comparisons bit-identical"
+
+
 def check_subnormal(cp=None, backend=None) -> tuple[str, str]:
     """eps=0, squared deviations below 1e-38: finite rstd and normalized rows (no FTZ)."""
     import numpy as np
@@ -610,6 +842,12 @@ class Row:
 def moved_bytes(op: str, rows: int, n: int, itemsize: int) -> int:
     """Fewest bytes the op must move: each input read once, each output written once."""
     elems = rows * n
+    if op == "ln_fwd_q8":
+        return elems * (itemsize + 1)  # x in, codes out
+    if op == "add_rms_f8":
+        return elems * (3 * itemsize + 1)  # x, residual in, h and codes out
+    if op == "ln_bwd_res":
+        return 4 * elems * itemsize  # x, dy, grad_residual in, dx out
     if op.endswith("fwd"):
         return 2 * elems * itemsize  # x in, y out (parameters and stats are negligible)
     return 3 * elems * itemsize  # x and dy in, dx out
@@ -658,7 +896,7 @@ def bench_case(cp, backend, torch, timer, op: str, dtype: str, n: int, rows: int
     elements used."""
     itemsize = 4 if dtype == "float32" else 2
     row = Row(op, dtype, n, rows, moved_bytes(op, rows, n, itemsize), layout=layout)
-    sets = _buffers(rows * n * itemsize * (2 if op.endswith("fwd") else 3))
+    sets = _buffers(row.bytes)
     rng = cp.random.default_rng(n)
 
     def make(shift: float):
@@ -677,7 +915,7 @@ def bench_case(cp, backend, torch, timer, op: str, dtype: str, n: int, rows: int
         return (bits >> 16).astype(cp.uint16)
 
     xs = [make(0.5 + k) for k in range(sets)]
-    gys = [make(0.0) for _ in range(sets)] if op.endswith("bwd") else []
+    gys = [make(0.0) for _ in range(sets)] if "bwd" in op or op == "add_rms_f8" else []
     w = cp.asarray(rng.standard_normal(n, dtype=cp.float32) * 0.1 + 1.0)
     b = cp.asarray(rng.standard_normal(n, dtype=cp.float32) * 0.1)
     ys = [cp.empty((rows, n), dtype=x.dtype) for x in xs]
@@ -697,10 +935,27 @@ def bench_case(cp, backend, torch, timer, op: str, dtype: str, n: int, rows: int
         backend.layer_norm_forward(x3[0], w, b, EPS, y3[0], mean, rstd, dtype)
         fns = [lambda k=k: backend.layer_norm_backward(gy3[k], x3[k], mean, rstd, w, y3[k],
                                                        dtype) for k in range(sets)]
-    else:
+    elif op == "rms_bwd":
         backend.rms_norm_forward(x3[0], w, EPS, y3[0], rstd, dtype)
         fns = [lambda k=k: backend.rms_norm_backward(gy3[k], x3[k], rstd, w, y3[k], dtype)
                for k in range(sets)]
+    elif op == "ln_bwd_res":  # grad_residual: dy itself (another buffer of the same size)
+        backend.layer_norm_forward(x3[0], w, b, EPS, y3[0], mean, rstd, dtype)
+        fns = [lambda k=k: backend.layer_norm_backward(gy3[k], x3[k], mean, rstd, w, y3[k],
+                                                       dtype, grad_residual=gy3[k - 1])
+               for k in range(sets)]
+    else:  # the quantized forwards: codes into uint8 rows, a scale per row
+        qs = [cp.empty((rows, n), dtype=cp.uint8)[:, :, None] for _ in range(sets)]
+        scale = cp.empty(rows, dtype=cp.float32)
+        if op == "ln_fwd_q8":
+            fns = [lambda k=k: backend.quantized_forward(
+                x3[k], None, w, b, EPS, None, qs[k], mean, rstd, "int8", None, scale,
+                (dtype,) * 3) for k in range(sets)]
+        else:  # h = x + residual in x's dtype, stored as x is
+            hs = [cp.empty((rows, n), dtype=x.dtype)[:, :, None] for x in xs]
+            fns = [lambda k=k: backend.quantized_forward(
+                x3[k], gy3[k], w, None, EPS, hs[k], qs[k], None, rstd, "float8_e4m3fn", None,
+                scale, (dtype,) * 3) for k in range(sets)]
     row.ours_us = timer(fns)
 
     # Device-to-device copy of the same bytes (half read, half written).
@@ -709,7 +964,7 @@ def bench_case(cp, backend, torch, timer, op: str, dtype: str, n: int, rows: int
     dst = cp.empty(half, dtype=cp.uint8)
     row.copy_us = timer([lambda s=s: copy_bytes(dst, s) for s in src])
 
-    if torch is not None and torch.cuda.is_available():
+    if torch is not None and torch.cuda.is_available() and op not in FUSED_OPS:
         def to_torch(a):
             if dtype == "bfloat16":  # uint16 bits -> int16 (DLPack-safe) -> bfloat16 view
                 return torch.from_dlpack(a.view(cp.int16)).view(torch.bfloat16)
@@ -751,11 +1006,11 @@ def fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 def table(rows: list[Row], header: str) -> str:
     lines = [header,
-             f"{'op':<8}{'dtype':<10}{'layout':<9}{'rows x n':>14}{'ours us':>11}{'GB/s':>9}"
+             f"{'op':<11}{'dtype':<10}{'layout':<9}{'rows x n':>14}{'ours us':>11}{'GB/s':>9}"
              f"{'% copy':>8}{'torch us':>11}{'speed-up':>10}{'copy us':>10}"]
     for r in rows:
         shape = f"{r.rows}x{r.n}"
-        head = f"{r.op:<8}{r.dtype:<10}{r.layout:<9}{shape:>14}"
+        head = f"{r.op:<11}{r.dtype:<10}{r.layout:<9}{shape:>14}"
         if r.error:
             lines.append(f"{head}  ERROR {r.error[:60]}")
             continue
@@ -799,7 +1054,7 @@ def run_bench(rows_n: int, widths, dtypes, ops, budget_s: float, dry: bool = Fal
     rows: list[Row] = []
     t_end = time.monotonic() + budget_s
     cases = [(op, dtype, layout, n) for op in ops for dtype in dtypes for layout in layouts
-             for n in widths]
+             for n in widths if op not in FUSED_OPS or layout == "contig"]
     for op, dtype, layout, n in cases:
         if time.monotonic() > t_end:
             rows.append(Row(op, dtype, n, rows_n, 0, error="skipped: time budget",
@@ -959,6 +1214,8 @@ def main(argv: list[str] | None = None) -> int:
             guarded(results, "invariance (bits)", check_invariance)
         elif name == "subnormal":
             guarded(results, "subnormal (no FTZ)", check_subnormal)
+        elif name == "quantized":
+            guarded(results, "quantized + grad_residual (bits)", check_quantized)
         elif name == "torch":
             guarded(results, "torch agreement", check_torch)
         elif name == "bench":

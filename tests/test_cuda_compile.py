@@ -226,7 +226,11 @@ def test_source_is_package_data():
 
 # ------------------------------------------------- host/kernel argument contract (no GPU)
 
-_C_SIZES = {"__half": 2, "__nv_bfloat16": 2, "float": 4, "double": 8}
+_C_SIZES = {"__half": 2, "__nv_bfloat16": 2, "float": 4, "double": 8, "unsigned char": 1}
+
+#: Pointer parameters a launch may pass as null (besides parameters and statistics of
+#: the accumulation type): the backward's grad_residual.
+_NULLABLE = {("bwd_rows", 20), ("bwd_cols", 20)}
 
 
 def _signatures() -> dict[str, list[str]]:
@@ -308,13 +312,14 @@ def _check_call(sigs, expr, grid, block, args):
         if ptype.endswith("*"):
             base = ptype.replace("const", "").replace("*", "").strip()
             if isinstance(arg, np.uint64):
-                assert arg == 0 and base == "A", f"{where}: only parameters may be null"
+                assert arg == 0 and (base == "A" or (kind, i) in _NULLABLE), \
+                    f"{where}: only parameters may be null"
                 continue
             assert isinstance(arg, _FakeArray), where
             if base == "A":
                 assert arg.dtype == a_dtype, where
             else:
-                assert arg.itemsize == _C_SIZES[targs[base]], where
+                assert arg.itemsize == _C_SIZES[targs.get(base, base)], where
         elif ptype == "A":
             assert type(arg) is a_dtype.type, where
         elif ptype == "i64":
@@ -383,7 +388,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, dtype, n):
     """Every launch passes the kernel's parameters in order, with the right C types."""
     sigs = _signatures()
     assert set(sigs) == {"fwd_rows", "fwd_cols", "bwd_rows", "bwd_cols", "param_partials",
-                         "sum_partials", "add_fwd_rows"}
+                         "sum_partials", "add_fwd_rows", "quant_fwd_rows", "quant_add_fwd_rows"}
     calls = _record_launches(monkeypatch)
     acc = "float64" if dtype == "float64" else "float32"
     for name, x, family in _layouts(n, dtype):
@@ -398,10 +403,17 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, dtype, n):
         gw, gb = launch.backward(x3, x3, mean, rstd, w, y3, dtype, rms=False)
         gw2, gb2 = launch.backward(x3, x3, None, rstd, None, y3, dtype, rms=True)
         assert gb2 is None and gw.arr.shape == gb.arr.shape == gw2.arr.shape == (n,)
+        # grad_residual: a view of another layout than x's (its own strides).
+        gres = _FakeArray(np.zeros(x.shape[::-1], x.dtype).transpose(2, 1, 0))
+        launch.backward(x3, x3, mean, rstd, w, y3, dtype, rms=False, grad_residual=gres)
         kinds = [re.match(r"lnk::(\w+)<", c[0]).group(1) for c in calls]
         assert kinds == [f"fwd_{family}", f"fwd_{family}",
-                         f"bwd_{family}", "param_partials", "sum_partials",
-                         f"bwd_{family}", "param_partials", "sum_partials"], (name, kinds)
+                         *[f"bwd_{family}", "param_partials", "sum_partials"] * 3], (name, kinds)
+        assert all(isinstance(c[3][20], np.uint64) for c in calls[2:8:3])  # no grad_residual
+        bwd_args = calls[8][3]
+        assert bwd_args[20] is gres
+        assert [int(v) for v in bwd_args[21:24]] == [int(s) // x.itemsize
+                                                     for s in gres.strides]
         for expr, grid, block, args in calls:
             _check_call(sigs, expr, grid, block, args)
         fwd_args = calls[0][3]
@@ -554,6 +566,9 @@ inline int __any_sync(unsigned, int p) {
 template <typename V> V __ldg(const V* p) { return *p; }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 inline double __longlong_as_double(long long v) { double d; std::memcpy(&d, &v, 8); return d; }
+inline unsigned __float_as_uint(float f) { unsigned v; std::memcpy(&v, &f, 4); return v; }
+inline float __uint_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
+inline float __fdiv_rn(float a, float b) { return a / b; }  // IEEE on the host too
 inline long long __double_as_longlong(double d) { long long v; std::memcpy(&v, &d, 8); return v; }
 
 struct __half { _Float16 v; };
@@ -1309,6 +1324,375 @@ def test_emulation_add_in_place(add_emulator, monkeypatch, dtypes):
                 _same_bits(rstd, rstd_ref, f"{tag} rstd")
                 if not rms:
                     _same_bits(mean, mean_ref, f"{tag} mean")
+
+
+# ------------------------------------ quantized output and grad_residual, emulated
+#
+# quant_fwd_rows / quant_add_fwd_rows against the contract's composition: y32 is the
+# emulated fwd_rows<float> of the row widened to float32 (h widened, with a residual), and
+# the codes and scales are _quantize_reference of that y32, written here from the
+# contract with ml_dtypes (an independent float32 -> float8 rounding).
+
+_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+_CODE_DTYPE = {"int8": np.int8, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+               "float8_e5m2": ml_dtypes.float8_e5m2}
+#: (x, residual, h) dtypes the quantized add is emulated for (every configuration); the
+#: others differ from these only in the load and store types add_fwd_rows tests.
+_QUANT_ADD_EMULATED = (("float32", "float32", "float32"), ("bfloat16", "float32", "float32"),
+                       ("float16", "float16", "float16"))
+
+
+def _quantize_reference(y32, fmt, scale=None):
+    """(codes, scale) of float32 rows ``y32``: the contract's formula in NumPy float32."""
+    y32 = np.asarray(y32, np.float32)
+    qmax = np.float32(_QMAX[fmt])
+    if scale is None:
+        amax = np.max(np.abs(y32), axis=1)  # NaN propagates
+        s = np.where(amax == 0, np.float32(1), amax / qmax).astype(np.float32)
+    else:
+        s = np.broadcast_to(np.asarray(scale, np.float32).reshape(-1), y32.shape[:1])
+    inv = (np.float32(1) / s).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = (y32 * inv[:, None]).astype(np.float32)
+        if fmt == "int8":
+            v = np.clip(np.where(np.isnan(v), np.float32(0), v), -128, 127)
+            return np.rint(v).astype(np.int8), s
+        return np.clip(v, -qmax, qmax).astype(_CODE_DTYPE[fmt]), s
+
+
+def _same_codes(q, ref, what):
+    """Bit for bit, NaN codes (any NaN pattern) exactly where the reference is NaN."""
+    if ref.dtype == np.int8:
+        _same_bits(q, ref, what)
+        return
+    _same_bits_or_nan(np.asarray(q).view(ref.dtype), ref, what)
+
+
+@pytest.fixture(scope="module")
+def quant_emulator(emulator, tmp_path_factory):
+    """The emulator, with quant_fwd_rows (every configuration, three x dtypes) and
+    quant_add_fwd_rows (every configuration, _QUANT_ADD_EMULATED) compiled too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    exprs = [launch.quant_expression(d, cfg, rms) for d in launch.QUANT_DTYPES
+             for cfg in launch.CONFIGS for rms in (False, True)]
+    exprs += [launch.quant_add_expression(d, cfg, rms) for d in _QUANT_ADD_EMULATED
+              for cfg in launch.CONFIGS for rms in (False, True)]
+    halves = [exprs[::2], exprs[1::2]]
+    with ThreadPoolExecutor(2) as pool:
+        libs = list(pool.map(lambda part: _emulated_library(
+            part, tmp_path_factory.mktemp("emulation-quant")), halves))
+    for lib, names in libs:
+        emulator.add(lib, names)
+    return emulator
+
+
+def _emu_quant(x3, fmt, rms, w, b, dtypes, scale=None, eps=1e-5, r3=None, h3=None):
+    """launch.quantized_forward on NumPy memory: (codes, scale, mean, rstd, h)."""
+    rows = x3.shape[0]
+    q3 = np.full(x3.shape, 0x5A, np.uint8)  # poisoned: every code is written
+    if r3 is not None and h3 is None:
+        h3 = np.full(x3.shape, np.nan, _NP[dtypes[2]])
+    mean, rstd = np.full(rows, np.nan, np.float32), np.full(rows, np.nan, np.float32)
+    scale_out = np.full(rows, np.nan, np.float32)
+    inv = None
+    if scale is not None:
+        inv = np.ascontiguousarray(
+            np.float32(1) / np.broadcast_to(np.asarray(scale, np.float32).reshape(-1), rows))
+    fake = [None if a is None else _FakeArray(a) for a in (w, b, r3, h3, inv)]
+    launch.quantized_forward(_FakeArray(x3), fake[2], fake[0], fake[1], eps, fake[3],
+                             _FakeArray(q3), None if rms else _FakeArray(mean),
+                             _FakeArray(rstd), fmt, fake[4], _FakeArray(scale_out), dtypes)
+    codes = q3[:, :, 0].view(_CODE_DTYPE[fmt])
+    return codes, (scale_out if scale is None else None), mean, rstd, h3
+
+
+def _check_quant(x, fmt, rms, w, b, dtypes, what, scale=None, eps=1e-5, r=None, **outs):
+    """The fused kernel against the composition: the emulated float32 forward of the
+    widened x (of h = x + r rounded to h's dtype, then widened), quantized by the
+    reference; statistics bit for bit those of that forward. Returns the kernel's
+    (codes, scale, mean, rstd, h)."""
+    rows, n = x.shape
+    if r is None:
+        a = x.astype(np.float32)
+    else:
+        h_ref = (x.astype(np.float32) + r.astype(np.float32)).astype(_NP[dtypes[2]])
+        a = h_ref.astype(np.float32)
+    y32, mean_u, rstd_u = _emu_forward(a.reshape(rows, n, 1).copy(), "float32", rms, w, b, eps)
+    q_ref, s_ref = _quantize_reference(y32[:, :, 0], fmt, scale)
+    got = _emu_quant(x.reshape(rows, n, 1), fmt, rms, w, b, dtypes, scale, eps,
+                     None if r is None else r.reshape(rows, n, 1), **outs)
+    q, s, mean, rstd, h = got
+    _same_codes(q, q_ref, f"{what} codes")
+    if scale is None:
+        _same_bits_or_nan(s, s_ref, f"{what} scale")
+    _same_bits_or_nan(rstd, rstd_u, f"{what} rstd")
+    if not rms:
+        _same_bits_or_nan(mean, mean_u, f"{what} mean")
+    if r is not None:
+        _same_bits_or_nan(h[:, :, 0], h_ref, f"{what} h")
+    return got
+
+
+_FORMATS = tuple(_QMAX)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtypes, add", [*(((d, d, d), False) for d in launch.QUANT_DTYPES),
+                                         *((d, True) for d in _QUANT_ADD_EMULATED)])
+def test_emulation_quantized_every_configuration(quant_emulator, monkeypatch, dtypes, add):
+    """quant_fwd_rows (dtypes all x's) and quant_add_fwd_rows for every configuration
+    (vector path with lanes past the row end, scalar tail, the tile loop), grids of one
+    block: codes, dynamic scales and statistics are the composition's bit for bit, each
+    format dynamic and static in turn, with a NaN row; also from misaligned inputs (the
+    scalar path) and for a row alone (batch invariance)."""
+    quant_emulator.install(monkeypatch)
+    quant_emulator.cap = 1
+    step = 0
+    for (g, _maxc), ns in _config_lengths("float32").items():
+        for n in ns:
+            rows = (1 if g > 32 else 128 // g) + 3
+            x, r, w, b = _add_inputs(dtypes, rows, n, n)
+            x[2, n // 3] = np.nan
+            for rms in (False, True):
+                fmt = _FORMATS[step % 3]
+                scale = None if step % 2 == 0 else np.float32(0.03125 + step % 5)
+                step += 1
+                tag = f"{dtypes} n={n} {'rms' if rms else 'layer'}_norm {fmt} scale={scale}"
+                bias = None if rms else b
+                res = r if add else None
+                q, s, _, rstd, _ = _check_quant(x, fmt, rms, w, bias, dtypes, tag, scale,
+                                                r=res)
+                assert np.isnan(rstd[2]) or rms, tag
+                big = [np.zeros((rows + 1, n + 1), a.dtype) for a in (x, r)]
+                for k, a in enumerate((x, r)):
+                    big[k][1:, 1:] = a
+                qv, sv, _, _, _ = _emu_quant(big[0][1:, 1:, None], fmt, rms, w, bias, dtypes,
+                                             scale, r3=big[1][1:, 1:, None] if add else None)
+                _same_bits(qv, q, f"{tag} misaligned")
+                if scale is None:
+                    _same_bits(sv, s, f"{tag} misaligned scale")
+                k = rows - 1
+                qa, _, _, _, _ = _emu_quant(x[k:k + 1, :, None].copy(), fmt, rms, w, bias,
+                                             dtypes, scale,
+                                             r3=r[k:k + 1, :, None].copy() if add else None)
+                _same_bits(qa[0], q[k], f"{tag} row {k} alone")
+
+
+def _code_rows(fmt):
+    """Rows of y32 values (float32) that probe rounding ties, saturation, subnormal codes,
+    infinities and NaN in ``fmt``, and an all-zero row."""
+    f32 = np.float32
+    if fmt == "int8":
+        ties = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -127.5, 0.49999997, 2.5000002]
+        sat = [127.49998, 127.5, 128.0, 1e6, -128.4, -128.5, -129.0, -1e30]
+    else:
+        e4 = fmt == "float8_e4m3fn"
+        tiny = 2.0 ** (-9 if e4 else -16)  # the smallest subnormal code
+        step = 0.125 if e4 else 0.25       # code spacing in [1, 2)
+        ties = [1 + step / 2, 1 + 3 * step / 2, -(1 + step / 2), tiny / 2, 3 * tiny / 2,
+                -5 * tiny / 2, tiny / 2 * 1.0000001, 2.0 ** (-6 if e4 else -14) - tiny / 2,
+                1e-45, 0.0]
+        qmax = _QMAX[fmt]
+        sat = [qmax, qmax * 1.03, qmax * 1.1, -qmax * 1.0625, 1e30, -1e38, qmax * 0.999,
+               -qmax]
+    rows = [np.array(ties + sat, f32)]
+    rows.append(np.array([*ties[:4], np.inf, *sat[:3]], f32))
+    rows.append(np.array([np.nan, *ties[1:], *sat], f32))
+    rows.append(np.zeros(len(ties) + len(sat), f32))
+    rows.append(-np.array(ties + sat, f32))
+    n = max(len(a) for a in rows)
+    return np.stack([np.pad(a, (0, n - len(a))) for a in rows])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", _FORMATS)
+def test_emulation_quantized_codes(quant_emulator, monkeypatch, fmt):
+    """Codes of chosen y32 values: RMSNorm of rows of ones with eps = 0 has rstd = 1 and
+    y32 = weight exactly, so each row's y32 is a row of _code_rows (a weight per row: one
+    kernel call per row). Ties round half to even, values beyond the range saturate,
+    subnormal codes round in units of the smallest one, NaN is 0 (int8) or NaN, an
+    all-zero row has scale 1; static scales 1 and 1 / 64 (saturating more)."""
+    quant_emulator.install(monkeypatch)
+    quant_emulator.cap = None
+    table = _code_rows(fmt)
+    n = table.shape[1]
+    ones = np.ones((1, n, 1), np.float32)
+    for i, y32 in enumerate(table):
+        for scale in (None, np.float32(1), np.float32(1 / 64)):
+            q_ref, s_ref = _quantize_reference(y32[None], fmt, scale)
+            q, s, _, rstd, _ = _emu_quant(ones, fmt, True, y32.copy(), None, ("float32",) * 3,
+                                          scale, eps=0.0)
+            assert rstd[0] == 1, rstd
+            what = f"{fmt} row {i} scale={scale}"
+            _same_codes(q, q_ref, f"{what} codes")
+            if scale is None:
+                _same_bits_or_nan(s, s_ref, f"{what} scale")
+                if i == 3:
+                    assert s[0] == 1 and not np.any(q.view(np.uint8)), what
+    # The reference itself, on a few values written out by hand.
+    if fmt == "int8":
+        codes, _ = _quantize_reference(np.array([[0.5, 1.5, 2.5, -2.5, 300, np.nan]]), fmt, 1.0)
+        assert codes.tolist() == [[0, 2, 2, -2, 127, 0]]
+    else:
+        codes, _ = _quantize_reference(np.array([[1e9, -1e9]], np.float32), fmt, 1.0)
+        assert codes.astype(np.float32).tolist() == [[_QMAX[fmt], -_QMAX[fmt]]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtypes, add", [(("float32", "float32", "float32"), False),
+                                         (("bfloat16", "bfloat16", "bfloat16"), False),
+                                         (("float32", "float32", "float32"), True),
+                                         (("bfloat16", "float32", "float32"), True),
+                                         (("float16", "float16", "float16"), True)])
+def test_emulation_quantized_special_rows(quant_emulator, monkeypatch, dtypes, add):
+    """Constant rows (y32 exactly the bias: codes of the bias; without a bias y32 = 0:
+    scale 1, codes 0), NaN rows (LayerNorm: scale NaN, codes NaN / 0), rows whose
+    squares overflow (float32 and bfloat16: the rescaled path, every thread its row's
+    amax) and such rows with a NaN (the path declines and the packs are reloaded), for a
+    few lanes per row, a block per row and three tiles; the other rows' bits stay."""
+    quant_emulator.install(monkeypatch)
+    quant_emulator.cap = 1
+    x_name, r_name, h_name = dtypes
+    for n in _add_lengths("float32"):
+        rows = 7
+        x, r, w, b = _add_inputs(dtypes, rows, n, n + 5)
+        x[1] = _NP[x_name](1e4 / 3)
+        r[1] = _NP[r_name](0.375)
+        x[3, n // 2] = np.nan
+        if h_name != "float16" and x_name != "float16":
+            rng = np.random.default_rng(n)
+            x[4] = (1e30 * rng.standard_normal(n)).astype(x.dtype)
+            x[5] = (1e30 * (3 + rng.standard_normal(n))).astype(x.dtype)
+            x[5, 1] = np.nan
+        for rms in (False, True):
+            for k, fmt in enumerate(_FORMATS):
+                scale = None if k != 1 else np.float32(0.5)
+                tag = f"{dtypes} n={n} {'rms' if rms else 'layer'}_norm {fmt} scale={scale}"
+                bias = None if rms else b
+                q, s, _, rstd, h = _check_quant(x, fmt, rms, w, bias, dtypes, tag, scale,
+                                                   r=r if add else None)
+                if not rms:
+                    hb = (h[1, :, 0] if add else x[1]).astype(np.float32)
+                    assert np.all(hb == hb[0]), tag
+                    q_b, _ = _quantize_reference(b[None], fmt, None if scale is None else scale)
+                    _same_codes(q[1:2], q_b, f"{tag} constant row quantizes the bias")
+                    if scale is None:
+                        assert np.isnan(s[3]), tag
+                        qz, sz, _, _, _ = _emu_quant(x[1:2, :, None].copy(), fmt, False, None,
+                                                     None, dtypes, None,
+                                                     r3=r[1:2, :, None].copy() if add else None)
+                        assert sz[0] == 1 and not np.any(qz.view(np.uint8)), tag
+                if h_name != "float16" and x_name != "float16" and not add:
+                    assert np.isfinite(rstd[4]) and rstd[4] > 0, tag
+                for k in (0, 2, 6):
+                    qa, _, _, _, _ = _emu_quant(x[k:k + 1, :, None].copy(), fmt, rms, w, bias,
+                                                dtypes, scale,
+                                                r3=r[k:k + 1, :, None].copy() if add else None)
+                    _same_bits(qa[0], q[k], f"{tag} row {k} beside special rows")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtypes", [("float32", "float32", "float32"),
+                                    ("float16", "float16", "float16"),
+                                    ("bfloat16", "float32", "float32")])
+def test_emulation_quantized_add_in_place(quant_emulator, monkeypatch, dtypes):
+    """h written into x or r itself (residual_out=x or r) while the codes go elsewhere,
+    with rows taking the rescaled path (float32): the bits of the out-of-place call."""
+    quant_emulator.install(monkeypatch)
+    quant_emulator.cap = 1
+    x_name, r_name, h_name = dtypes
+    names = {"x": x_name, "r": r_name}
+    for n in _add_lengths("float32"):
+        x0, r0, w, b = _add_inputs(dtypes, 5, n, 7 * n)
+        if x_name == "float32":
+            x0[1] = (1e30 * np.random.default_rng(n).standard_normal(n)).astype(x0.dtype)
+            x0[2] = x0[1]
+            x0[2, 3] = np.nan
+        for rms, fmt in ((False, "int8"), (True, "float8_e4m3fn"), (False, "float8_e5m2")):
+            bias = None if rms else b
+            ref = _emu_quant(x0[:, :, None], fmt, rms, w, bias, dtypes, r3=r0[:, :, None])
+            for target in ("x", "r"):
+                if names[target] != h_name:
+                    continue
+                x, r = x0[:, :, None].copy(), r0[:, :, None].copy()
+                arrays = {"x": x, "r": r}
+                got = _emu_quant(x, fmt, rms, w, bias, dtypes, r3=r, h3=arrays[target])
+                tag = f"{dtypes} n={n} {fmt} residual_out={target}"
+                assert got[4] is arrays[target]
+                for a, e, what in zip(got, ref, ("codes", "scale", "mean", "rstd", "h"),
+                                      strict=True):
+                    if not (rms and what == "mean"):
+                        _same_bits(a, e, f"{tag} {what}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulation_backward_grad_residual(emulator, monkeypatch, dtype):
+    """bwd_rows and bwd_cols with grad_residual, every configuration: float32 and float64
+    give the unfused grad_x + grad_residual bit for bit; 16-bit types the sum rounded once
+    (a zero grad_residual leaves grad_x's bits; against the float64 reference within one
+    rounding). The same bits from a misaligned view, strided rows, channels-first (cols
+    kernels), and a grad_residual in Fortran order (its own strides)."""
+    from . import reference
+
+    emulator.install(monkeypatch)
+    emulator.cap = 1
+    acc = np.float64 if dtype == "float64" else np.float32
+    for (g, _maxc), lengths in _config_lengths(dtype).items():
+        n = lengths[g % 2]  # the vector-path length or the tail length, in turn
+        rows = (1 if g > 32 else 128 // g) + 3
+        rng = np.random.default_rng(n + 11)
+        x = (0.5 + 2 * rng.standard_normal((rows, n))).astype(_NP[dtype])
+        gy = rng.standard_normal((rows, n)).astype(_NP[dtype])
+        gr = (3 * rng.standard_normal((rows, n))).astype(_NP[dtype])
+        w = (1 + 0.3 * rng.standard_normal(n)).astype(acc)
+        x3, gy3 = x.reshape(rows, n, 1), gy.reshape(rows, n, 1)
+        for rms in (False, True):
+            tag = f"{dtype} n={n} {'rms' if rms else 'layer'}_norm"
+            _, mean, rstd = _emu_forward(x3, dtype, rms, w, None)
+            plain, gw, _ = _emu_backward(gy3, x3, mean, rstd, w, dtype, rms)
+
+            def run(gyv, xv, grv, mean=mean, rstd=rstd, rms=rms, w=w, gw=gw):
+                gx3 = np.full(xv.shape, np.nan, dtype=xv.dtype)
+                gwv, _ = launch.backward(_FakeArray(gyv), _FakeArray(xv),
+                                         None if rms else _FakeArray(mean), _FakeArray(rstd),
+                                         _FakeArray(w), _FakeArray(gx3), dtype, rms,
+                                         grad_residual=_FakeArray(grv))
+                _same_bits(gwv.arr, gw, "grad_weight is grad_residual's to leave alone")
+                return gx3
+
+            fused = run(gy3, x3, gr.reshape(rows, n, 1))
+            zero = run(gy3, x3, np.zeros((rows, n, 1), x.dtype))
+            _same_bits(zero, plain, f"{tag} zero grad_residual")
+            if dtype in ("float32", "float64"):
+                _same_bits(fused[:, :, 0], plain[:, :, 0] + gr, f"{tag} grad_x + grad_residual")
+            else:
+                if rms:
+                    ref = reference.rms_norm_backward(gy, x, (1,), w, eps=1e-5)[0]
+                else:
+                    ref = reference.layer_norm_backward(gy, x, (1,), w)[0]
+                want = ref.astype(np.float64) + gr.astype(np.float64)
+                got = fused[:, :, 0].astype(np.float64)
+                ulp = np.abs(want) * (2.0 ** -(8 if dtype == "bfloat16" else 11))
+                tol = _GATOL[dtype] * 4 * max(1, np.abs(ref).max())
+                assert np.all(np.abs(got - want) <= ulp + tol), tag
+            big, gbig, rbig = (np.zeros((rows + 1, n + 1), x.dtype) for _ in range(3))
+            big[1:, 1:], gbig[1:, 1:], rbig[1:, 1:] = x, gy, gr
+            wide = [np.zeros((rows, 2 * n), x.dtype) for _ in range(3)]
+            for a, v in zip(wide, (x, gy, gr), strict=True):
+                a[:, ::2] = v
+            views = {
+                "misaligned": ((big[1:, 1:], gbig[1:, 1:], rbig[1:, 1:]), lambda a: a[:, :, 0]),
+                "strided": (tuple(a[:, ::2] for a in wide), lambda a: a[:, :, 0]),
+                "fortran grad_residual": ((x, gy, np.asfortranarray(gr)), lambda a: a[:, :, 0]),
+            }
+            for name, ((xv, gv, rv), back) in views.items():
+                got = run(gv[:, :, None], xv[:, :, None], rv[:, :, None])
+                _same_bits(back(got), fused[:, :, 0], f"{tag} {name}")
+            cf = run(np.ascontiguousarray(gy.T)[None], np.ascontiguousarray(x.T)[None],
+                     np.ascontiguousarray(gr.T)[None])
+            _same_bits(cf[0].T, fused[:, :, 0], f"{tag} channels-first (cols)")
 
 
 # ------------------------------------------ the backend's own compile-and-load path

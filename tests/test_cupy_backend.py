@@ -524,3 +524,139 @@ def test_fused_add_is_the_composition(native_xp, monkeypatch, dtypes):
             assert y2 is xi and (res_out is None or h2 is ri)
             assert_same_bits(y2, y_ref)
             assert_same_bits(h2, h_ref)
+
+
+# ------------------------------------------- quantized output and grad_residual
+
+
+def test_cupy_backend_offers_the_fused_quantize_and_grad_residual():
+    """The engine finds the CUDA backend's fusions (no GPU needed): ``quantized_forward``
+    with the Numba backend's signature, and backward functions that take
+    ``grad_residual`` themselves (``FUSES_GRAD_RESIDUAL``)."""
+    import inspect
+    import types
+
+    from layernorm import _engine
+    from layernorm._backends import _cupy, _numba
+
+    assert _engine.fuses_grad_residual(types.SimpleNamespace(backend="cupy"))
+    for name in ("quantized_forward", "layer_norm_backward", "rms_norm_backward"):
+        ours = list(inspect.signature(getattr(_cupy, name)).parameters)
+        theirs = list(inspect.signature(getattr(_numba, name)).parameters)
+        assert ours == theirs, name
+
+
+def _quantize_rows(y32, fmt, scale=None):
+    """The contract's quantization of float32 rows, in NumPy (float8 via ml_dtypes)."""
+    import ml_dtypes
+
+    qmax = np.float32({"int8": 127, "float8_e4m3fn": 448, "float8_e5m2": 57344}[fmt])
+    y32 = np.asarray(y32, np.float32)
+    if scale is None:
+        amax = np.max(np.abs(y32), axis=1, keepdims=True)
+        s = np.where(amax == 0, np.float32(1), amax / qmax).astype(np.float32)
+    else:
+        s = np.full((y32.shape[0], 1), scale, np.float32)
+    v = (y32 * (np.float32(1) / s)).astype(np.float32)
+    if fmt == "int8":
+        return np.rint(np.clip(np.where(np.isnan(v), 0, v), -128, 127)).astype(np.int8), s
+    return np.clip(v, -qmax, qmax).astype(getattr(ml_dtypes, fmt)), s
+
+
+@pytest.mark.parametrize("x_name", ["float32", "float16"])
+def test_quantized_forward_is_fused(native_xp, monkeypatch, x_name):
+    """layer_norm / rms_norm / add_* with quantize= run the backend's one-kernel
+    quantization (never the engine's quantize_rows) and give the contract's codes and
+    scales for the y32 of the composition (the float32 forward of the widened x or h),
+    bit for bit; every kernel configuration on CuPy (int8: CuPy has no float8 dtypes)."""
+    from layernorm import _engine
+
+    xp = native_xp
+    backend = _backend_module(xp)
+    calls = []
+    real = backend.quantized_forward
+    monkeypatch.setattr(backend, "quantized_forward",
+                        lambda *a: (calls.append(a[9]), real(*a))[1])
+    monkeypatch.setattr(_engine, "quantize_rows", lambda *a, **k: pytest.fail("composed"))
+    formats = ["int8"] if xp is not np else ["int8", "float8_e4m3fn", "float8_e5m2"]
+    lengths = variant_lengths("float32") if xp is not np else [7, 300, 4099]
+    for n in lengths:
+        rng = np.random.default_rng(n)
+        rows = 9
+        x = random_rows(rng, (rows, n), x_name, loc=0.5, scale=2.0)
+        x[4, n // 2] = np.nan
+        r = random_rows(rng, (rows, n), "float32", loc=-0.25)
+        w = (1 + 0.3 * rng.standard_normal(n)).astype(np.float32)
+        b = (0.5 * rng.standard_normal(n)).astype(np.float32)
+        xs, rs, ws, bs = (asarray(xp, a, d) for a, d in ((x, x_name), (r, "float32"),
+                                                          (w, "float32"), (b, "float32")))
+        h = x.astype(np.float32) + r
+        for k, fmt in enumerate(formats * 2):
+            rms = k % 2 == 1
+            scale = None if k < len(formats) else 0.125
+            kw = {"weight": ws} if rms else {"weight": ws, "bias": bs}
+            norm, add = (ln.rms_norm, ln.add_rms_norm) if rms else (ln.layer_norm,
+                                                                     ln.add_layer_norm)
+            for a, residual in ((x, None), (h, rs)):
+                y32 = to_numpy(norm(asarray(xp, a.astype(np.float32), "float32"), **kw))
+                q_ref, s_ref = _quantize_rows(y32.astype(np.float32), fmt, scale)
+                calls.clear()
+                if residual is None:
+                    q, s = norm(xs, quantize=fmt, scale=scale, **kw)
+                else:
+                    q, _, s = add(xs, residual, residual_dtype="float32", quantize=fmt,
+                                  scale=scale, **kw)
+                assert calls == [fmt], (n, fmt)
+                q = q.get() if hasattr(q, "get") else q
+                if fmt == "int8":
+                    assert_same_bits(q, q_ref)
+                else:
+                    nan = np.isnan(q_ref.astype(np.float32))
+                    assert np.array_equal(np.isnan(q.astype(np.float32)), nan)
+                    assert_same_bits(np.where(nan, 0, q), np.where(nan, 0, q_ref))
+                if scale is None:
+                    assert_same_bits(np.nan_to_num(to_numpy(s)).astype(np.float32),
+                                     np.nan_to_num(s_ref))
+                else:
+                    assert s == scale
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_grad_residual_is_fused(native_xp, monkeypatch, dtype):
+    """layer_norm_backward / rms_norm_backward hand grad_residual to the backend's
+    backward kernels; float32 and float64 give grad_x + grad_residual bit for bit, 16-bit
+    the sum rounded once (a zero grad_residual leaves grad_x's bits); rows and the
+    channels-first (cols) kernels."""
+    xp = native_xp
+    backend = _backend_module(xp)
+    seen = []
+    for fn in ("layer_norm_backward", "rms_norm_backward"):
+        real = getattr(backend, fn)
+        monkeypatch.setattr(backend, fn, lambda *a, _real=real, **k: (
+            seen.append("grad_residual" in k), _real(*a, **k))[1])
+    lengths = variant_lengths(dtype) if xp is not np else [7, 1000]
+    for n in lengths:
+        _, (xs, gys, ws, bs) = _inputs(xp, dtype, 9, n, n)
+        gr = random_rows(np.random.default_rng(n + 1), (9, n), dtype, scale=3.0)
+        grs = asarray(xp, gr, dtype)
+        for axis, t in ((-1, lambda a: a), (0, lambda a: a.T.copy())):
+            xa, gya, gra = (t(a) for a in (xs, gys, grs))
+            _, mean, rstd = ln.layer_norm(xa, weight=ws, bias=bs, axis=axis, return_stats=True)
+            _, rs = ln.rms_norm(xa, weight=ws, axis=axis, return_stats=True)
+            for rms in (False, True):
+                stats = (rs,) if rms else (mean, rstd)
+                bwd = ln.rms_norm_backward if rms else ln.layer_norm_backward
+                plain = bwd(gya, xa, *stats, ws, axis=axis)
+                seen.clear()
+                fused = bwd(gya, xa, *stats, ws, axis=axis, grad_residual=gra)
+                zero = bwd(gya, xa, *stats, ws, axis=axis, grad_residual=xp.zeros_like(gra))
+                assert seen == [True, True], seen  # both handed to the backend
+                assert_same_bits(zero[0], plain[0])
+                for p, f in zip(plain[1:], fused[1:], strict=True):
+                    assert_same_bits(f, p)
+                if dtype in ("float32", "float64"):
+                    assert_same_bits(fused[0], plain[0] + gra)
+                else:
+                    want = to_numpy(plain[0]) + to_numpy(gra)
+                    np.testing.assert_allclose(to_numpy(fused[0]), want, rtol=2e-3,
+                                               atol=2e-3 * np.abs(want).max())

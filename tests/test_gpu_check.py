@@ -110,7 +110,8 @@ def test_bench_table_has_layout_column(gpu_check):
 def test_dry_run(gpu_check, capsys):
     """The benchmark code path on host arrays (Numba kernels), both layouts."""
     code = gpu_check.main(["--dry-run", "--sections", "bench,torch", "--rows", "8",
-                           "--widths", "64", "--ops", "ln_fwd,ln_bwd", "--dtypes", "float32",
+                           "--widths", "64", "--ops", "ln_fwd,ln_bwd,ln_fwd_q8,add_rms_f8,"
+                           "ln_bwd_res", "--dtypes", "float32",
                            "--layouts", "contig,strided"])
     out = capsys.readouterr().out.strip().splitlines()
     assert code == 0, "\n".join(out[-30:])
@@ -130,4 +131,6 @@ def test_device_checks_logic_on_numba(gpu_check):
     status, detail = gpu_check.check_invariance(np, _numba, dtypes=("bfloat16",), max_n=70)
     assert status == "PASS", detail
     status, detail = gpu_check.check_subnormal(np, _numba)
+    assert status == "PASS", detail
+    status, detail = gpu_check.check_quantized(np, _numba, dtypes=("bfloat16",), max_n=70)
     assert status == "PASS", detail

@@ -6,7 +6,10 @@ compiles only what it runs. Only the supported ``(T, Acc)`` pairs are instantiat
 ``(__half, float)``, ``(__nv_bfloat16, float)``, ``(float, float)`` and
 ``(double, double)``; the fused residual add (``add_fwd_rows``) only for the
 ``(x, residual, h)`` dtypes of :data:`ADD_DTYPES` (any other residual dtype the engine
-routes here is first widened, exactly, to float32: :func:`add_operands`).
+routes here is first widened, exactly, to float32: :func:`add_operands`); the quantizing
+forwards (``quant_fwd_rows``, ``quant_add_fwd_rows``: 8-bit codes, the format a run-time
+argument) for float32 accumulation only (:data:`QUANT_DTYPES`,
+:data:`QUANT_ADD_DTYPES`), with float32's configuration whatever x's dtype.
 
 Compilation: NVRTC directly, then :class:`cupy.RawModule` loads the binary
 ---------------------------------------------------------------------------
@@ -105,6 +108,18 @@ ADD_DTYPES: tuple[tuple[str, str, str], ...] = (
 )
 
 
+#: The ``(x, residual, h)`` dtypes ``quant_add_fwd_rows`` is instantiated for: those of
+#: :data:`ADD_DTYPES` with float32 accumulation (quantized output is float32-only).
+QUANT_ADD_DTYPES: tuple[tuple[str, str, str], ...] = tuple(
+    d for d in ADD_DTYPES if d[0] != "float64")
+
+#: Element dtypes of x ``quant_fwd_rows`` is instantiated for.
+QUANT_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
+
+#: The run-time format code of each ``quantize=`` format (``fmt`` in the CUDA source).
+QUANT_FORMATS: dict[str, int] = {"int8": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
+
+
 class Config(NamedTuple):
     """Threads per row, vectors per thread and tile, and the row kernels' block size."""
 
@@ -199,12 +214,49 @@ def add_expression(dtypes: tuple[str, str, str], cfg: tuple[int, int],
     return f"lnk::add_fwd_rows<{tx}, {tr}, {th}, {a}, {cfg[0]}, {cfg[1]}, {flag}>"
 
 
+def quant_expression(dtype: str, cfg: tuple[int, int], rms: bool = False) -> str:
+    """C++ name expression of one quantizing forward kernel (x's dtype; float32 accumulation).
+
+    Examples
+    --------
+    >>> quant_expression("bfloat16", (32, 4))
+    'lnk::quant_fwd_rows<__nv_bfloat16, float, 32, 4, false>'
+    """
+    flag = "true" if rms else "false"
+    return f"lnk::quant_fwd_rows<{CPP_TYPES[dtype]}, float, {cfg[0]}, {cfg[1]}, {flag}>"
+
+
+def quant_add_expression(dtypes: tuple[str, str, str], cfg: tuple[int, int],
+                         rms: bool = False) -> str:
+    """C++ name expression of one residual-add-and-quantize kernel (``(x, residual, h)``).
+
+    Examples
+    --------
+    >>> quant_add_expression(("float16", "float16", "float32"), (4, 1), rms=True)
+    'lnk::quant_add_fwd_rows<__half, __half, float, float, 4, 1, true>'
+    """
+    tx, tr, th = (CPP_TYPES[d] for d in dtypes)
+    flag = "true" if rms else "false"
+    return f"lnk::quant_add_fwd_rows<{tx}, {tr}, {th}, float, {cfg[0]}, {cfg[1]}, {flag}>"
+
+
+def quant_expressions(dtype: str) -> list[str]:
+    """Every quantizing kernel instantiation for one element dtype of x."""
+    if dtype not in QUANT_DTYPES:
+        return []
+    out = [quant_expression(dtype, cfg, rms) for cfg in CONFIGS for rms in (False, True)]
+    out += [quant_add_expression(dtypes, cfg, rms) for dtypes in QUANT_ADD_DTYPES
+            if dtypes[0] == dtype for cfg in CONFIGS for rms in (False, True)]
+    return out
+
+
 def all_expressions(dtype: str) -> list[str]:
     """Every kernel instantiation for one element dtype of x (used by the compile tests)."""
     out = [expression(kind, dtype, cfg, rms)
            for kind in ("fwd_rows", "bwd_rows") for cfg in CONFIGS for rms in (False, True)]
     out += [add_expression(dtypes, cfg, rms) for dtypes in ADD_DTYPES if dtypes[0] == dtype
             for cfg in CONFIGS for rms in (False, True)]
+    out += quant_expressions(dtype)
     out += [expression(kind, dtype, rms=rms)
             for kind in ("fwd_cols", "bwd_cols", "param_partials") for rms in (False, True)]
     if dtype in ("float32", "float64"):
@@ -555,6 +607,13 @@ def forward(x3: Any, weight: Any, bias: Any, eps: float, y3: Any, mean: Any, rst
         _launch("fwd", dtype, rms, n, rows, device_id, args, (x3, y3))
 
 
+def _rows_unit_stride(what: str, *arrays: Any) -> None:
+    _, n, inner = arrays[0].shape
+    if inner != 1 or (n > 1 and any(_strides(a)[1] != 1 for a in arrays)):
+        raise ValueError(f"the {what} takes rows of unit stride, got shape "
+                         f"{arrays[0].shape} and strides {[_strides(a) for a in arrays]}")
+
+
 def add_operands(r3: Any, dtypes: tuple[str, str, str]) -> tuple[Any, tuple[str, str, str]]:
     """The residual and dtypes ``add_fwd_rows`` is launched with: as given where
     :data:`ADD_DTYPES` has them, else the residual widened to float32.
@@ -588,10 +647,8 @@ def add_forward(x3: Any, r3: Any, weight: Any, bias: Any, eps: float, h3: Any, y
     """
     import cupy
 
-    outer, n, inner = x3.shape
-    if inner != 1 or (n > 1 and any(_strides(a)[1] != 1 for a in (x3, r3, h3, y3))):
-        raise ValueError("the fused residual add takes rows of unit stride, got shape "
-                         f"{x3.shape} and strides {[_strides(a) for a in (x3, r3, h3, y3)]}")
+    _rows_unit_stride("fused residual add", x3, r3, h3, y3)
+    outer, n, _ = x3.shape
     if outer == 0 or n == 0:
         return
     r3, dtypes = add_operands(r3, dtypes)
@@ -611,9 +668,58 @@ def add_forward(x3: Any, r3: Any, weight: Any, bias: Any, eps: float, h3: Any, y
                 np.int32(1 if vec_ok else 0)))
 
 
+def quantized_forward(x3: Any, r3: Any, weight: Any, bias: Any, eps: float, h3: Any, q3: Any,
+                      mean: Any, rstd: Any, fmt: str, inv_rows: Any, scale_out: Any,
+                      dtypes: tuple[str, str, str]) -> None:
+    """Launch ``quant_fwd_rows`` (``r3`` None) or ``quant_add_fwd_rows`` into the codes ``q3``.
+
+    ``(rows, n, 1)`` views with unit-stride rows; ``q3`` has 1-byte elements (int8 or a
+    float8 type, written as bytes) and shares memory with no input; ``h3`` (with a
+    residual) may be ``x3`` or ``r3``. ``fmt`` is a key of :data:`QUANT_FORMATS`;
+    ``inv_rows`` (float32, one per row) is ``1 / scale`` of a static scale, or None:
+    each row's scale goes to ``scale_out``. ``mean`` None selects RMSNorm. The
+    configuration is float32's: the codes quantize fwd_rows<float> of the widened row.
+    """
+    import cupy
+
+    add = r3 is not None
+    arrays = (x3, r3, h3, q3) if add else (x3, q3)
+    _rows_unit_stride("quantized forward", *arrays)
+    if ACCUMULATION[dtypes[0]] != "float32":
+        raise ValueError(f"quantized output takes float32 accumulation, got x of {dtypes[0]}")
+    outer, n, _ = x3.shape
+    if outer == 0 or n == 0:
+        return
+    if add:
+        r3, dtypes = add_operands(r3, dtypes)
+        arrays = (x3, r3, h3, q3)
+    device_id = x3.device.id
+    rms = mean is None
+    with cupy.cuda.Device(device_id):
+        cfg = row_config(n, "float32")
+        expr = (quant_add_expression(dtypes, cfg[:2], rms) if add
+                else quant_expression(dtypes[0], cfg[:2], rms))
+        kernel = _kernel(device_id, expr)
+        inv_n = np.float32(1.0) / np.float32(n)  # IEEE, as forward's
+        vec_ok = all(_aligned(a, vector_width("float32")) for a in arrays)
+        per_block = 1 if cfg.g > 32 else cfg.threads // cfg.g
+        grid = _grid(device_id, outer, per_block, cfg.threads)
+        head = (x3, r3, h3, q3) if add else (x3, q3)
+        kernel((grid,), (cfg.threads,),
+               (*head, _ptr_or_null(weight), _ptr_or_null(bias), np.float32(eps), inv_n,
+                _ptr_or_null(mean), rstd, _ptr_or_null(inv_rows),
+                _ptr_or_null(None if inv_rows is not None else scale_out),
+                *_i64(outer, n, *(_strides(a)[0] for a in arrays)),
+                np.int32(QUANT_FORMATS[fmt]), np.int32(1 if vec_ok else 0)))
+
+
 def backward(gy3: Any, x3: Any, mean: Any, rstd: Any, weight: Any, gx3: Any, dtype: str,
-             rms: bool) -> tuple[Any, Any]:
-    """Launch grad_x and the parameter-gradient reduction; return (grad_w, grad_b or None)."""
+             rms: bool, grad_residual: Any = None) -> tuple[Any, Any]:
+    """Launch grad_x and the parameter-gradient reduction; return (grad_w, grad_b or None).
+
+    ``grad_residual`` (a view like ``x3``, or None) is added to grad_x in the
+    accumulation dtype before its one rounding, inside the grad_x kernel.
+    """
     import cupy
 
     outer, n, inner = x3.shape
@@ -627,10 +733,13 @@ def backward(gy3: Any, x3: Any, mean: Any, rstd: Any, weight: Any, gx3: Any, dty
             return sums[0], (None if rms else sums[1])
         inv_inner = np.float64(1.0 / inner)
         inv_n = _scalar(1.0, dtype) / _scalar(n, dtype)
+        gres_strides = (0, 0, 0) if grad_residual is None else _strides(grad_residual)
         args = (gy3, x3, _ptr_or_null(mean), rstd, _ptr_or_null(weight), gx3, inv_n,
                 *_i64(rows, n, inner), inv_inner,
-                *_i64(*_strides(gy3), *_strides(x3), *_strides(gx3)))
-        _launch("bwd", dtype, rms, n, rows, device_id, args, (gy3, x3, gx3))
+                *_i64(*_strides(gy3), *_strides(x3), *_strides(gx3)),
+                _ptr_or_null(grad_residual), *_i64(*gres_strides))
+        arrays = (gy3, x3, gx3) if grad_residual is None else (gy3, x3, gx3, grad_residual)
+        _launch("bwd", dtype, rms, n, rows, device_id, args, arrays)
 
         blocks = -(-rows // GRAD_ROW_BLOCK)
         part = cupy.empty((count, blocks, n), dtype=acc)

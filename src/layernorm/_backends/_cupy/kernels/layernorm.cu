@@ -42,6 +42,12 @@
 // (forward_rows) on those values, with the configuration of h's type: y (x's type) is
 // bit for bit fwd_rows of the stored h, rounded to x's type. h and y may be x or r
 // themselves (in place); see forward_rows for the order of loads and stores.
+//
+// Quantized output (quant_fwd_rows, quant_add_fwd_rows) and grad_residual
+// ------------------------------------------------------------------------
+// The same row code writes y as 8-bit codes with a per-row scale (see "quantized
+// output" below), and the backward kernels add the gradient of the residual stream to
+// grad_x before its rounding: neither is a separate pass over memory.
 
 // Constants shared with the host come from launch.py as -D defines (one definition, in
 // Python): a copy here could drift from the grid and buffer sizes the host computes.
@@ -433,6 +439,100 @@ __device__ __forceinline__ Mom<A> chunk_moments(int CNT, F get, B between) {
   return m;
 }
 
+// ====================================================================== quantized output
+//
+// quant_fwd_rows and quant_add_fwd_rows write y as 8-bit codes (the contract's
+// "Quantized output"), float32 accumulation only. y32, the output in the accumulation
+// precision before any rounding, is what fwd_rows<float> computes for the row widened to
+// float32 (h widened, with a residual): the kernels run forward_rows with float packs
+// (TP = float) and float's configuration, whatever the element type, so the codes are bit
+// for bit the quantization of the unfused forward of the widened input, as composed.
+// Per row:
+//  * dynamic scale (inv_rows null): amax = the largest |y32| of the row, found as the
+//    largest bit pattern with the sign cleared (for non-negative floats the integer order
+//    is the float order, and NaN patterns lie above infinity's: a NaN makes amax NaN, as
+//    max does); scale = amax / qmax (1 for an all-zero row) and inv = 1 / scale, both
+//    IEEE divisions (__fdiv_rn, whatever --prec-div says), stored to scale_out[row];
+//  * static scale: inv = inv_rows[row] (1 / scale, from the host);
+//  * each code is code8(y32 * inv): int8: NaN -> 0, saturate to [-128, 127], round half to
+//    even by adding and subtracting 1.5 * 2^23 (exact with --fmad=false); float8:
+//    saturate to +-qmax (NaN kept), then round the float32 bits half to even to the
+//    format (subnormals in units of the smallest one), NaN -> 0x7f (e4m3fn) / 0x7e (e5m2)
+//    with its sign. Integer operations and IEEE steps only: the same codes as the CPU
+//    backend's (_numba/_simd.py) for the same y32.
+// fmt is 0 (int8), 1 (float8_e4m3fn) or 2 (float8_e5m2), a run-time argument (one kernel
+// for the three formats).
+
+constexpr int FMT_INT8 = 0;
+constexpr int FMT_E4M3 = 1;
+
+template <typename A> struct QuantOut {
+  unsigned char* q;      // codes; row r at q + r * qs0 (unit stride), null: not quantized
+  const A* inv_rows;     // static: 1 / scale per row; null: dynamic
+  A* scale_out;          // dynamic: the row's scale
+  i64 qs0;
+  int fmt;
+};
+
+__device__ __forceinline__ unsigned f32_bits(float v) { return __float_as_uint(v); }
+
+// The running amax as bits: max of the sign-cleared patterns.
+__device__ __forceinline__ unsigned absmax_bits(unsigned top, float v) {
+  const unsigned m = f32_bits(v) & 0x7fffffffu;
+  return m > top ? m : top;
+}
+
+__device__ __forceinline__ float quant_qmax(int fmt) {
+  return fmt == FMT_INT8 ? 127.0f : (fmt == FMT_E4M3 ? 448.0f : 57344.0f);
+}
+
+// 1 / scale of a dynamic row from its amax bits (scale stored by the caller).
+__device__ __forceinline__ float quant_scale(unsigned top, int fmt) {
+  const float amax = __uint_as_float(top);
+  return amax == 0.0f ? 1.0f : __fdiv_rn(amax, quant_qmax(fmt));
+}
+
+__device__ __forceinline__ float round_half_even(float v) {
+  const float R = 12582912.0f;  // 1.5 * 2^23: exact for |v| < 2^22
+  return (v + R) - R;
+}
+
+__device__ __forceinline__ unsigned char code8(float v, int fmt) {
+  if (fmt == FMT_INT8) {
+    v = v != v ? 0.0f : v;
+    v = v < -128.0f ? -128.0f : v;
+    v = v > 127.0f ? 127.0f : v;
+    return (unsigned char)(signed char)(int)round_half_even(v);
+  }
+  const bool e4 = fmt == FMT_E4M3;
+  const float qmax = e4 ? 448.0f : 57344.0f;
+  v = v < -qmax ? -qmax : v;  // comparisons are false for NaN: it passes
+  v = v > qmax ? qmax : v;
+  const unsigned bits = f32_bits(v);
+  const unsigned sign = (bits >> 24) & 0x80u;
+  const unsigned mag = bits & 0x7fffffffu;
+  const int drop = e4 ? 20 : 21;  // float32 mantissa bits dropped
+  const unsigned odd = (mag >> drop) & 1u;
+  const unsigned up = mag + ((1u << (drop - 1)) - 1u) + odd;
+  const unsigned normal = (up >> drop) - (e4 ? (120u << 3) : (112u << 2));
+  float small = __uint_as_float(mag) * (e4 ? 512.0f : 65536.0f);  // exact
+  small = small < 16.0f ? small : 16.0f;
+  const unsigned sub = (unsigned)(int)round_half_even(small);
+  unsigned code = mag < (e4 ? 0x3C800000u : 0x38800000u) ? sub : normal;
+  code = mag > 0x7f800000u ? (e4 ? 0x7fu : 0x7eu) : code;
+  return (unsigned char)(sign | code);
+}
+
+// Max of unsigned bit patterns over a group (exact: any tree gives the same value).
+struct MaxBitsOp {
+  typedef unsigned S;
+  static __device__ __forceinline__ S identity() { return 0u; }
+  static __device__ __forceinline__ S merge(const S& a, const S& b) { return a > b ? a : b; }
+  static __device__ __forceinline__ S shfl_xor(const S& s, int off) {
+    return __shfl_xor_sync(FULL_MASK, s, off);
+  }
+};
+
 // ================================================== forward, rows whose squares overflow
 //
 // A finite row with a spread near 1e19 (float32 accumulation; float64: 1e154) has a sum
@@ -461,10 +561,14 @@ __device__ __forceinline__ double pow2(int k) {
                     : __longlong_as_double(1LL << (k + 1074));
 }
 
-template <typename T, typename A, bool RMS, typename TY>
+// Quantized (QUANT, float accumulation): every thread of the row computes the row's y32
+// amax itself (dynamic scale: another scalar pass, no collective) and its elements'
+// codes (qz; yr unused).
+template <typename T, typename A, bool RMS, typename TY, bool QUANT = false>
 __device__ __noinline__ bool rescaled_row(const T* xr, i64 xs1, TY* yr, i64 ys1, i64 n, A eps,
                                           const A* w, const A* b, A* mean_out, A* rstd_out,
-                                          i64 row, int part, int parts) {
+                                          i64 row, int part, int parts,
+                                          QuantOut<A> qz = QuantOut<A>()) {
   double amax = 0.0;
   for (i64 i = 0; i < n; ++i) {
     const double a = fabs((double)to_acc(xr[i * xs1]));
@@ -487,12 +591,29 @@ __device__ __noinline__ bool rescaled_row(const T* xr, i64 xs1, TY* yr, i64 ys1,
     m2 = m2 + d * d;
   }
   const double rstd = inv_sqrt(ratio(m2, (u64)n) + (double)eps * s * s);
-  for (i64 i = part; i < n; i += parts) {
+  auto value = [&](i64 i) -> A {
     const double d = (double)to_acc(xr[i * xs1]) * s - mean;
     A v = A(d * rstd);
     v = v * param_or(w, i, A(1));
     if constexpr (!RMS) v = v + param_or(b, i, A(0));
-    yr[i * ys1] = Elem<TY>::from(v);
+    return v;
+  };
+  if constexpr (QUANT) {
+    static_assert(sizeof(A) == 4, "quantized output: float accumulation only");
+    A inv;
+    if (qz.inv_rows == nullptr) {
+      unsigned top = 0u;
+      for (i64 i = 0; i < n; ++i) top = absmax_bits(top, value(i));
+      const A scale = quant_scale(top, qz.fmt);
+      if (part == 0) qz.scale_out[row] = scale;
+      inv = __fdiv_rn(1.0f, scale);
+    } else {
+      inv = qz.inv_rows[row];
+    }
+    unsigned char* qr = qz.q + row * qz.qs0;
+    for (i64 i = part; i < n; i += parts) qr[i] = code8(value(i) * inv, qz.fmt);
+  } else {
+    for (i64 i = part; i < n; i += parts) yr[i * ys1] = Elem<TY>::from(value(i));
   }
   if (part == 0) {
     // mean / s as two exact power-of-two steps (2^e alone overflows at e = 1024); the
@@ -548,13 +669,21 @@ static_assert(LNK_MAX_G <= 1024, "a row group is at most one block");
 // only in the output pass, which follows the row reduction; the one element another
 // lane reads (element 0, for the shift K) is read before that lane's part of the
 // reduction. The rescaled path, which reads the whole row, has its own order (below).
-template <typename TX, typename TR, typename TH, typename A, int G, int MAXC, bool RMS,
-          bool ADD>
+//
+// TP is the type the packs hold and the configuration's: TH, except in the quantized
+// kernels (QUANT: y32 goes to 8-bit codes through qz, y unused), where it is float, so
+// that y32 is fwd_rows<float>'s of the widened row (h); a pack of x, r or h then has
+// float's vector width. The dynamic scale needs the row's amax before any code: a pass
+// over the row (reloading tiles past the first) and a group reduction, which every
+// thread reaches (rows finished by the rescaled path included: no `continue` there).
+template <typename TX, typename TR, typename TH, typename TP, typename A, int G, int MAXC,
+          bool RMS, bool ADD, bool QUANT>
 __device__ __forceinline__ void forward_rows(
     const TX* x, const TR* res, TH* h, TX* y, const A* w, const A* b, A eps, A inv_n,
     A* mean_out, A* rstd_out, i64 rows, i64 n, i64 inner, double inv_inner, i64 xs0,
-    i64 xs1, i64 xs2, i64 rs0, i64 hs0, i64 ys0, i64 ys1, i64 ys2, int vec_ok) {
-  constexpr int V = VecWidth<TH>::value;
+    i64 xs1, i64 xs2, i64 rs0, i64 hs0, i64 ys0, i64 ys1, i64 ys2, int vec_ok,
+    QuantOut<A> qz = QuantOut<A>()) {
+  constexpr int V = VecWidth<TP>::value;
   constexpr i64 TILE = (i64)G * MAXC * V;
   constexpr int GPB = G > 32 ? 1 : 128 / G;  // groups (rows) per block
   const int lane = G > 32 ? (int)threadIdx.x : (int)(threadIdx.x % G);
@@ -566,19 +695,37 @@ __device__ __forceinline__ void forward_rows(
     const i64 row = base + group;
     const bool active = row < rows;
     const TX* xr = x + (active ? row_offset(row, inner, inv_inner, xs0, xs2) : 0);
-    TX* yr = y + (active ? row_offset(row, inner, inv_inner, ys0, ys2) : 0);
+    TX* yr = QUANT ? nullptr : y + (active ? row_offset(row, inner, inv_inner, ys0, ys2) : 0);
     // The fused kernel's r and h rows, recomputed where used from the row and the kernel
     // parameters (which ptxas rematerializes instead of holding two more pointers in
     // registers across the row reduction).
     const i64 arow = active ? row : 0;
     auto rrow = [&]() -> const TR* { return res + arow * rs0; };
     auto hrow = [&]() -> TH* { return h + arow * hs0; };
-    Pack<TH> p[MAXC];
+    Pack<TP> p[MAXC];
     // The stored h of this lane's vectors of a tile (from row element `first` on) into p.
     auto load_h = [&](i64 first, i64 rem) {
 #pragma unroll
       for (int c = 0; c < MAXC; ++c) {
-        load_pack(hrow() + first, (i64)1, c * G * V, rem, vec, p[c]);
+        if constexpr (sizeof(TP) == sizeof(TH)) {
+          load_pack(hrow() + first, (i64)1, c * G * V, rem, vec, p[c]);
+        } else {
+          Pack<TH, V> ph;
+          load_pack(hrow() + first, (i64)1, c * G * V, rem, vec, ph);
+#pragma unroll
+          for (int k = 0; k < V; ++k) p[c].v[k] = to_acc(ph.v[k]);
+        }
+      }
+    };
+    // Pack c of p, in h's type, at row element `first` + c * G * V of h.
+    auto store_h = [&](i64 first, i64 rem, int c) {
+      if constexpr (sizeof(TP) == sizeof(TH)) {
+        store_pack(hrow() + first, (i64)1, c * G * V, rem, vec, p[c]);
+      } else {
+        Pack<TH, V> ph;
+#pragma unroll
+        for (int k = 0; k < V; ++k) ph.v[k] = Elem<TH>::from(p[c].v[k]);  // exact
+        store_pack(hrow() + first, (i64)1, c * G * V, rem, vec, ph);
       }
     };
     // This lane's vectors of a tile into p: x, or x + r.
@@ -593,12 +740,25 @@ __device__ __forceinline__ void forward_rows(
           load_pack(rrow() + first, (i64)1, c * G * V, rem, vec, pr);
 #pragma unroll
           for (int k = 0; k < V; ++k) {
-            p[c].v[k] = Elem<TH>::from(to_acc(px.v[k]) + to_acc(pr.v[k]));
+            const TH hv = Elem<TH>::from(to_acc(px.v[k]) + to_acc(pr.v[k]));
+            if constexpr (sizeof(TP) == sizeof(TH)) {
+              p[c].v[k] = hv;
+            } else {
+              p[c].v[k] = to_acc(hv);
+            }
           }
         }
-      } else {
+      } else if constexpr (sizeof(TP) == sizeof(TX)) {
 #pragma unroll
         for (int c = 0; c < MAXC; ++c) load_pack(xt, xs1, c * G * V, rem, vec, p[c]);
+      } else {
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) {
+          Pack<TX, V> px;
+          load_pack(xt, xs1, c * G * V, rem, vec, px);
+#pragma unroll
+          for (int k = 0; k < V; ++k) p[c].v[k] = to_acc(px.v[k]);
+        }
       }
     };
     // h[0] (the shift K): from x and r in the fused kernel, whose row h is not stored yet.
@@ -658,7 +818,8 @@ __device__ __forceinline__ void forward_rows(
     }
     bool reload = false;  // fwd_rows: the packs are loaded again in the output pass
     bool from_h = false;  // add_fwd_rows: the output pass reads the stored h, not x + r
-    if constexpr (Elem<TH>::can_overflow) {
+    bool done = false;    // QUANT: the rescaled path finished the row
+    if constexpr (Elem<TP>::can_overflow) {
       const bool rescale = active && !(rstd > A(0));  // overflowed squares, or NaN / inf
       if constexpr (ADD) {
         // rescaled_row reads the whole row while other lanes store y, which may be x or r:
@@ -673,34 +834,96 @@ __device__ __forceinline__ void forward_rows(
               if (tiles > 1) load(first, rem);
 #pragma unroll
               for (int c = 0; c < MAXC; ++c) {
-                if (c * G * V < rem) {
-                  store_pack(hrow() + first, (i64)1, c * G * V, rem, vec, p[c]);
-                }
+                if (c * G * V < rem) store_h(first, rem, c);
               }
             }
           }
           group_sync<G>();
           if (rescale) {
-            if (rescaled_row<TH, A, RMS>(hrow(), (i64)1, yr, ys1, n, eps, w, b, mean_out,
-                                         rstd_out, row, lane, G)) {
-              continue;
+            if (rescaled_row<TH, A, RMS, TX, QUANT>(hrow(), (i64)1, yr, ys1, n, eps, w, b,
+                                                    mean_out, rstd_out, row, lane, G, qz)) {
+              if constexpr (QUANT) {
+                done = true;
+              } else {
+                continue;
+              }
+            } else {
+              from_h = true;
+              // Tile 0 reloaded here, whatever the number of tiles, rather than in the
+              // output pass: then no pack is live across the call (whose saved registers
+              // would spill).
+              load_h((i64)lane * V, n - (i64)lane * V);
             }
-            from_h = true;
-            // Tile 0 reloaded here, whatever the number of tiles, rather than in the
-            // output pass: then no pack is live across the call (whose saved registers
-            // would spill).
-            load_h((i64)lane * V, n - (i64)lane * V);
           }
         }
       } else if (rescale) {
-        if (rescaled_row<TH, A, RMS>(xr, xs1, yr, ys1, n, eps, w, b, mean_out, rstd_out, row,
-                                     lane, G)) {
-          continue;
+        if (rescaled_row<TX, A, RMS, TX, QUANT>(xr, xs1, yr, ys1, n, eps, w, b, mean_out,
+                                                rstd_out, row, lane, G, qz)) {
+          if constexpr (QUANT) {
+            done = true;
+          } else {
+            continue;
+          }
+        } else {
+          reload = true;  // the packs are not kept across the call: load them again
         }
-        reload = true;  // the packs are not kept across the call: load them again
       }
     }
-    if (active) {
+    const bool live = active && !done;
+    // This lane's packs of tile t (row element `first` on), for a pass after the
+    // reduction: kept in registers (one tile), else loaded again.
+    auto refetch = [&](i64 first, i64 rem) {
+      if (ADD && from_h && tiles > 1) {
+        load_h(first, rem);
+      } else if (tiles > 1 || reload) {
+        load(first, rem);
+      } else {
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) opaque(p[c]);
+      }
+    };
+    // y32 of element k of pack c of a tile (e: its offset from the lane's first element).
+    auto y32 = [&](int c, int k, int e, const A* wt, const A* bt) -> A {
+      A v;
+      if constexpr (RMS) {
+        v = to_acc(p[c].v[k]) * rstd;
+      } else {
+        v = ((to_acc(p[c].v[k]) - K) - shift_mean) * rstd;
+      }
+      v = v * param_or(wt, e, A(1));
+      if constexpr (!RMS) v = v + param_or(bt, e, A(0));
+      return v;
+    };
+    A inv = A(0);
+    if constexpr (QUANT) {
+      if (qz.inv_rows == nullptr) {
+        unsigned top = 0u;
+        if (live) {
+          for (i64 t = 0; t < tiles; ++t) {
+            const i64 first = t * TILE + (i64)lane * V;
+            const i64 rem = n - first;
+            const A* wt = w == nullptr ? nullptr : w + first;
+            const A* bt = b == nullptr ? nullptr : b + first;
+            refetch(first, rem);
+#pragma unroll
+            for (int c = 0; c < MAXC; ++c) {
+#pragma unroll
+              for (int k = 0; k < V; ++k) {
+                const int e = c * G * V + k;
+                if (e < rem) top = absmax_bits(top, y32(c, k, e, wt, bt));
+              }
+            }
+          }
+        }
+        top = group_reduce<MaxBitsOp, G>(top);
+        const A scale = quant_scale(top, qz.fmt);
+        if (live && lane == 0) qz.scale_out[row] = scale;
+        inv = __fdiv_rn(1.0f, scale);
+      } else if (live) {
+        inv = qz.inv_rows[row];
+      }
+    }
+    if (live) {
       if (lane == 0) {
         if constexpr (!RMS) mean_out[row] = K + shift_mean;
         rstd_out[row] = rstd;
@@ -708,37 +931,31 @@ __device__ __forceinline__ void forward_rows(
       for (i64 t = 0; t < tiles; ++t) {
         const i64 first = t * TILE + (i64)lane * V;
         const i64 rem = n - first;
-        TX* yt = yr + first * ys1;
         const A* wt = w == nullptr ? nullptr : w + first;
         const A* bt = b == nullptr ? nullptr : b + first;
-        if (ADD && from_h && tiles > 1) {
-          load_h(first, rem);
-        } else if (tiles > 1 || reload) {
-          load(first, rem);
-        } else {
-#pragma unroll
-          for (int c = 0; c < MAXC; ++c) opaque(p[c]);
-        }
+        refetch(first, rem);
 #pragma unroll
         for (int c = 0; c < MAXC; ++c) {
           const int off = c * G * V;
           if (off < rem) {
-            Pack<TX, V> o;
+            if constexpr (QUANT) {
+              Pack<unsigned char, V> o;
 #pragma unroll
-            for (int k = 0; k < V; ++k) {
-              const int e = off + k < rem ? off + k : off;  // stays inside w and b
-              A v;
-              if constexpr (RMS) {
-                v = to_acc(p[c].v[k]) * rstd;
-              } else {
-                v = ((to_acc(p[c].v[k]) - K) - shift_mean) * rstd;
+              for (int k = 0; k < V; ++k) {
+                const int e = off + k < rem ? off + k : off;  // stays inside w and b
+                o.v[k] = code8(y32(c, k, e, wt, bt) * inv, qz.fmt);
               }
-              v = v * param_or(wt, e, A(1));
-              if constexpr (!RMS) v = v + param_or(bt, e, A(0));
-              o.v[k] = Elem<TX>::from(v);
+              store_pack(qz.q + arow * qz.qs0 + first, (i64)1, off, rem, vec, o);
+            } else {
+              Pack<TX, V> o;
+#pragma unroll
+              for (int k = 0; k < V; ++k) {
+                const int e = off + k < rem ? off + k : off;  // stays inside w and b
+                o.v[k] = Elem<TX>::from(y32(c, k, e, wt, bt));
+              }
+              store_pack(yr + first * ys1, ys1, off, rem, vec, o);
             }
-            store_pack(yt, ys1, off, rem, vec, o);
-            if constexpr (ADD) store_pack(hrow() + first, (i64)1, off, rem, vec, p[c]);
+            if constexpr (ADD) store_h(first, rem, c);
           }
         }
       }
@@ -754,7 +971,7 @@ fwd_rows(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
          i64 rows, i64 n, i64 inner, double inv_inner, i64 xs0, i64 xs1, i64 xs2,
          i64 ys0, i64 ys1, i64 ys2,
          int vec_ok) {
-  forward_rows<T, T, T, A, G, MAXC, RMS, false>(
+  forward_rows<T, T, T, T, A, G, MAXC, RMS, false, false>(
       x, nullptr, nullptr, y, w, b, eps, inv_n, mean_out, rstd_out, rows, n, inner,
       inv_inner, xs0, xs1, xs2, 0, 0, ys0, ys1, ys2, vec_ok);
 }
@@ -768,9 +985,40 @@ __global__ void __launch_bounds__(RowLaunch<G, FwdPerSm<TH, G, MAXC>::value>::th
 add_fwd_rows(const TX* x, const TR* r, TH* h, TX* y, const A* w, const A* b, A eps,
              A inv_n, A* mean_out, A* rstd_out, i64 rows, i64 n, i64 xs0, i64 rs0,
              i64 hs0, i64 ys0, int vec_ok) {
-  forward_rows<TX, TR, TH, A, G, MAXC, RMS, true>(
+  forward_rows<TX, TR, TH, TH, A, G, MAXC, RMS, true, false>(
       x, r, h, y, w, b, eps, inv_n, mean_out, rstd_out, rows, n, 1, 1.0, xs0, 1, 0, rs0,
       hs0, ys0, 1, 0, vec_ok);
+}
+
+// y (of x, rows of unit stride) as 8-bit codes q (row r at q + r * qs0): see "quantized
+// output" above. A = float; the configuration and the occupancy are fwd_rows<float>'s.
+// inv_rows: 1 / scale per row (static scale), or null: each row's scale goes to
+// scale_out.
+template <typename TX, typename A, int G, int MAXC, bool RMS>
+__global__ void __launch_bounds__(RowLaunch<G, FwdPerSm<A, G, MAXC>::value>::threads,
+                                  RowLaunch<G, FwdPerSm<A, G, MAXC>::value>::min_blocks)
+quant_fwd_rows(const TX* x, unsigned char* q, const A* w, const A* b, A eps, A inv_n,
+               A* mean_out, A* rstd_out, const A* inv_rows, A* scale_out, i64 rows, i64 n,
+               i64 xs0, i64 qs0, int fmt, int vec_ok) {
+  const QuantOut<A> qz = {q, inv_rows, scale_out, qs0, fmt};
+  forward_rows<TX, TX, TX, A, A, G, MAXC, RMS, false, true>(
+      x, nullptr, nullptr, nullptr, w, b, eps, inv_n, mean_out, rstd_out, rows, n, 1, 1.0,
+      xs0, 1, 0, 0, 0, 0, 1, 0, vec_ok, qz);
+}
+
+// h = x + r as add_fwd_rows computes it, then y of h as 8-bit codes (quant_fwd_rows of the
+// stored h). h may be x or r itself; q shares memory with nothing.
+template <typename TX, typename TR, typename TH, typename A, int G, int MAXC, bool RMS>
+__global__ void __launch_bounds__(RowLaunch<G, FwdPerSm<A, G, MAXC>::value>::threads,
+                                  RowLaunch<G, FwdPerSm<A, G, MAXC>::value>::min_blocks)
+quant_add_fwd_rows(const TX* x, const TR* r, TH* h, unsigned char* q, const A* w,
+                   const A* b, A eps, A inv_n, A* mean_out, A* rstd_out, const A* inv_rows,
+                   A* scale_out, i64 rows, i64 n, i64 xs0, i64 rs0, i64 hs0, i64 qs0,
+                   int fmt, int vec_ok) {
+  const QuantOut<A> qz = {q, inv_rows, scale_out, qs0, fmt};
+  forward_rows<TX, TR, TH, A, A, G, MAXC, RMS, true, true>(
+      x, r, h, nullptr, w, b, eps, inv_n, mean_out, rstd_out, rows, n, 1, 1.0, xs0, 1, 0,
+      rs0, hs0, 0, 1, 0, vec_ok, qz);
 }
 
 // ================================================================== forward, cols
@@ -895,13 +1143,17 @@ fwd_cols(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
 
 // grad_x = ((g - mean(g)) - xhat * mean(g * xhat)) * rstd, g = dy * w,
 // xhat = (x - mean) * rstd (RMSNorm: no mean(g) term, xhat = x * rstd).
+// gres (null: none; strides es0, es1, es2, like x's) is the gradient reaching the
+// normalized input from elsewhere (the residual stream): gx = grad_x + gres, added in the
+// accumulation type before the one rounding to T (both backward kernels).
 template <typename T, typename A, int G, int MAXC, bool RMS>
 __global__ void __launch_bounds__(RowLaunch<G, BwdPerSm<T, MAXC>::value>::threads,
                                   RowLaunch<G, BwdPerSm<T, MAXC>::value>::min_blocks)
 bwd_rows(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* gx, A inv_n,
          i64 rows, i64 n, i64 inner, double inv_inner, i64 gs0, i64 gs1, i64 gs2,
          i64 xs0, i64 xs1, i64 xs2,
-         i64 os0, i64 os1, i64 os2, int vec_ok) {
+         i64 os0, i64 os1, i64 os2, const T* gres, i64 es0, i64 es1, i64 es2,
+         int vec_ok) {
   constexpr int V = VecWidth<T>::value;
   constexpr i64 TILE = (i64)G * MAXC * V;
   constexpr int GPB = G > 32 ? 1 : 128 / G;
@@ -979,6 +1231,11 @@ bwd_rows(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* g
           const int off = c * G * V;
           if (off < rem) {
             Pack<T> o;
+            Pack<T> pe;
+            if (gres != nullptr) {
+              load_pack(gres + row_offset(row, inner, inv_inner, es0, es2) + first * es1, es1,
+                        off, rem, vec, pe);
+            }
 #pragma unroll
             for (int k = 0; k < V; ++k) {
               const int e = off + k < rem ? off + k : off;
@@ -990,6 +1247,7 @@ bwd_rows(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* g
               } else {
                 v = ((g - mean_g) - xh * mean_gx) * rs;
               }
+              if (gres != nullptr) v = v + to_acc(pe.v[k]);
               o.v[k] = Elem<T>::from(v);
             }
             store_pack(ot, os1, off, rem, vec, o);
@@ -1007,7 +1265,8 @@ __global__ void __launch_bounds__(256)
 bwd_cols(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* gx, A inv_n,
          i64 rows, i64 n, i64 inner, double inv_inner, i64 gs0, i64 gs1, i64 gs2,
          i64 xs0, i64 xs1, i64 xs2,
-         i64 os0, i64 os1, i64 os2, int G, int MAXC, i64 tiles) {
+         i64 os0, i64 os1, i64 os2, const T* gres, i64 es0, i64 es1, i64 es2,
+         int G, int MAXC, i64 tiles) {
   constexpr int V = VecWidth<T>::value;
   const i64 TILE = (i64)G * MAXC * V;
   const int L = G / (int)blockDim.y;
@@ -1074,6 +1333,9 @@ bwd_cols(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* g
                   v = (g - xh * mean_gx) * rs;
                 } else {
                   v = ((g - mean_g) - xh * mean_gx) * rs;
+                }
+                if (gres != nullptr) {
+                  v = v + to_acc(gres[row_offset(row, inner, inv_inner, es0, es2) + e * es1]);
                 }
                 orow[e * os1] = Elem<T>::from(v);
               }
