@@ -1109,6 +1109,14 @@ def test_torch_errors():
     out = torch.empty(2, 4, dtype=torch.int8)
     q, _s = ln.rms_norm(x, quantize="int8", out=out)
     assert q is out
+    # the kernels write outputs in place: one whose elements alias is refused
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="out has elements that share memory"):
+        ln.rms_norm(x, quantize="int8", out=torch.empty(1, 8, dtype=torch.int8).expand(3, 8))
+    with pytest.raises(ValueError, match="out has elements that share memory"):
+        ln.add_rms_norm(x, x.clone(), out=torch.empty(1, 8).expand(3, 8))
+    with pytest.raises(ValueError, match="residual_out has elements that share memory"):
+        ln.add_layer_norm(x, x.clone(), residual_out=torch.empty(1, 8).expand(3, 8))
 
 
 # --------------------------------------------------------------------------- Dask
