@@ -884,6 +884,154 @@ def test_torch_matches_numpy_bitwise():
     np.testing.assert_array_equal(gw.view(torch.int16).numpy(), ngw.view(np.int16))
 
 
+def as_tensor(a):
+    """A CPU tensor sharing the memory of the NumPy array ``a`` (bfloat16 through its bits)."""
+    import torch
+
+    if a.dtype == DT["bfloat16"]:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def tensor_bits(t):
+    """The bits of a CPU tensor as a NumPy array of signed integers (any float dtype)."""
+    import torch
+
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.detach().contiguous().view(ints[t.element_size()]).numpy()
+
+
+def assert_tensor_bitwise(t, a):
+    a = np.ascontiguousarray(a)
+    assert tuple(t.shape) == a.shape
+    assert str(t.dtype).removeprefix("torch.") == a.dtype.name, (t.dtype, a.dtype)
+    np.testing.assert_array_equal(tensor_bits(t), a.view(f"i{a.dtype.itemsize}"))
+
+
+@pytest.mark.parametrize("fn", ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"])
+def test_torch_cpu_quantizes_in_the_kernel(fn):
+    # quantize= on CPU tensors runs the quantizing kernel on zero-copy views (the
+    # composition raises here), and gives NumPy's bits: codes, scale, h and statistics.
+    torch = pytest.importorskip("torch")
+    add, rms = fn.startswith("add_"), "rms" in fn
+    x = data((9, 300), "bfloat16", 0, 3.0)
+    r = data((9, 300), "float32", 1)
+    w = data((300,), "bfloat16", 2)
+    b = data((300,), "float32", 3)
+    static = data((9, 1), "float32", 4) ** 2 + np.float32(0.01)
+    params = {"weight": w} if rms else {"weight": w, "bias": b}
+    np_args = (x, r) if add else (x,)
+    t_args = tuple(as_tensor(a).requires_grad_() for a in np_args)
+    t_params = {k: as_tensor(v) for k, v in params.items()}
+    f = getattr(ln, fn)
+    sp = 2 if add else 1  # where the scale is in the results
+    for fmt in QMAX:
+        for scale, t_scale in ((None, None), (0.02, 0.02), (static, torch.from_numpy(static))):
+            want = f(*np_args, weight_offset=1.0, quantize=fmt, scale=scale,
+                     return_stats=True, **params)
+            out = torch.empty(9, 300, dtype=getattr(torch, fmt))
+            with quantized_calls(strict=True) as calls:
+                got = f(*t_args, weight_offset=1.0, quantize=fmt, scale=t_scale,
+                        return_stats=True, **t_params)
+                with torch.no_grad():  # out= takes no inputs that require grad
+                    got_out = f(*t_args, weight_offset=1.0, quantize=fmt, scale=t_scale,
+                                out=out, **t_params)
+            assert calls == [fmt, fmt]
+            assert len(got) == len(want)
+            assert got[0].dtype == getattr(torch, fmt) and not got[0].requires_grad
+            for k, (g, n) in enumerate(zip(got, want, strict=True)):
+                if k == sp and scale is not None:
+                    assert g is t_scale  # a static scale is returned as passed
+                else:
+                    assert_tensor_bitwise(g, n)
+            assert got_out[0] is out
+            assert_tensor_bitwise(out, want[0])
+
+
+def test_torch_cpu_quantize_composes_where_numpy_does():
+    # float64 input (float64 accumulation) and normalized columns have no quantizing
+    # kernel: composed, for tensors as for NumPy arrays, with the same bits.
+    pytest.importorskip("torch")
+    cases = [(data((5, 16), "float64", 0), {}), (data((16, 5), "float32", 1), {"axis": 0})]
+    for x, kw in cases:
+        want = ln.rms_norm(x, quantize="float8_e4m3fn", return_stats=True, **kw)
+        with quantized_calls() as calls:
+            got = ln.rms_norm(as_tensor(x), quantize="float8_e4m3fn", return_stats=True, **kw)
+        assert calls == []
+        for g, n in zip(got, want, strict=True):
+            assert_tensor_bitwise(g, n)
+
+
+@contextlib.contextmanager
+def fused_grad_residual(name):
+    """Records whether each call of the Numba backward ``name`` got ``grad_residual``; the
+    composition (grad_x + grad_residual after the backward) raises."""
+    from layernorm import _engine
+    from layernorm._backends import _numba as backend
+
+    seen = []
+    real = getattr(backend, name)
+
+    def spy(*args, **kwargs):
+        seen.append("grad_residual" in kwargs)
+        return real(*args, **kwargs)
+
+    def composed(*args, **kwargs):
+        raise AssertionError("grad_residual added by the composition, not the kernel")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend, name, spy)
+        mp.setattr(_engine, "with_grad_residual", composed)
+        yield seen
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rms", [False, True])
+def test_torch_cpu_adds_grad_residual_in_the_kernel(rms, dtype):
+    torch = pytest.importorskip("torch")
+    x, gy, gr = (data((9, 300), dtype, seed, 2.0) for seed in (0, 1, 2))
+    strided = np.repeat(gr, 2, axis=1)[:, ::2]  # every other column of a wider array
+    w = data((300,), "bfloat16", 3)
+    fwd, bwd = (ln.rms_norm, ln.rms_norm_backward) if rms else (ln.layer_norm,
+                                                                ln.layer_norm_backward)
+    stats = fwd(x, weight=w, weight_offset=1.0, return_stats=True)[1:]
+    want = bwd(gy, x, *stats, w, weight_offset=1.0, grad_residual=gr)
+    t_stats = [torch.from_numpy(s) for s in stats]
+    with fused_grad_residual("rms_norm_backward" if rms else "layer_norm_backward") as seen:
+        got = bwd(as_tensor(gy), as_tensor(x), *t_stats, as_tensor(w), weight_offset=1.0,
+                  grad_residual=as_tensor(gr))
+        got_strided = bwd(as_tensor(gy), as_tensor(x), *t_stats, as_tensor(w),
+                          weight_offset=1.0, grad_residual=as_tensor(strided))
+    assert seen == [True, True]
+    for g, gs, n in zip(got, got_strided, want, strict=True):
+        assert_tensor_bitwise(g, n)
+        assert_tensor_bitwise(gs, n)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_torch_cpu_add_autograd_adds_grad_residual_in_the_kernel(rms):
+    # Through add_*'s autograd node the gradient of h reaches the backward kernels as
+    # grad_residual: x and residual get NumPy's grad_x + grad_residual, bit for bit.
+    torch = pytest.importorskip("torch")
+    x, r, gy, gh = (data((9, 300), "float32", seed) for seed in (0, 1, 2, 3))
+    w, b = data((300,), "float32", 4), data((300,), "float32", 5)
+    params = {"weight": w} if rms else {"weight": w, "bias": b}
+    f, bwd = (ln.add_rms_norm, ln.rms_norm_backward) if rms else (ln.add_layer_norm,
+                                                                  ln.layer_norm_backward)
+    _, h, *stats = f(x, r, weight_offset=1.0, return_stats=True, **params)
+    want = bwd(gy, h, *stats, w, weight_offset=1.0, grad_residual=gh)
+    tx, tr = as_tensor(x).requires_grad_(), as_tensor(r).requires_grad_()
+    t_params = {k: as_tensor(v).requires_grad_() for k, v in params.items()}
+    with fused_grad_residual("rms_norm_backward" if rms else "layer_norm_backward") as seen:
+        y, th = f(tx, tr, weight_offset=1.0, **t_params)
+        torch.autograd.backward((y, th), (as_tensor(gy), as_tensor(gh)))
+    assert seen == [True]
+    assert_tensor_bitwise(tx.grad, want[0])
+    assert_tensor_bitwise(tr.grad, want[0])
+    for t, n in zip(t_params.values(), want[1:], strict=True):
+        assert_tensor_bitwise(t.grad, n)
+
+
 @pytest.mark.parametrize("backend", [None, "array_api"])
 def test_torch_autograd_gradcheck(backend):
     torch = pytest.importorskip("torch")
@@ -961,6 +1109,14 @@ def test_torch_errors():
     out = torch.empty(2, 4, dtype=torch.int8)
     q, _s = ln.rms_norm(x, quantize="int8", out=out)
     assert q is out
+    # the kernels write outputs in place: one whose elements alias is refused
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="out has elements that share memory"):
+        ln.rms_norm(x, quantize="int8", out=torch.empty(1, 8, dtype=torch.int8).expand(3, 8))
+    with pytest.raises(ValueError, match="out has elements that share memory"):
+        ln.add_rms_norm(x, x.clone(), out=torch.empty(1, 8).expand(3, 8))
+    with pytest.raises(ValueError, match="residual_out has elements that share memory"):
+        ln.add_layer_norm(x, x.clone(), residual_out=torch.empty(1, 8).expand(3, 8))
 
 
 # --------------------------------------------------------------------------- Dask

@@ -460,3 +460,46 @@ def test_cuda_tensors_run_the_cupy_kernels(dtype):
     r = ln.rms_norm(x.detach(), axis=1)
     np.testing.assert_allclose(
         _np64(r.cpu()), reference.rms_norm(_np64(x.cpu()), (1,))[0], atol=scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_cuda_tensors_quantize_and_add_grad_residual_in_the_cupy_kernels(dtype):
+    # The fused paths of CuPy arrays, taken by CUDA tensors on zero-copy views: int8 and
+    # grad_residual give CuPy's bits; float8 (which CuPy lacks) the contract's formula
+    # on the float32 forward of the widened row, computed here with NumPy/ml_dtypes.
+    _cuda_or_skip()
+    import cupy
+    import ml_dtypes
+
+    tdt = TORCH_DTYPES[dtype]
+    x = _randn(33, 300, seed=60, dtype=tdt).cuda()
+    r = _randn(33, 300, seed=61, dtype=torch.float32).cuda()
+    w = _randn(300, seed=62, dtype=torch.float32).cuda()
+    b = _randn(300, seed=63, dtype=torch.float32).cuda()
+    cx, cr, cw, cb = (cupy.from_dlpack(t) for t in (x, r, w, b))
+    q, h, s = ln.add_layer_norm(x, r, 300, w, b, quantize="int8")
+    cq, ch, cs = ln.add_layer_norm(cx, cr, 300, cw, cb, quantize="int8")
+    assert q.dtype == torch.int8 and q.device == x.device
+    for t, c in ((q, cq), (h, ch), (s, cs)):
+        np.testing.assert_array_equal(t.cpu().numpy(), cupy.asnumpy(c))
+    y32 = cupy.asnumpy(ln.layer_norm(cx.astype(cupy.float32), 300, cw, cb))
+    for fmt, qmax in (("float8_e4m3fn", 448.0), ("float8_e5m2", 57344.0)):
+        q8, s8 = ln.layer_norm(x, 300, w, b, quantize=fmt)
+        qmax = np.float32(qmax)
+        amax = np.abs(y32).max(axis=-1, keepdims=True)
+        s_ref = np.where(amax == 0, np.float32(1), amax / qmax).astype(np.float32)
+        q_ref = np.clip(y32 * (np.float32(1) / s_ref), -qmax, qmax).astype(
+            getattr(ml_dtypes, fmt))
+        assert q8.dtype == getattr(torch, fmt) and q8.device == x.device
+        np.testing.assert_array_equal(q8.view(torch.uint8).cpu().numpy(),
+                                      q_ref.view(np.uint8))
+        np.testing.assert_array_equal(s8.cpu().numpy(), s_ref)
+    _, mean, rstd = ln.layer_norm(x, 300, w, b, return_stats=True)
+    gy = _randn(33, 300, seed=64, dtype=tdt).cuda()
+    gr = _randn(33, 300, seed=65, dtype=tdt).cuda()
+    got = ln.layer_norm_backward(gy, x, mean, rstd, w, grad_residual=gr)
+    want = ln.layer_norm_backward(*(cupy.from_dlpack(t) for t in (gy, x, mean, rstd, w)),
+                                  grad_residual=cupy.from_dlpack(gr))
+    for t, c in zip(got, want, strict=True):
+        np.testing.assert_array_equal(t.cpu().numpy(), cupy.asnumpy(c))

@@ -860,7 +860,8 @@ def fused_rows(xp: Any, x: Any, residual: Any, req: Request, h_name: str | None,
     already resolved). With ``quantize`` the backend's kernel normalizes into float32
     and quantizes from the cache (accumulation dtype float32 only); ``y`` (the codes)
     may share no memory with an input, ``scale`` is the per-row scale (dynamic) or the
-    caller's. Statistics come back in keepdims shape (``mean`` None for RMSNorm).
+    caller's; an ``out`` for the codes may be any array of 1-byte elements (their bits).
+    Statistics come back in keepdims shape (``mean`` None for RMSNorm).
     """
     layout = req.layout
     backend = None if req.backend == "array_api" else native(req.backend)
@@ -890,7 +891,10 @@ def fused_rows(xp: Any, x: Any, residual: Any, req: Request, h_name: str | None,
         if h_name not in (req.dtype, req.acc) or accumulation_name(r_name) != req.acc:
             return None
         eps = resolve_eps(eps, replace(req, dtype=h_name), rms)
-    y_dtype = x.dtype if quantize is None else dtype_of(xp, quantize)
+    # A given ``out`` for codes may be a 1-byte view (CuPy has no float8 dtype): the
+    # format's dtype is only looked up where the codes are allocated here.
+    y_dtype = x.dtype if quantize is None else (None if out is not None
+                                                 else dtype_of(xp, quantize))
     # h in x's dtype is stored as x is (bits, where the library lacks the dtype).
     h_dtype = None if residual is None else (
         x.dtype if h_name == req.dtype else dtype_of(xp, h_name))

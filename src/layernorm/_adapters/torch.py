@@ -218,15 +218,20 @@ def forward_with(bridge: Bridge, route: Route, rms: bool, x: Any, ns: Any, weigh
 
 
 def backward_with(bridge: Bridge, route: Route, rms: bool, gy: Any, x: Any, mean: Any,
-                  rstd: Any, weight: Any, ns: Any, axis: Any) -> tuple[Any, ...]:
-    """Validated native backward of tensors through ``bridge``: gradient tensors."""
+                  rstd: Any, weight: Any, ns: Any, axis: Any,
+                  grad_residual: Any = None) -> tuple[Any, ...]:
+    """Validated native backward of tensors through ``bridge``: gradient tensors.
+
+    ``grad_residual`` (checked by the caller; only where the backend fuses it,
+    :func:`layernorm._engine.fuses_grad_residual`) is added to ``grad_x`` by the kernels.
+    """
     req = _engine.request(x, route, ns, axis, weight=weight)
     stats = {"rstd": rstd} if rms else {"mean": mean, "rstd": rstd}
     _engine.check_backward(gy, req, **stats)
     grads = _engine.backward(
         bridge.xp, bridge.array(gy), bridge.array(x), req,
         None if rms else bridge.param(mean, req.acc), bridge.param(rstd, req.acc),
-        bridge.param(weight, req.acc), rms)
+        bridge.param(weight, req.acc), rms, bridge.array(grad_residual))
     pdtype = (weight if weight is not None else x).dtype
     acc = _ACC_TORCH[req.acc]
     return (bridge.tensor(grads[0], x.dtype),
@@ -269,12 +274,27 @@ def _forward(route: Route, rms: bool, x: Any, ns: Any, weight: Any, bias: Any, e
 
 
 def _backward(route: Route, rms: bool, gy: Any, x: Any, mean: Any, rstd: Any, weight: Any,
-              ns: Any, axis: Any) -> tuple[Any, ...]:
+              ns: Any, axis: Any, grad_residual: Any = None) -> tuple[Any, ...]:
     if route.backend == "array_api":
         return _generic_backward(route, rms, gy, x, mean, rstd, weight, ns, axis)
     bridge, scope = _bridge_and_scope(route, x)
     with scope:
-        return backward_with(bridge, route, rms, gy, x, mean, rstd, weight, ns, axis)
+        return backward_with(bridge, route, rms, gy, x, mean, rstd, weight, ns, axis,
+                             grad_residual)
+
+
+def _backward_plus(route: Route, rms: bool, req: Any, gy: Any, x: Any, mean: Any, rstd: Any,
+                   weight: Any, ns: Any, axis: Any, grad_residual: Any) -> tuple[Any, ...]:
+    """The backward with ``grad_residual`` added to ``grad_x``: inside the kernels where
+    the backend fuses it (as the engine does for NumPy/CuPy arrays), else composed
+    (:func:`layernorm._engine.with_grad_residual`)."""
+    if grad_residual is not None and _engine.fuses_grad_residual(req):
+        return _backward(route, rms, gy, x, mean, rstd, weight, ns, axis, grad_residual)
+
+    def run(gy_: Any, x_: Any) -> tuple[Any, ...]:
+        return _backward(route, rms, gy_, x_, mean, rstd, weight, ns, axis)
+
+    return _engine.with_grad_residual(_namespace(x), gy, x, req, run, grad_residual)
 
 
 class _NormFunction(torch.autograd.Function):
@@ -342,7 +362,13 @@ def _extended_forward(route: Route, rms: bool, x: Any, ns: Any, weight: Any, bia
         return _forward(route, rms, a, ns, g, bias, eps, axis, o)
 
     with torch.no_grad():  # quantized outputs are not differentiable
-        y, s, mean, rstd = _engine.compose(xp, x, req, norm, req.dtype, out, quantize, scale)
+        fused = None if route.backend == "array_api" else _fused_rows(
+            route, rms, x, None, ns, g, bias, eps, axis, None, out, None, quantize, scale)
+        if fused is not None:
+            y, _, s, mean, rstd = fused
+        else:
+            y, s, mean, rstd = _engine.compose(xp, x, req, norm, req.dtype, out, quantize,
+                                               scale)
     return _engine.results(y, None, s, mean, rstd, quantize, return_stats, rms, add=False)
 
 
@@ -381,13 +407,8 @@ def _extended_backward(route: Route, rms: bool, gy: Any, x: Any, mean: Any, rstd
     req = _engine.request(x, route, ns, axis, weight=weight)
     offset = _engine.check_weight_offset(weight_offset, weight is not None)
     _engine.check_grad_residual(grad_residual, req)
-    xp = _namespace(x)
-    g = _engine.gain(xp, weight, offset, req.acc)
-
-    def run(gy_: Any, x_: Any) -> tuple[Any, ...]:
-        return _backward(route, rms, gy_, x_, mean, rstd, g, ns, axis)
-
-    grads = _engine.with_grad_residual(xp, gy, x, req, run, grad_residual)
+    g = _engine.gain(_namespace(x), weight, offset, req.acc)
+    grads = _backward_plus(route, rms, req, gy, x, mean, rstd, g, ns, axis, grad_residual)
     pdtype = (weight if weight is not None else x).dtype
     return (grads[0], *(gr.to(pdtype) for gr in grads[1:]))
 
@@ -416,42 +437,73 @@ def rms_norm_backward(grad_y: Any, x: Any, route: Route, rstd: Any, weight: Any,
 # --------------------------------------------------------------------------- fusions
 
 
-def _fused_add(route: Route, rms: bool, x: Any, residual: Any, ns: Any, gain: Any, bias: Any,
-               eps: Any, axis: Any, h_name: str, out: Any, residual_out: Any
-               ) -> tuple[Any, ...] | None:
-    """``(y, h, None, mean, rstd)`` by the backend's one-pass kernel on zero-copy views
-    (:func:`layernorm._engine.fused_add`), or None where it has none for this call."""
+def _fused_rows(route: Route, rms: bool, x: Any, residual: Any, ns: Any, gain: Any,
+                bias: Any, eps: Any, axis: Any, h_name: str | None, out: Any,
+                residual_out: Any, quantize: str | None, scale: Any) -> tuple[Any, ...] | None:
+    """``(y, h, scale, mean, rstd)`` tensors by the backend's one-pass kernel on zero-copy
+    views (:func:`layernorm._engine.fused_rows`), or None where it has none for this call
+    (then the caller composes).
+
+    Serves the ``add_`` calls (``residual`` given; ``h`` None without one) and the
+    quantized forwards. The codes are written into a tensor of the format's dtype
+    (``out``, or a new one) through its bytes: NumPy and CuPy view no torch float8.
+    ``scale`` is the per-row scale tensor (dynamic) or the caller's, as passed.
+    """
     req = _engine.request(x, route, ns, axis, weight=gain, bias=bias)
-    if accumulation_name(h_name) != req.acc:
+    if residual is not None and accumulation_name(h_name) != req.acc:
         return None
+    if residual is None:  # fused_rows resolves eps for h itself
+        eps = _engine.resolve_eps(eps, req, rms)
     bridge, scope = _bridge_and_scope(route, x)
+    y = out
+    if quantize is not None and out is None:
+        y = torch.empty(x.shape, dtype=_engine.dtype_of(torch, quantize), device=x.device)
     with scope:
         xa = bridge.array(x)
-        fused = _engine.fused_add(
+        if y is None:
+            ya = None
+        elif y is x:
+            ya = xa
+        else:
+            ya = bridge.array(y.view(torch.uint8) if quantize is not None else y)
+        ha = bridge.array(residual_out)
+        # The kernels write outputs in place (torch's copy_ would refuse such an output).
+        for name, given in (("out", None if out is None else ya), ("residual_out", ha)):
+            if given is not None:
+                check_no_internal_overlap(given, name)
+        s = scale
+        if isinstance(scale, torch.Tensor):
+            s = bridge.param(scale.to(x.device), req.acc)
+        fused = _engine.fused_rows(
             bridge.xp, xa, bridge.array(residual), req, h_name, bridge.param(gain, req.acc),
-            None if rms else bridge.param(bias, req.acc), eps, rms,
-            xa if out is x else bridge.array(out), bridge.array(residual_out))
+            None if rms else bridge.param(bias, req.acc), eps, rms, ya, ha, quantize, s)
     if fused is None:
         return None
-    y, h, mean, rstd = fused
+    ya, h, s, mean, rstd = fused
     acc = _ACC_TORCH[req.acc]
-    return (out if out is not None else bridge.tensor(y, x.dtype),
-            residual_out if residual_out is not None else bridge.tensor(h, getattr(torch, h_name)),
-            None, bridge.tensor(mean, acc), bridge.tensor(rstd, acc))
+    if y is None:
+        y = bridge.tensor(ya, x.dtype)
+    if residual is not None and residual_out is not None:
+        h = residual_out
+    elif residual is not None:
+        h = bridge.tensor(h, getattr(torch, h_name))
+    if quantize is not None:
+        s = scale if scale is not None else bridge.tensor(s, acc)
+    return y, h, s, bridge.tensor(mean, acc), bridge.tensor(rstd, acc)
 
 
 def _add_forward(route: Route, rms: bool, x: Any, residual: Any, ns: Any, gain: Any,
                  bias: Any, eps: Any, axis: Any, add: str, h_name: str, quantize: Any,
                  scale: Any, out: Any, residual_out: Any) -> tuple[Any, ...]:
     """An ``add_`` call on tensors: ``(y, h, scale, mean, rstd)``, by the one-pass kernel
-    where the backend has one for it (:func:`_fused_add`), else the engine's composition.
+    where the backend has one for it (:func:`_fused_rows`), else the engine's composition.
 
     Differentiable by torch itself on the generic route; the native routes run it inside
     :class:`_AddNormFunction` (or without gradients).
     """
-    if route.backend != "array_api" and quantize is None:
-        fused = _fused_add(route, rms, x, residual, ns, gain, bias, eps, axis, h_name, out,
-                           residual_out)
+    if route.backend != "array_api":
+        fused = _fused_rows(route, rms, x, residual, ns, gain, bias, eps, axis, h_name, out,
+                            residual_out, quantize, scale)
         if fused is not None:
             return fused
     xp = _namespace(x)
@@ -497,13 +549,8 @@ class _AddNormFunction(torch.autograd.Function):
         route, rms, ns, _eps, axis, _add, _h_name = ctx.spec
         h, gain, mean, rstd = ctx.saved_tensors
         req = _engine.request(h, route, ns, axis, weight=gain)
-        xp = _namespace(h)
-
-        def run(gy: Any, a: Any) -> tuple[Any, ...]:
-            return _backward(route, rms, gy, a, mean, rstd, gain, ns, axis)
-
-        grads = _engine.with_grad_residual(xp, grad_y.to(h.dtype), h, req, run,
-                                           grad_h.to(h.dtype))
+        grads = _backward_plus(route, rms, req, grad_y.to(h.dtype), h, mean, rstd, gain, ns,
+                               axis, grad_h.to(h.dtype))
         need = ctx.needs_input_grad
         total = grads[0]
         return (total.to(ctx.dtypes[0]) if need[0] else None,
