@@ -1,23 +1,26 @@
 """LayerNorm/RMSNorm (optionally after the residual add) with int8/float8 output, in one pass.
 
-Block of rows by block of rows, a block of ``BLOCK_ELEMENTS`` is normalized into a
-float32 scratch block by the same row functions as the plain forward
-(:func:`.forward_rows.ln_long_rows`, :func:`.forward_rows.ln_short_rows`,
-:func:`.forward_rows.rms_raw_rows`): that scratch holds ``y32``, the output in the
-accumulation precision before any rounding, bit for bit what the plain forward of the
-float32-widened input writes. While the block is in L2 its rows are then quantized
-(:func:`row_inverse`, :func:`quantize_row`) and only the 1-byte codes go to memory.
-With a residual, the block's ``h = x + residual`` is computed and stored first, exactly
-as in :mod:`.fused`.
+Rows longer than ``SHORT_ROW_MAX`` (LayerNorm) and every RMSNorm row go block of rows by
+block of rows (``BLOCK_ELEMENTS``; with a residual, the block's ``h = x + res`` is
+computed and stored first, exactly as in :mod:`.fused`). Per row the statistics are
+computed as the plain forward computes them (:func:`.rowmath.row_moments` and
+:func:`.rowmath.finish`, as :func:`.forward_rows.ln_long_rows` does; :func:`rms_rstd`,
+the RMSNorm sums of squares in the same fixed tree), then one output pass forms each
+vector of ``y32`` (the output in the accumulation precision before any rounding) with
+the plain forward's operations (:func:`ln_row_y32`, :func:`rms_row_y32`: those of
+:func:`.forward_rows.ln_row_out` and of the RMSNorm output pass), so ``y32`` is bit for
+bit what the plain forward of the float32-widened input writes:
 
-The row loops stop before a finite row whose squares overflow (see :mod:`.rescale`),
-as the plain forward's do: a block that stops leaves its other rows undone, each kernel
-returns the number of such blocks, and when there are any the driver redoes the call
-through :func:`ln_quant_rescued_serial` / :func:`rms_quant_rescued_serial` (from ``h``
-with a residual: it is complete), which rescale such rows in their loop and compute
-every other row as the kernels do. So a first call compiles neither the rescaling nor
-the other row path, and a call returns a plain integer (an array would cost a
-cache-resident call several microseconds).
+* static scale: each vector is quantized as it is formed (:func:`ln_row_codes`,
+  :func:`rms_row_codes`), no float32 row is stored;
+* dynamic scale: the pass stores ``y32`` into a float32 block buffer while tracking the
+  row's ``amax``; after the block's rows the codes are formed from the buffer (still in
+  cache), the rows' scale chains overlapping.
+
+LayerNorm rows of at most ``SHORT_ROW_MAX`` are normalized by
+:func:`.forward_rows.ln_short_rows` (which computes ``LANES`` rows' statistics at once)
+into a float32 scratch block, then quantized from it (:func:`row_inverse`,
+:func:`quantize_row`); so are the rows of the rescuing kernels.
 
 Quantization of one row (the contract's formula, in float32):
 
@@ -28,7 +31,7 @@ Quantization of one row (the contract's formula, in float32):
 * ``inv = 1 / scale`` once per row (given per row for a static scale);
 * ``v = y32 * inv``; int8: NaN -> 0, saturate to [-128, 127] (saturating before the
   rounding gives the same integer, the bounds being integers), round half to even by
-  adding and subtracting ``1.5 * 2**23`` in float32; float8: saturate to ``+-qmax``
+  adding ``1.5 * 2**23`` in float32 (the sum's low byte is the code); float8: saturate to ``+-qmax``
   (NaN kept), then round the float32 bits half to even to the target format,
   subnormals included.
 
@@ -90,8 +93,8 @@ from .rowmath import (
     tree_sum,
 )
 
-#: Elements per block of rows (no effect on results): the float32 scratch block stays
-#: in L2 between the normalization and the quantization.
+#: Elements per block of rows (no effect on results): a dynamic scale's float32 block
+#: buffer stays in L2 between the output pass and the codes.
 BLOCK_ELEMENTS = 1 << 14
 
 #: The format tags the kernels take: an empty array whose dtype (not its contents)
