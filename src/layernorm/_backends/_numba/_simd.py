@@ -798,8 +798,9 @@ def _store_bytes(context, builder, view, args, r, i, codes_i32):
     codes = builder.trunc(codes_i32, ir.VectorType(ir.IntType(8), WIDTH))
     # An empty asm keeps the truncation in a register: folded into the store, it is a
     # truncating store (vpmovdb to memory), several times slower on some x86 cores.
-    codes = builder.asm(ir.FunctionType(codes.type, [codes.type]), "", "=v,0", [codes],
-                        False)
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        codes = builder.asm(ir.FunctionType(codes.type, [codes.type]), "", "=v,0", [codes],
+                            False)
     builder.store(codes, builder.bitcast(ptr, codes.type.as_pointer()), align=1)
     return context.get_dummy_value()
 
