@@ -1450,3 +1450,59 @@ def test_quantize_kernel_leaves_other_calls_to_the_composition(case):
     assert not calls
     assert_bitwise(q, want_q)
     assert_bitwise(s, want_s)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_quantize_row_path_y32_is_the_plain_forward(rms):
+    # The quantizing row path computes y32 in its own output pass (quantized.py), which
+    # must be bit for bit the plain forward's: every kind of row (ordinary, constant,
+    # NaN, cancelling with an outlying first element so the statistics are redone, and
+    # a finite row whose squares overflow, where the rows stop), with a vector tail.
+    numba = pytest.importorskip("numba")
+    from layernorm._backends._numba import quantized as qz
+    from layernorm._backends._numba import rowmath
+    from layernorm._backends._numba._simd import raw
+
+    rows, n = 6, 300
+    x = data((rows, n), "float32", 0, 3.0)
+    x[1] = np.float32(0.75)
+    x[2, 17] = np.nan
+    x[3] = np.float32(1e4) + data((n,), "float32", 5)
+    x[3, 0] = np.float32(1.2e4)
+    x[5] *= np.float32(1e19)
+    w = data((n,), "float32", 2)
+    b = data((n,), "float32", 3)
+    eps = np.float32(1e-5)
+    pad = -(-n // rowmath.LANES) * rowmath.LANES
+
+    @numba.njit
+    def run(x, w, b, tab, eps, q, fmt, dynamic, inv, scale, mean, rstd, bufs):
+        if rms:
+            return qz.rms_rows_quant(raw(x), raw(w), eps, x.shape[1], rstd, q, fmt, dynamic,
+                                     inv, scale, bufs, 0, x.shape[0])
+        return qz.ln_rows_quant(raw(x), raw(w), raw(b), raw(tab), eps, x.shape[1], mean,
+                                rstd, q, fmt, dynamic, inv, scale, bufs, 0, x.shape[0])
+
+    ref_fn = ln.rms_norm if rms else ln.layer_norm
+    params = {"weight": w} if rms else {"weight": w, "bias": b}
+    y_ref, *stats_ref = ref_fn(x[:5], eps=float(eps), return_stats=True, **params)
+    tab = rowmath.merge_table(n, np.dtype(np.float32))
+    for dynamic in (True, False):
+        bufs = (np.zeros((rows, pad), np.float32), np.zeros((1, rowmath.LANES), np.float32),
+                np.empty((1, rowmath.LANES), np.uint8), np.empty(rows, np.float32))
+        q = np.zeros((rows, n), np.uint8)
+        mean, rstd = np.empty(rows, np.float32), np.empty(rows, np.float32)
+        scale = np.empty(rows, np.float32)
+        inv = np.full(rows, np.float32(1 / 0.04), np.float32)
+        stop = run(x, w, b, tab, eps, q, qz.FORMAT_TAGS["int8"], dynamic, inv, scale, mean,
+                   rstd, bufs)
+        assert stop == 5  # stopped before the overflowing row
+        want_q, want_s = qref(y_ref, "int8", None if dynamic else np.float32(0.04))
+        assert_bitwise(q[:5].view(np.int8), want_q)
+        if dynamic:
+            assert_bitwise(bufs[0][:5, :n], y_ref)
+            assert not bufs[0][:, n:].any()  # the padding stays zero
+            assert_bitwise(scale[:5], want_s[:, 0])
+        assert_bitwise(rstd[:5], stats_ref[-1].reshape(-1))
+        if not rms:
+            assert_bitwise(mean[:5], stats_ref[0].reshape(-1))

@@ -1,23 +1,26 @@
 """LayerNorm/RMSNorm (optionally after the residual add) with int8/float8 output, in one pass.
 
-Block of rows by block of rows, a block of ``BLOCK_ELEMENTS`` is normalized into a
-float32 scratch block by the same row functions as the plain forward
-(:func:`.forward_rows.ln_long_rows`, :func:`.forward_rows.ln_short_rows`,
-:func:`.forward_rows.rms_raw_rows`): that scratch holds ``y32``, the output in the
-accumulation precision before any rounding, bit for bit what the plain forward of the
-float32-widened input writes. While the block is in L2 its rows are then quantized
-(:func:`row_inverse`, :func:`quantize_row`) and only the 1-byte codes go to memory.
-With a residual, the block's ``h = x + residual`` is computed and stored first, exactly
-as in :mod:`.fused`.
+Rows longer than ``SHORT_ROW_MAX`` (LayerNorm) and every RMSNorm row go block of rows by
+block of rows (``BLOCK_ELEMENTS``; with a residual, the block's ``h = x + res`` is
+computed and stored first, exactly as in :mod:`.fused`). Per row the statistics are
+computed as the plain forward computes them (:func:`.rowmath.row_moments` and
+:func:`.rowmath.finish`, as :func:`.forward_rows.ln_long_rows` does; :func:`rms_rstd`,
+the RMSNorm sums of squares in the same fixed tree), then one output pass forms each
+vector of ``y32`` (the output in the accumulation precision before any rounding) with
+the plain forward's operations (:func:`ln_row_y32`, :func:`rms_row_y32`: those of
+:func:`.forward_rows.ln_row_out` and of the RMSNorm output pass), so ``y32`` is bit for
+bit what the plain forward of the float32-widened input writes:
 
-The row loops stop before a finite row whose squares overflow (see :mod:`.rescale`),
-as the plain forward's do: a block that stops leaves its other rows undone, each kernel
-returns the number of such blocks, and when there are any the driver redoes the call
-through :func:`ln_quant_rescued_serial` / :func:`rms_quant_rescued_serial` (from ``h``
-with a residual: it is complete), which rescale such rows in their loop and compute
-every other row as the kernels do. So a first call compiles neither the rescaling nor
-the other row path, and a call returns a plain integer (an array would cost a
-cache-resident call several microseconds).
+* static scale: each vector is quantized as it is formed (:func:`ln_row_codes`,
+  :func:`rms_row_codes`), no float32 row is stored;
+* dynamic scale: the pass stores ``y32`` into a float32 block buffer while tracking the
+  row's ``amax``; after the block's rows the codes are formed from the buffer (still in
+  cache), the rows' scale chains overlapping.
+
+LayerNorm rows of at most ``SHORT_ROW_MAX`` are normalized by
+:func:`.forward_rows.ln_short_rows` (which computes ``LANES`` rows' statistics at once)
+into a float32 scratch block, then quantized from it (:func:`row_inverse`,
+:func:`quantize_row`); so are the rows of the rescuing kernels.
 
 Quantization of one row (the contract's formula, in float32):
 
@@ -28,7 +31,7 @@ Quantization of one row (the contract's formula, in float32):
 * ``inv = 1 / scale`` once per row (given per row for a static scale);
 * ``v = y32 * inv``; int8: NaN -> 0, saturate to [-128, 127] (saturating before the
   rounding gives the same integer, the bounds being integers), round half to even by
-  adding and subtracting ``1.5 * 2**23`` in float32; float8: saturate to ``+-qmax``
+  adding ``1.5 * 2**23`` in float32 (the sum's low byte is the code); float8: saturate to ``+-qmax``
   (NaN kept), then round the float32 bits half to even to the target format,
   subnormals included.
 
@@ -52,6 +55,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from ._scalars import cast, narrow, widen
 from ._simd import (
     alive,
     get,
@@ -65,20 +69,32 @@ from ._simd import (
     store_int8,
     vabsmax,
     vload,
+    vload_tail,
+    vstore,
 )
 from .diskcache import cached_njit
 from .forward_rows import (
-    ln_long_rows,
     ln_raw_rows,
     ln_short_rows,
-    rms_raw_rows,
     rms_rows_rescued,
 )
 from .fused import PARALLEL_BLOCKS, add_block, block_rows
-from .rowmath import LANES
+from .rescale import finite_row
+from .rowmath import (
+    CHUNK,
+    LANES,
+    PER_LANE,
+    affine,
+    finish,
+    put_stat,
+    row_moments,
+    square_tree,
+    times_w,
+    tree_sum,
+)
 
-#: Elements per block of rows (no effect on results): the float32 scratch block stays
-#: in L2 between the normalization and the quantization.
+#: Elements per block of rows (no effect on results): a dynamic scale's float32 block
+#: buffer stays in L2 between the output pass and the codes.
 BLOCK_ELEMENTS = 1 << 14
 
 #: The format tags the kernels take: an empty array whose dtype (not its contents)
@@ -159,10 +175,217 @@ def quantize_row(yv, qv, tv, k, r, n, fmt, inv):
 
 
 @njit(inline="always", error_model="numpy")
+def inverse_of(top, r, fmt, scale_out):
+    """``1 / scale`` of row ``r`` from ``top``, the :func:`._simd.vabsmax` of its ``y32``
+    (the dynamic scale, stored in ``scale_out[r]``)."""
+    amax = hmax_bits(top)
+    scale = amax / qmax_of(fmt)
+    if amax == 0:
+        scale = np.float32(1.0)
+    scale_out[r] = scale
+    return np.float32(1.0) / scale
+
+
+@njit(inline="always", error_model="numpy")
+def ln_row_y32(xv, r, yv, k, n, shift, mean, rstd, w, b):
+    """Row ``r`` of ``xv`` normalized into row ``k`` of the float32 view ``yv`` (padded
+    to whole vectors with zeros) with the plain forward's arithmetic
+    (:func:`.forward_rows.ln_row_out`, element by element the same IEEE operations);
+    returns the :func:`._simd.vabsmax` of the row."""
+    kv = splat(shift)
+    mv = splat(mean)
+    rv = splat(rstd)
+    top = splat(np.float32(0.0))
+    body = n // LANES * LANES
+    for i in range(0, body, LANES):
+        v = affine(((vload(xv, r, i) - kv) - mv) * rv, w, b, i)
+        vstore(yv, v, k, i)
+        top = vabsmax(top, v)
+    if body < n:
+        for i in range(body, n):
+            v = affine(((widen(get(xv, r, i)) - shift) - mean) * rstd, w, b, i)
+            put(yv, k, i, narrow(v, yv))
+        top = vabsmax(top, vload(yv, k, body))
+    return top
+
+
+@njit(inline="always", error_model="numpy")
+def ln_row_codes(xv, r, qv, qr, fv, bv8, n, shift, mean, rstd, w, b, fmt, inv):
+    """Row ``r`` of ``xv`` normalized as :func:`ln_row_y32` does, times ``inv`` and
+    quantized straight into row ``qr`` of ``qv`` (no float32 row is stored). ``fv`` (float32)
+    and ``bv8`` (uint8) are one-vector scratch rows for a last partial vector."""
+    kv = splat(shift)
+    mv = splat(mean)
+    rv = splat(rstd)
+    iv = splat(inv)
+    body = n // LANES * LANES
+    for i in range(0, body, LANES):
+        v = affine(((vload(xv, r, i) - kv) - mv) * rv, w, b, i)
+        store_codes(fmt, qv, v * iv, qr, i)
+    if body < n:
+        for i in range(body, n):
+            v = affine(((widen(get(xv, r, i)) - shift) - mean) * rstd, w, b, i)
+            put(fv, 0, i - body, narrow(v, fv))
+        store_codes(fmt, bv8, vload(fv, 0, 0) * iv, 0, 0)
+        for i in range(body, n):
+            put(qv, qr, i, get(bv8, 0, i - body))
+
+
+@njit(inline="always", error_model="numpy")
+def rms_row_y32(xv, r, yv, k, n, rstd, w):
+    """:func:`ln_row_y32` for RMSNorm (:func:`.forward_rows.rms_raw_rows`' output pass)."""
+    rv = splat(rstd)
+    top = splat(np.float32(0.0))
+    body = n // LANES * LANES
+    for i in range(0, body, LANES):
+        v = times_w(vload(xv, r, i) * rv, w, i)
+        vstore(yv, v, k, i)
+        top = vabsmax(top, v)
+    if body < n:
+        for i in range(body, n):
+            v = times_w(widen(get(xv, r, i)) * rstd, w, i)
+            put(yv, k, i, narrow(v, yv))
+        top = vabsmax(top, vload(yv, k, body))
+    return top
+
+
+@njit(inline="always", error_model="numpy")
+def rms_row_codes(xv, r, qv, qr, fv, bv8, n, rstd, w, fmt, inv):
+    """:func:`ln_row_codes` for RMSNorm."""
+    rv = splat(rstd)
+    iv = splat(inv)
+    body = n // LANES * LANES
+    for i in range(0, body, LANES):
+        v = times_w(vload(xv, r, i) * rv, w, i)
+        store_codes(fmt, qv, v * iv, qr, i)
+    if body < n:
+        for i in range(body, n):
+            v = times_w(widen(get(xv, r, i)) * rstd, w, i)
+            put(fv, 0, i - body, narrow(v, fv))
+        store_codes(fmt, bv8, vload(fv, 0, 0) * iv, 0, 0)
+        for i in range(body, n):
+            put(qv, qr, i, get(bv8, 0, i - body))
+
+
+@njit(error_model="numpy")
+def _square_chunk(xr, r, base, g, zero):
+    # The plain forward's RMSNorm sums of squares (forward_rows), leaves written out.
+    return square_tree(
+        vload(xr, r, base) if g > 0 else zero,
+        vload(xr, r, base + LANES) if g > 1 else zero,
+        vload(xr, r, base + 2 * LANES) if g > 2 else zero,
+        vload(xr, r, base + 3 * LANES) if g > 3 else zero,
+        vload(xr, r, base + 4 * LANES) if g > 4 else zero,
+        vload(xr, r, base + 5 * LANES) if g > 5 else zero,
+        vload(xr, r, base + 6 * LANES) if g > 6 else zero,
+        vload(xr, r, base + 7 * LANES) if g > 7 else zero)
+
+
+@njit(inline="always", error_model="numpy")
+def rms_rstd(xr, r, n, eps):
+    """RMSNorm ``rstd`` of row ``r``: the row arithmetic of :mod:`.rowmath` (chunks of
+    squares in the fixed tree, in order, then the remainder, then the lane tree), the
+    same operations as the plain forward's."""
+    zero = splat(cast(0.0, eps))
+    acc = zero
+    groups = n // LANES
+    full = groups // PER_LANE
+    for c in range(full):
+        acc = acc + _square_chunk(xr, r, c * CHUNK, runtime(PER_LANE), zero)
+    g = groups - full * PER_LANE
+    if g > 0:
+        acc = acc + _square_chunk(xr, r, full * CHUNK, g, zero)
+    body = groups * LANES
+    if body < n:
+        v = vload_tail(xr, r, body, n - body, cast(0.0, eps))
+        acc = acc + v * v
+    ss = tree_sum(acc)
+    return cast(1.0, eps) / np.sqrt(ss / cast(n, eps) + eps)
+
+
+@njit(error_model="numpy")
+def ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, inv_rows,
+                  scale_out, bufs, r0, rows):
+    """LayerNorm rows ``0 .. rows`` of the view ``xv`` (rows ``r0 ..`` of the call)
+    quantized into ``q``: per row the statistics as :func:`.forward_rows.ln_long_rows`
+    computes them, then one output pass. Static scale: the codes straight from the
+    pass. Dynamic: the pass stores ``y32`` into row ``k`` of ``y32`` (a block small
+    enough for L1) and tracks ``amax``; the codes of the block's rows follow (their
+    ``amax``/scale chains overlap). Returns the rows done (stops as ``ln_long_rows``)."""
+    qv = raw(q)
+    y32, fbuf, bbuf, invs = bufs
+    yv, fv, bv8 = raw(y32), raw(fbuf), raw(bbuf)
+    stop = rows
+    for k in range(rows):
+        shift, mu, m2 = row_moments(xv, k, n, tv)
+        mean, mo, rstd = finish(shift, mu, m2, n, eps)
+        if not rstd > 0 and finite_row(xv, k, n):
+            stop = k
+            break
+        r = r0 + k
+        if dynamic:
+            top = ln_row_y32(xv, k, yv, k, n, shift, mean, rstd, wv, bv)
+            invs[k] = inverse_of(top, r, fmt, scale_out)
+        else:
+            ln_row_codes(xv, k, qv, r, fv, bv8, n, shift, mean, rstd, wv, bv, fmt, inv_rows[r])
+        put_stat(mean_out, r, mo)
+        put_stat(rstd_out, r, rstd)
+    if dynamic:
+        for k in range(stop):
+            quantize_row(yv, qv, bv8, k, r0 + k, n, fmt, invs[k])
+    alive(y32)
+    alive(fbuf)
+    alive(bbuf)
+    alive(invs)
+    return stop
+
+
+@njit(error_model="numpy")
+def rms_rows_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_out, bufs,
+                   r0, rows):
+    """:func:`ln_rows_quant` for RMSNorm (statistics as
+    :func:`.forward_rows.rms_raw_rows`)."""
+    qv = raw(q)
+    y32, fbuf, bbuf, invs = bufs
+    yv, fv, bv8 = raw(y32), raw(fbuf), raw(bbuf)
+    stop = rows
+    for k in range(rows):
+        rstd = rms_rstd(xv, k, n, eps)
+        if not rstd > 0 and finite_row(xv, k, n):
+            stop = k
+            break
+        r = r0 + k
+        if dynamic:
+            top = rms_row_y32(xv, k, yv, k, n, rstd, wv)
+            invs[k] = inverse_of(top, r, fmt, scale_out)
+        else:
+            rms_row_codes(xv, k, qv, r, fv, bv8, n, rstd, wv, fmt, inv_rows[r])
+        put_stat(rstd_out, r, rstd)
+    if dynamic:
+        for k in range(stop):
+            quantize_row(yv, qv, bv8, k, r0 + k, n, fmt, invs[k])
+    alive(y32)
+    alive(fbuf)
+    alive(bbuf)
+    alive(invs)
+    return stop
+
+
+@njit(inline="always", error_model="numpy")
 def _scratch(rows, n):
     """The float32 block ``y32`` is normalized into: rows padded with zeros to a whole
     number of vectors."""
     return np.zeros((rows, -(-n // LANES) * LANES), dtype=np.float32)
+
+
+@njit(inline="always", error_model="numpy")
+def _row_buffers(rows, n, dynamic):
+    """The row path's buffers for blocks of up to ``rows`` rows: the float32 ``y32``
+    block (:func:`_scratch`; no rows for a static scale, whose codes come straight from
+    the output pass), one-vector float32 and uint8 rows for a last partial vector, the
+    rows' inverse scales. Allocated once per kernel (per block in parallel)."""
+    return (_scratch(rows if dynamic else 0, n), np.zeros((1, LANES), dtype=np.float32),
+            np.empty((1, LANES), dtype=np.uint8), np.empty(rows, dtype=np.float32))
 
 
 @njit(error_model="numpy")
@@ -199,14 +422,12 @@ def _block_input_typed(x, res, h, r0, r1):
 
 @njit(error_model="numpy")
 def _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt, dynamic, inv_rows,
-              scale_out, y32, r0, r1):
+              scale_out, bufs, r0, r1):
     """Rows ``r0 .. r1`` on the row path; returns the row the norm stopped at (``r1``:
     all done; see :func:`.forward_rows.ln_long_rows`)."""
-    stop = r0 + ln_long_rows(_block_input(x, res, h, r0, r1), raw(y32), raw(w), raw(b),
-                             raw(tab), eps, q.shape[1], runtime(False), mean_out, rstd_out,
-                             runtime(0), r1 - r0, r0)
-    _quantize_block(y32, q, r0, stop, fmt, dynamic, inv_rows, scale_out)
-    return stop
+    return r0 + ln_rows_quant(_block_input(x, res, h, r0, r1), raw(w), raw(b), raw(tab), eps,
+                              q.shape[1], mean_out, rstd_out, q, fmt, dynamic, inv_rows,
+                              scale_out, bufs, r0, r1 - r0)
 
 
 @njit(error_model="numpy")
@@ -221,13 +442,12 @@ def _ln_short_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt, dynam
 
 
 @njit(error_model="numpy")
-def _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows, scale_out, y32,
+def _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows, scale_out, bufs,
                r0, r1):
     """:func:`_ln_block` for RMSNorm."""
-    stop = r0 + rms_raw_rows(_block_input(x, res, h, r0, r1), raw(y32), raw(w), eps,
-                             q.shape[1], runtime(False), rstd_out, runtime(0), r1 - r0, r0)
-    _quantize_block(y32, q, r0, stop, fmt, dynamic, inv_rows, scale_out)
-    return stop
+    return r0 + rms_rows_quant(_block_input(x, res, h, r0, r1), raw(w), eps, q.shape[1],
+                               rstd_out, q, fmt, dynamic, inv_rows, scale_out, bufs, r0,
+                               r1 - r0)
 
 
 # Entry kernels, one per row path and written out one by one (see .kernels): a call
@@ -244,12 +464,12 @@ def ln_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fm
     ``SHORT_ROW_MAX``."""
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
-    y32 = _scratch(rb, n)
+    bufs = _row_buffers(rb, n, dynamic)
     stopped = 0
     for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
         stopped += _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
-                                    dynamic, inv_rows, scale_out, y32, r0, r1) < r1
+                                    dynamic, inv_rows, scale_out, bufs, r0, r1) < r1
     return stopped
 
 
@@ -264,8 +484,9 @@ def ln_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, 
     for blk in prange(blocks):
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
+        bufs = _row_buffers(rb, n, dynamic)
         done[blk] = _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
-                                    dynamic, inv_rows, scale_out, _scratch(rb, n), r0, r1) == r1
+                              dynamic, inv_rows, scale_out, bufs, r0, r1) == r1
     return blocks - done.sum()
 
 
@@ -308,12 +529,12 @@ def rms_quant_forward_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_r
     calling thread (returns as :func:`ln_quant_forward_serial`)."""
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
-    y32 = _scratch(rb, n)
+    bufs = _row_buffers(rb, n, dynamic)
     stopped = 0
     for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
         stopped += _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                                     scale_out, y32, r0, r1) < r1
+                                     scale_out, bufs, r0, r1) < r1
     return stopped
 
 
@@ -329,7 +550,7 @@ def rms_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
         done[blk] = _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                                     scale_out, _scratch(rb, n), r0, r1) == r1
+                                     scale_out, _row_buffers(rb, n, dynamic), r0, r1) == r1
     return blocks - done.sum()
 
 
