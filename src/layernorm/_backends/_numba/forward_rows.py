@@ -441,7 +441,7 @@ def rms_raw_rows(xv, yv, wv, eps, n, nt, rstd_out, r0, r1, s0):
     it does)."""
     stop = r1
     for r in range(r0, r1):
-        rstd = _rms_rstd(xv, r, n, eps)
+        rstd = rms_rstd(xv, r, n, eps)
         if not rstd > 0 and finite_row(xv, r, n):
             stop = r
             break
@@ -473,7 +473,7 @@ def _rms_gathered(x, w, eps, y, rstd_out, r0, r1):
     xv, yv, wv = raw(xs), raw(ys), raw(w)
     for r in range(r0, r1):
         copy_row(xs, 0, x, r)
-        rstd = _rms_rstd(xv, runtime(0), n, eps)
+        rstd = rms_rstd(xv, runtime(0), n, eps)
         # A finite row whose squares overflow is written by rms_row_rescaled instead.
         if rstd > 0 or not rms_row_rescaled(xv, yv, runtime(0), n, eps, wv, rstd_out, r):
             _rms_row_out(xv, yv, runtime(0), n, rstd, wv, False)
@@ -484,7 +484,9 @@ def _rms_gathered(x, w, eps, y, rstd_out, r0, r1):
 
 
 @njit(inline="always", error_model="numpy")
-def _rms_rstd(xr, r, n, eps):
+def rms_rstd(xr, r, n, eps):
+    """RMSNorm ``rstd`` of row ``r`` of a unit-stride view: the sum of squares in the row
+    arithmetic's fixed trees (:mod:`.rowmath`), then ``1 / sqrt(ss / n + eps)``."""
     ss = _row_sum_squares(xr, r, n, eps)
     return cast(1.0, eps) / np.sqrt(ss / cast(n, eps) + eps)
 

@@ -4,10 +4,10 @@ Rows longer than ``SHORT_ROW_MAX`` (LayerNorm) and every RMSNorm row go block of
 block of rows (``BLOCK_ELEMENTS``; with a residual, the block's ``h = x + res`` is
 computed and stored first, exactly as in :mod:`.fused`). Per row the statistics are
 computed as the plain forward computes them (:func:`.rowmath.row_moments` and
-:func:`.rowmath.finish`, as :func:`.forward_rows.ln_long_rows` does; :func:`rms_rstd`,
-the RMSNorm sums of squares in the same fixed tree), then one output pass forms each
-vector of ``y32`` (the output in the accumulation precision before any rounding) with
-the plain forward's operations (:func:`ln_row_y32`, :func:`rms_row_y32`: those of
+:func:`.rowmath.finish`, as :func:`.forward_rows.ln_long_rows` does;
+:func:`.forward_rows.rms_rstd` for RMSNorm), then one output pass forms each vector of
+``y32`` (the output in the accumulation precision before any rounding) with the plain
+forward's operations (:func:`ln_row_y32`, :func:`rms_row_y32`: those of
 :func:`.forward_rows.ln_row_out` and of the RMSNorm output pass), so ``y32`` is bit for
 bit what the plain forward of the float32-widened input writes:
 
@@ -55,7 +55,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._scalars import cast, narrow, widen
+from ._scalars import narrow, widen
 from ._simd import (
     alive,
     get,
@@ -69,7 +69,6 @@ from ._simd import (
     store_int8,
     vabsmax,
     vload,
-    vload_tail,
     vstore,
 )
 from .diskcache import cached_njit
@@ -77,20 +76,17 @@ from .forward_rows import (
     ln_raw_rows,
     ln_short_rows,
     rms_rows_rescued,
+    rms_rstd,
 )
 from .fused import PARALLEL_BLOCKS, add_block, block_rows
 from .rescale import finite_row
 from .rowmath import (
-    CHUNK,
     LANES,
-    PER_LANE,
     affine,
     finish,
     put_stat,
     row_moments,
-    square_tree,
     times_w,
-    tree_sum,
 )
 
 #: Elements per block of rows (no effect on results): a dynamic scale's float32 block
@@ -265,42 +261,6 @@ def rms_row_codes(xv, r, qv, qr, fv, bv8, n, rstd, w, fmt, inv):
         store_codes(fmt, bv8, vload(fv, 0, 0) * iv, 0, 0)
         for i in range(body, n):
             put(qv, qr, i, get(bv8, 0, i - body))
-
-
-@njit(error_model="numpy")
-def _square_chunk(xr, r, base, g, zero):
-    # The plain forward's RMSNorm sums of squares (forward_rows), leaves written out.
-    return square_tree(
-        vload(xr, r, base) if g > 0 else zero,
-        vload(xr, r, base + LANES) if g > 1 else zero,
-        vload(xr, r, base + 2 * LANES) if g > 2 else zero,
-        vload(xr, r, base + 3 * LANES) if g > 3 else zero,
-        vload(xr, r, base + 4 * LANES) if g > 4 else zero,
-        vload(xr, r, base + 5 * LANES) if g > 5 else zero,
-        vload(xr, r, base + 6 * LANES) if g > 6 else zero,
-        vload(xr, r, base + 7 * LANES) if g > 7 else zero)
-
-
-@njit(inline="always", error_model="numpy")
-def rms_rstd(xr, r, n, eps):
-    """RMSNorm ``rstd`` of row ``r``: the row arithmetic of :mod:`.rowmath` (chunks of
-    squares in the fixed tree, in order, then the remainder, then the lane tree), the
-    same operations as the plain forward's."""
-    zero = splat(cast(0.0, eps))
-    acc = zero
-    groups = n // LANES
-    full = groups // PER_LANE
-    for c in range(full):
-        acc = acc + _square_chunk(xr, r, c * CHUNK, runtime(PER_LANE), zero)
-    g = groups - full * PER_LANE
-    if g > 0:
-        acc = acc + _square_chunk(xr, r, full * CHUNK, g, zero)
-    body = groups * LANES
-    if body < n:
-        v = vload_tail(xr, r, body, n - body, cast(0.0, eps))
-        acc = acc + v * v
-    ss = tree_sum(acc)
-    return cast(1.0, eps) / np.sqrt(ss / cast(n, eps) + eps)
 
 
 @njit(error_model="numpy")
