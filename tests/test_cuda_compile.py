@@ -1061,14 +1061,20 @@ def test_emulation_rows_whose_squares_overflow(emulator, monkeypatch, dtype):
 @pytest.fixture(scope="module")
 def add_emulator(emulator, tmp_path_factory):
     """The emulator, with every add_fwd_rows instantiation compiled for the host too."""
-    from concurrent.futures import ThreadPoolExecutor
-
     exprs = [launch.add_expression(dtypes, cfg, rms) for dtypes in launch.ADD_DTYPES
              for cfg in launch.CONFIGS for rms in (False, True)]
-    halves = [exprs[::2], exprs[1::2]]  # two g++ processes: about half the wait
+    return _emulate_too(emulator, exprs, tmp_path_factory, "emulation-add")
+
+
+def _emulate_too(emulator, exprs, tmp_path_factory, folder):
+    """``emulator`` with the instantiations ``exprs`` compiled for the host too, in two
+    g++ processes (about half the wait)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    halves = [exprs[::2], exprs[1::2]]
     with ThreadPoolExecutor(2) as pool:
         libs = list(pool.map(lambda part: _emulated_library(
-            part, tmp_path_factory.mktemp("emulation-add")), halves))
+            part, tmp_path_factory.mktemp(folder)), halves))
     for lib, names in libs:
         emulator.add(lib, names)
     return emulator
@@ -1372,19 +1378,11 @@ def _same_codes(q, ref, what):
 def quant_emulator(emulator, tmp_path_factory):
     """The emulator, with quant_fwd_rows (every configuration, three x dtypes) and
     quant_add_fwd_rows (every configuration, _QUANT_ADD_EMULATED) compiled too."""
-    from concurrent.futures import ThreadPoolExecutor
-
     exprs = [launch.quant_expression(d, cfg, rms) for d in launch.QUANT_DTYPES
              for cfg in launch.CONFIGS for rms in (False, True)]
     exprs += [launch.quant_add_expression(d, cfg, rms) for d in _QUANT_ADD_EMULATED
               for cfg in launch.CONFIGS for rms in (False, True)]
-    halves = [exprs[::2], exprs[1::2]]
-    with ThreadPoolExecutor(2) as pool:
-        libs = list(pool.map(lambda part: _emulated_library(
-            part, tmp_path_factory.mktemp("emulation-quant")), halves))
-    for lib, names in libs:
-        emulator.add(lib, names)
-    return emulator
+    return _emulate_too(emulator, exprs, tmp_path_factory, "emulation-quant")
 
 
 def _emu_quant(x3, fmt, rms, w, b, dtypes, scale=None, eps=1e-5, r3=None, h3=None):
