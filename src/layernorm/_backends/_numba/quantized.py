@@ -429,7 +429,7 @@ def ln_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fm
     for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
         stopped += _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
-                                    dynamic, inv_rows, scale_out, bufs, r0, r1) < r1
+                             dynamic, inv_rows, scale_out, bufs, r0, r1) < r1
     return stopped
 
 
@@ -461,7 +461,7 @@ def ln_short_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, t
     for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
         stopped += _ln_short_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab,
-                                          fmt, dynamic, inv_rows, scale_out, y32, r0, r1) < r1
+                                   fmt, dynamic, inv_rows, scale_out, y32, r0, r1) < r1
     return stopped
 
 
@@ -477,8 +477,8 @@ def ln_short_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out,
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
         done[blk] = _ln_short_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab,
-                                          fmt, dynamic, inv_rows, scale_out,
-                                          _scratch(rb, n), r0, r1) == r1
+                                    fmt, dynamic, inv_rows, scale_out,
+                                    _scratch(rb, n), r0, r1) == r1
     return blocks - done.sum()
 
 
@@ -494,7 +494,7 @@ def rms_quant_forward_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_r
     for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
         stopped += _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                                     scale_out, bufs, r0, r1) < r1
+                              scale_out, bufs, r0, r1) < r1
     return stopped
 
 
@@ -510,7 +510,7 @@ def rms_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
         done[blk] = _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                                     scale_out, _row_buffers(rb, n, dynamic), r0, r1) == r1
+                               scale_out, _row_buffers(rb, n, dynamic), r0, r1) == r1
     return blocks - done.sum()
 
 
