@@ -24,8 +24,9 @@ from layernorm._backends import _numba as backend
 
 from . import reference
 
-#: Row lengths covering: remainder only, one group, partial chunk, full chunks + tail.
-SIZES = [1, 5, 16, 64, 100, 128, 300, 1000]
+#: Row lengths covering: remainder only, one group, partial chunk, full chunks + tail
+#: (200: a pipelined row, see forward_rows.PIPELINE_MAX_BYTES).
+SIZES = [1, 5, 16, 64, 100, 128, 200, 300, 1000]
 #: Enough elements for the parallel kernels (PARALLEL_MIN_ELEMENTS) at every size.
 BATCH_ELEMENTS = 1 << 17
 

@@ -75,9 +75,12 @@ from .rowmath import (
 SHORT_ROW_MAX = 128
 #: Rows of at most this many bytes are pipelined by :func:`ln_long_rows` (no effect on
 #: results). Measured, float32, 1 thread, kernel alone: 12% faster at (512, 256), 15% at
-#: (2048, 160), even at n = 768 and 1024, 20% slower at n = 4096 (the next row evicts
-#: the current one from L1 before its output pass).
-PIPELINE_MAX_BYTES = 4096
+#: (2048, 160), 20% slower at n = 4096 (the next row evicts the current one from L1
+#: before its output pass). Rows of 384-1024 gained nothing in cache on either machine
+#: measured, and from DRAM on a Zen 4 core pipelining them cost 20-45% (0.71 -> 0.91 of
+#: a copy at (8192, 512), 0.63 -> 1.15 at (4096, 768), 0.60 -> 0.91 at (8192, 1024)),
+#: so only rows of at most 256 float32 are pipelined.
+PIPELINE_MAX_BYTES = 1024
 #: Rows of the short-row path's scratch block: per-row lane sums of ``v`` and of
 #: ``v * v`` (LANES rows each), then one row each of shifts, shifted means, rstd and
 #: means (row ``i`` of the block in lane ``i``).
