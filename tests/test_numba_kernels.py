@@ -172,14 +172,16 @@ def test_every_row_entry_kernel_gives_the_same_bits_at_any_length(n):
     tab = k.merge_table(n, np.dtype(np.float32))
     results = []
     for fn in (k.ln_forward_serial, k.ln_short_forward_serial, k.ln_gathered_forward_serial,
-               k.ln_forward_parallel, k.ln_short_forward_parallel,
-               k.ln_gathered_forward_parallel):
+               k.ln_stream_forward_serial, k.ln_forward_parallel,
+               k.ln_short_forward_parallel, k.ln_gathered_forward_parallel,
+               k.ln_stream_forward_parallel):
         y = np.full_like(x, np.nan)
         mean = np.full(rows, np.nan, np.float32)
         rstd = np.full(rows, np.nan, np.float32)
         args = (x, w, b, eps, y, mean, rstd, tab, False)
         done = backend.entry.call(fn, backend.LN_FORWARD_WRITES, *args)
-        if fn is k.ln_forward_serial and n > 1:  # one element has no deviation
+        if fn in (k.ln_forward_serial, k.ln_stream_forward_serial) and n > 1:
+            # (one element has no deviation)
             assert done == 11 and np.isnan(y[11:]).all()  # stopped, rows after it not done
         backend.complete_layer_norm_rows(done, args)
         results.append((y, mean, rstd))
@@ -193,13 +195,14 @@ def test_every_row_entry_kernel_gives_the_same_bits_at_any_length(n):
     ref = reference.layer_norm(x[good].astype(np.float64), (1,), w, b, 1e-5)[0]
     np.testing.assert_allclose(y[good], ref, atol=2e-5 * max(1.0, np.abs(ref).max()))
     rms = []
-    for fn in (k.rms_forward_serial, k.rms_gathered_forward_serial, k.rms_forward_parallel,
-               k.rms_gathered_forward_parallel):
+    for fn in (k.rms_forward_serial, k.rms_gathered_forward_serial, k.rms_stream_forward_serial,
+               k.rms_forward_parallel, k.rms_gathered_forward_parallel,
+               k.rms_stream_forward_parallel):
         y = np.full_like(x, np.nan)
         rstd = np.full(rows, np.nan, np.float32)
         args = (x, w, eps, y, rstd, False)
         done = backend.entry.call(fn, backend.RMS_FORWARD_WRITES, *args)
-        if fn is k.rms_forward_serial:
+        if fn in (k.rms_forward_serial, k.rms_stream_forward_serial):
             assert done == 11
         backend.complete_rms_norm_rows(done, args)
         rms.append((y, rstd))
@@ -582,6 +585,30 @@ def test_a_new_parameter_dtype_compiles_no_row_kernel():
         ln.layer_norm_backward(x, x, m, r, w)
     assert [len(kernel.overloads) for kernel in row_kernels] == before
     assert len(kernels.widen_param.overloads) >= 2  # int16 and uint16 bits
+
+
+def test_only_calls_that_stream_load_the_streaming_kernels():
+    """Streaming stores have entry kernels of their own: a fresh process whose calls
+    never stream (small outputs) loads or compiles only the plain ones, and a call that
+    streams gives the plain kernels' bits (test_streaming_stores_give_same_bits)."""
+    code = textwrap.dedent("""
+        import numpy as np
+        import layernorm as ln
+        from layernorm._backends._numba import kernels as k
+        x = np.random.default_rng(0).standard_normal((64, 1500)).astype(np.float32)
+        ln.layer_norm(x)
+        ln.rms_norm(x)
+        def loaded(*kernels):
+            return sum(len(f.overloads) for f in kernels)
+        print(loaded(k.ln_forward_serial, k.ln_forward_parallel),
+              loaded(k.rms_forward_serial, k.rms_forward_parallel),
+              loaded(k.ln_stream_forward_serial, k.ln_stream_forward_parallel,
+                     k.rms_stream_forward_serial, k.rms_stream_forward_parallel))
+        """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=600)
+    plain_ln, plain_rms, streaming = (int(v) for v in proc.stdout.split())
+    assert plain_ln >= 1 and plain_rms >= 1 and streaming == 0
 
 
 @pytest.mark.parametrize(("x_dtype", "param_dtype"), [

@@ -65,6 +65,7 @@ class Plan:
         "param_bits",
         "rows",
         "run",
+        "run_streamed",
         "same_shape",
         "shape2",
         "stats_shape",
@@ -109,13 +110,19 @@ class Plan:
         # The kernels of contiguous rows (the plan's checks keep x and y contiguous).
         if rms:
             serial, parallel = kernels.rms_forward_serial, kernels.rms_forward_parallel
+            streamed = kernels.rms_stream_forward_serial, kernels.rms_stream_forward_parallel
         elif n <= kernels.SHORT_ROW_MAX:
             serial, parallel = (kernels.ln_short_forward_serial,
                                 kernels.ln_short_forward_parallel)
+            streamed = serial, parallel  # short rows never stream
         else:
             serial, parallel = kernels.ln_forward_serial, kernels.ln_forward_parallel
+            streamed = kernels.ln_stream_forward_serial, kernels.ln_stream_forward_parallel
+        #: ``run`` with streaming stores, for large calls that use them (``nt``).
+        self.run_streamed = None
         if self.large:
             self.run = functools.partial(_numba.run_rows, serial, parallel, writes)
+            self.run_streamed = functools.partial(_numba.run_rows, *streamed, writes)
         else:
             self.run = _resolving(self, "run", serial, writes)
 
@@ -284,15 +291,16 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
     if b is None:
         b = plan.negative_zeros
     nt = plan.large and _numba.use_streaming_stores(x2, y2)
+    run = plan.run_streamed if nt else plan.run
     if return_stats:
         mean = np.empty(plan.stats_shape, plan.acc)
         rstd = np.empty(plan.stats_shape, plan.acc)
         m, r = mean.reshape(-1), rstd.reshape(-1)
-        done = plan.run(x2, w, b, e, y2, m, r, plan.tab, nt)
+        done = run(x2, w, b, e, y2, m, r, plan.tab, nt)
         if type(done) is not int or done != plan.rows:
             _numba.complete_layer_norm_rows(done, (x2, w, b, e, y2, m, r, plan.tab, nt))
         return y, mean, rstd
-    done = plan.run(x2, w, b, e, y2, plan.no_stats, plan.no_stats, plan.tab, nt)
+    done = run(x2, w, b, e, y2, plan.no_stats, plan.no_stats, plan.tab, nt)
     if type(done) is not int or done != plan.rows:
         _numba.complete_layer_norm_rows(done, (x2, w, b, e, y2, plan.no_stats, plan.no_stats,
                                                plan.tab, nt))
@@ -337,14 +345,15 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
     if w is None:
         w = plan.ones
     nt = plan.large and _numba.use_streaming_stores(x2, y2)
+    run = plan.run_streamed if nt else plan.run
     if return_stats:
         rstd = np.empty(plan.stats_shape, plan.acc)
         r = rstd.reshape(-1)
-        done = plan.run(x2, w, e, y2, r, nt)
+        done = run(x2, w, e, y2, r, nt)
         if type(done) is not int or done != plan.rows:
             _numba.complete_rms_norm_rows(done, (x2, w, e, y2, r, nt))
         return y, rstd
-    done = plan.run(x2, w, e, y2, plan.no_stats, nt)
+    done = run(x2, w, e, y2, plan.no_stats, nt)
     if type(done) is not int or done != plan.rows:
         _numba.complete_rms_norm_rows(done, (x2, w, e, y2, plan.no_stats, nt))
     return y

@@ -57,7 +57,7 @@ class _Parts:
         self.mu = np.empty(rows, np.float32)
         self.tab = k.merge_table(x.shape[1], np.dtype(np.float32))
         args = (x, w, b, EPS, y, self.mean, self.rstd, self.tab, nt)
-        kernel = entry_point(ln_row_kernels(k, x, y)[0], LN_FORWARD_WRITES, args)
+        kernel = entry_point(ln_row_kernels(k, x, y, nt)[0], LN_FORWARD_WRITES, args)
         self.kernel: Callable[[], Any] = lambda: kernel(*args)
         self.separable = x.shape[1] > k.SHORT_ROW_MAX
 

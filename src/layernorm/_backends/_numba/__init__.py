@@ -211,21 +211,26 @@ def _unit_stride(a: Any) -> bool:
     return a.strides[1] == a.itemsize or a.shape[1] <= 1
 
 
-def ln_row_kernels(k: Any, x: Any, y: Any) -> tuple[Any, Any]:
+def ln_row_kernels(k: Any, x: Any, y: Any, stream: bool = False) -> tuple[Any, Any]:
     """The (serial, parallel) LayerNorm row kernels for 2-D ``x`` into ``y``: one entry
-    kernel per path, so a call compiles only its own (all give the same bits)."""
+    kernel per path, so a call compiles only its own (all give the same bits).
+    ``stream``: :func:`use_streaming_stores` said yes (only the long-row path streams)."""
     if not (_unit_stride(x) and _unit_stride(y)):
         return k.ln_gathered_forward_serial, k.ln_gathered_forward_parallel
     if x.shape[1] <= k.SHORT_ROW_MAX:
         return k.ln_short_forward_serial, k.ln_short_forward_parallel
+    if stream:
+        return k.ln_stream_forward_serial, k.ln_stream_forward_parallel
     return k.ln_forward_serial, k.ln_forward_parallel
 
 
-def rms_row_kernels(k: Any, x: Any, y: Any) -> tuple[Any, Any]:
+def rms_row_kernels(k: Any, x: Any, y: Any, stream: bool = False) -> tuple[Any, Any]:
     """The (serial, parallel) RMSNorm row kernels for 2-D ``x`` into ``y`` (see
     :func:`ln_row_kernels`)."""
     if not (_unit_stride(x) and _unit_stride(y)):
         return k.rms_gathered_forward_serial, k.rms_gathered_forward_parallel
+    if stream:
+        return k.rms_stream_forward_serial, k.rms_stream_forward_parallel
     return k.rms_forward_serial, k.rms_forward_parallel
 
 
@@ -290,8 +295,9 @@ def layer_norm_forward(x3, weight, bias, eps, y3, mean, rstd, dtype) -> None:
     if x.shape[2] == 1:
         x = x[:, :, 0]
         y = y[:, :, 0]
-        serial, parallel = ln_row_kernels(k, x, y)
-        args = (x, w, b, e, y, mean, rstd, tab, use_streaming_stores(x, y))
+        nt = use_streaming_stores(x, y)
+        serial, parallel = ln_row_kernels(k, x, y, nt)
+        args = (x, w, b, e, y, mean, rstd, tab, nt)
         complete_layer_norm_rows(_run(serial, parallel, x.size, LN_FORWARD_WRITES, *args),
                                  args)
     else:
@@ -309,8 +315,9 @@ def rms_norm_forward(x3, weight, eps, y3, rstd, dtype) -> None:
     if x.shape[2] == 1:
         x = x[:, :, 0]
         y = y[:, :, 0]
-        serial, parallel = rms_row_kernels(k, x, y)
-        args = (x, w, e, y, rstd, use_streaming_stores(x, y))
+        nt = use_streaming_stores(x, y)
+        serial, parallel = rms_row_kernels(k, x, y, nt)
+        args = (x, w, e, y, rstd, nt)
         complete_rms_norm_rows(_run(serial, parallel, x.size, RMS_FORWARD_WRITES, *args),
                                args)
     else:

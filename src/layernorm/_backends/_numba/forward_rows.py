@@ -81,6 +81,13 @@ SHORT_ROW_MAX = 128
 #: a copy at (8192, 512), 0.63 -> 1.15 at (4096, 768), 0.60 -> 0.91 at (8192, 1024)),
 #: so only rows of at most 256 float32 are pipelined.
 PIPELINE_MAX_BYTES = 1024
+#: The ``stream`` argument of the row loops (:func:`ln_long_rows`, :func:`rms_raw_rows`):
+#: ``PLAIN`` (None) writes ``y`` with plain stores, ``STREAM`` with streaming stores. The
+#: choice is made by the argument's *type* (Numba prunes ``stream is None`` before
+#: typing), so a kernel passing one of them compiles only that output loop: the
+#: streaming loop cost a tenth of a cold first call that never uses it.
+PLAIN = None
+STREAM = True
 #: Rows of the short-row path's scratch block: per-row lane sums of ``v`` and of
 #: ``v * v`` (LANES rows each), then one row each of shifts, shifted means, rstd and
 #: means (row ``i`` of the block in lane ``i``).
@@ -90,44 +97,53 @@ _S_ROWS = 2 * LANES + 4
 
 
 @njit(inline="always", error_model="numpy")
-def ln_row_out(xr, yr, r, n, shift, mean, rstd, w, b, nt):
+def ln_row_out(xr, yr, r, n, shift, mean, rstd, w, b):
+    """Row ``r``'s output pass, ``y = fma(((x - K) - mean) * rstd, w, b)``, plain stores."""
     kv = splat(shift)
     mv = splat(mean)
     rv = splat(rstd)
     i = 0
-    if nt:
-        # Streaming stores need aligned addresses: peel elements up to the boundary.
-        align = min(64, LANES * itemsize(yr))
-        while i < n and vaddress(yr, r, i) % align != 0:
-            v = ((widen(get(xr, r, i)) - shift) - mean) * rstd
-            v = affine(v, w, b, i)
-            put(yr, r, i, narrow(v, yr))
-            i += 1
-    body = i + (n - i) // LANES * LANES
-    if nt:
-        while i < body:
-            v = ((vload(xr, r, i) - kv) - mv) * rv
-            v = affine(v, w, b, i)
-            vstore_nt(yr, v, r, i)
-            i += LANES
-    else:
-        while i < body:
-            v = ((vload(xr, r, i) - kv) - mv) * rv
-            v = affine(v, w, b, i)
-            vstore(yr, v, r, i)
-            i += LANES
+    body = n // LANES * LANES
+    while i < body:
+        v = ((vload(xr, r, i) - kv) - mv) * rv
+        vstore(yr, affine(v, w, b, i), r, i)
+        i += LANES
     while i < n:
         v = ((widen(get(xr, r, i)) - shift) - mean) * rstd
-        v = affine(v, w, b, i)
-        put(yr, r, i, narrow(v, yr))
+        put(yr, r, i, narrow(affine(v, w, b, i), yr))
+        i += 1
+
+
+@njit(inline="always", error_model="numpy")
+def ln_row_out_streamed(xr, yr, r, n, shift, mean, rstd, w, b):
+    """:func:`ln_row_out` with streaming stores (the same values)."""
+    kv = splat(shift)
+    mv = splat(mean)
+    rv = splat(rstd)
+    # Streaming stores need aligned addresses: peel elements up to the boundary.
+    align = min(64, LANES * itemsize(yr))
+    i = 0
+    while i < n and vaddress(yr, r, i) % align != 0:
+        v = ((widen(get(xr, r, i)) - shift) - mean) * rstd
+        put(yr, r, i, narrow(affine(v, w, b, i), yr))
+        i += 1
+    body = i + (n - i) // LANES * LANES
+    while i < body:
+        v = ((vload(xr, r, i) - kv) - mv) * rv
+        vstore_nt(yr, affine(v, w, b, i), r, i)
+        i += LANES
+    while i < n:
+        v = ((widen(get(xr, r, i)) - shift) - mean) * rstd
+        put(yr, r, i, narrow(affine(v, w, b, i), yr))
         i += 1
 
 
 @njit(error_model="numpy")
-def ln_long_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r0, r1, s0):
+def ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1, s0):
     """Rows ``r0 .. r1`` of unit-stride :class:`._simd.Raw` views on the row path; their
-    statistics go to ``s0 ..``. Correct for any ``n``; rows of at most ``SHORT_ROW_MAX``
-    run faster through :func:`ln_short_rows` (the same bits).
+    statistics go to ``s0 ..``; ``stream`` is ``PLAIN`` or ``STREAM`` (the stores of
+    y). Correct for any ``n``; rows of at most ``SHORT_ROW_MAX`` run faster through
+    :func:`ln_short_rows` (the same bits).
 
     Returns ``r1``, or the first finite row whose squares overflow: that row is left
     unwritten and the rows after it are not done (see :mod:`.rescale`)."""
@@ -155,16 +171,19 @@ def ln_long_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r0, r1, s0)
         if not rstd > 0 and finite_row(xv, r, n):
             stop = r
             break
-        ln_row_out(xv, yv, r, n, shift, mean, rstd, wv, bv, nt)
+        if stream is None:
+            ln_row_out(xv, yv, r, n, shift, mean, rstd, wv, bv)
+        else:
+            ln_row_out_streamed(xv, yv, r, n, shift, mean, rstd, wv, bv)
         put_stat(mean_out, s0 + (r - r0), mo)
         put_stat(rstd_out, s0 + (r - r0), rstd)
-    if nt:
+    if stream is not None:
         store_fence()  # streaming stores done before another thread reads y
     return stop
 
 
 @njit(error_model="numpy")
-def ln_raw_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r0, r1, s0):
+def ln_raw_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1, s0):
     """:func:`ln_short_rows` or :func:`ln_long_rows`, by ``n``, rescaling the rows they
     stop at: every row done, for callers that serve every row length with one compiled
     function (gathered rows, the fusions)."""
@@ -174,7 +193,8 @@ def ln_raw_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r0, r1, s0):
         if n <= SHORT_ROW_MAX:
             stop = ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r, r1, s)
         else:
-            stop = ln_long_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out, r, r1, s)
+            stop = ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r, r1,
+                                s)
         if stop < r1:
             ln_row_rescaled(xv, yv, stop, n, eps, wv, bv, mean_out, rstd_out, s0 + (stop - r0))
         r = stop + 1
@@ -254,7 +274,7 @@ def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
             if not rstd > 0 and finite_row(xv, first + i, n):
                 stop = first + i
                 break
-            ln_row_out(xv, yv, first + i, n, shift, mean, rstd, wv, bv, False)
+            ln_row_out(xv, yv, first + i, n, shift, mean, rstd, wv, bv)
             put_stat(mean_out, s0 + (first - r0) + i, mo)
             put_stat(rstd_out, s0 + (first - r0) + i, rstd)
     alive(scratch)
@@ -274,7 +294,7 @@ def _ln_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1):
         count = min(LANES, r1 - first)
         for i in range(count):
             copy_row(xs, i, x, first + i)
-        ln_raw_rows(xv, yv, wv, bv, tv, eps, n, runtime(False), mean_out, rstd_out,
+        ln_raw_rows(xv, yv, wv, bv, tv, eps, n, PLAIN, mean_out, rstd_out,
                      runtime(0), count, first)
         for i in range(count):
             copy_row(y, first + i, ys, i)
@@ -295,22 +315,30 @@ def _row_block(rows, n):
 
 @cached_njit(error_model="numpy")
 def ln_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
-    """LayerNorm forward of unit-stride rows of a 2-D ``(rows, n)`` array, calling thread.
+    """LayerNorm forward of unit-stride rows of a 2-D ``(rows, n)`` array, calling thread,
+    plain stores (``nt`` unused: :func:`ln_stream_forward_serial` streams).
 
     Returns the number of rows done: all of them, or the index of a finite row whose
     squares overflow, unwritten (the driver rescales it and resumes after it)."""
-    stop = ln_long_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1], nt,
+    stop = ln_long_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1], PLAIN,
                         mean_out, rstd_out, runtime(0), x.shape[0], runtime(0))
     alive(w)
     alive(b)
     return stop
 
 
-@cached_njit(parallel=True, error_model="numpy")
-def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
-    """:func:`ln_forward_serial`, blocks of rows spread over Numba's threads. Returns
-    each block's ``(stop, end)`` rows (``stop < end``: the block stopped before an
-    overflowing row, as the serial kernel does)."""
+@cached_njit(error_model="numpy")
+def ln_stream_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
+    """:func:`ln_forward_serial` writing ``y`` with streaming stores (``nt`` unused)."""
+    stop = ln_long_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1], STREAM,
+                        mean_out, rstd_out, runtime(0), x.shape[0], runtime(0))
+    alive(w)
+    alive(b)
+    return stop
+
+
+@njit(parallel=True, error_model="numpy")
+def _ln_rows_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, stream):
     rows, n = x.shape
     xv, yv, wv, bv, tv = raw(x), raw(y), raw(w), raw(b), raw(tab)
     rb = _row_block(rows, n)
@@ -319,12 +347,26 @@ def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     for blk in prange(blocks):
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
-        pending[blk, 0] = ln_long_rows(xv, yv, wv, bv, tv, eps, n, nt, mean_out, rstd_out,
-                                       r0, r1, r0)
+        pending[blk, 0] = ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out,
+                                       rstd_out, r0, r1, r0)
         pending[blk, 1] = r1
     alive(w)
     alive(b)
     return pending
+
+
+@cached_njit(error_model="numpy")
+def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
+    """:func:`ln_forward_serial`, blocks of rows spread over Numba's threads. Returns
+    each block's ``(stop, end)`` rows (``stop < end``: the block stopped before an
+    overflowing row, as the serial kernel does)."""
+    return _ln_rows_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, PLAIN)
+
+
+@cached_njit(error_model="numpy")
+def ln_stream_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
+    """:func:`ln_forward_parallel` writing ``y`` with streaming stores (``nt`` unused)."""
+    return _ln_rows_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, STREAM)
 
 
 @cached_njit(error_model="numpy")
@@ -407,38 +449,39 @@ def _row_sum_squares(xr, r, n, like):
 
 
 @njit(inline="always", error_model="numpy")
-def _rms_row_out(xr, yr, r, n, rstd, w, nt):
+def _rms_row_out(xr, yr, r, n, rstd, w):
+    """Row ``r``'s RMSNorm output pass, ``y = x * rstd * w``, plain stores."""
     rv = splat(rstd)
     i = 0
-    if nt:
-        align = min(64, LANES * itemsize(yr))
-        while i < n and vaddress(yr, r, i) % align != 0:
-            v = widen(get(xr, r, i)) * rstd
-            v = times_w(v, w, i)
-            put(yr, r, i, narrow(v, yr))
-            i += 1
-    body = i + (n - i) // LANES * LANES
-    if nt:
-        while i < body:
-            v = vload(xr, r, i) * rv
-            v = times_w(v, w, i)
-            vstore_nt(yr, v, r, i)
-            i += LANES
-    else:
-        while i < body:
-            v = vload(xr, r, i) * rv
-            v = times_w(v, w, i)
-            vstore(yr, v, r, i)
-            i += LANES
+    body = n // LANES * LANES
+    while i < body:
+        vstore(yr, times_w(vload(xr, r, i) * rv, w, i), r, i)
+        i += LANES
     while i < n:
-        v = widen(get(xr, r, i)) * rstd
-        v = times_w(v, w, i)
-        put(yr, r, i, narrow(v, yr))
+        put(yr, r, i, narrow(times_w(widen(get(xr, r, i)) * rstd, w, i), yr))
+        i += 1
+
+
+@njit(inline="always", error_model="numpy")
+def _rms_row_out_streamed(xr, yr, r, n, rstd, w):
+    """:func:`_rms_row_out` with streaming stores (the same values)."""
+    rv = splat(rstd)
+    align = min(64, LANES * itemsize(yr))
+    i = 0
+    while i < n and vaddress(yr, r, i) % align != 0:
+        put(yr, r, i, narrow(times_w(widen(get(xr, r, i)) * rstd, w, i), yr))
+        i += 1
+    body = i + (n - i) // LANES * LANES
+    while i < body:
+        vstore_nt(yr, times_w(vload(xr, r, i) * rv, w, i), r, i)
+        i += LANES
+    while i < n:
+        put(yr, r, i, narrow(times_w(widen(get(xr, r, i)) * rstd, w, i), yr))
         i += 1
 
 
 @njit(error_model="numpy")
-def rms_raw_rows(xv, yv, wv, eps, n, nt, rstd_out, r0, r1, s0):
+def rms_raw_rows(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, s0):
     """RMSNorm of rows ``r0 .. r1`` of unit-stride :class:`._simd.Raw` views; their
     ``rstd`` goes to ``s0 ..`` (the RMSNorm twin of :func:`ln_long_rows`, stopping as
     it does)."""
@@ -448,20 +491,23 @@ def rms_raw_rows(xv, yv, wv, eps, n, nt, rstd_out, r0, r1, s0):
         if not rstd > 0 and finite_row(xv, r, n):
             stop = r
             break
-        _rms_row_out(xv, yv, r, n, rstd, wv, nt)
+        if stream is None:
+            _rms_row_out(xv, yv, r, n, rstd, wv)
+        else:
+            _rms_row_out_streamed(xv, yv, r, n, rstd, wv)
         put_stat(rstd_out, s0 + (r - r0), rstd)
-    if nt:
+    if stream is not None:
         store_fence()
     return stop
 
 
 @njit(error_model="numpy")
-def rms_rows_rescued(xv, yv, wv, eps, n, nt, rstd_out, r0, r1, s0):
+def rms_rows_rescued(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, s0):
     """:func:`rms_raw_rows` with the rows it stops at rescaled: every row done (for the
     fusions)."""
     r = r0
     while r < r1:
-        stop = rms_raw_rows(xv, yv, wv, eps, n, nt, rstd_out, r, r1, s0 + (r - r0))
+        stop = rms_raw_rows(xv, yv, wv, eps, n, stream, rstd_out, r, r1, s0 + (r - r0))
         if stop < r1:
             rms_row_rescaled(xv, yv, stop, n, eps, wv, rstd_out, s0 + (stop - r0))
         r = stop + 1
@@ -479,7 +525,7 @@ def _rms_gathered(x, w, eps, y, rstd_out, r0, r1):
         rstd = rms_rstd(xv, runtime(0), n, eps)
         # A finite row whose squares overflow is written by rms_row_rescaled instead.
         if rstd > 0 or not rms_row_rescaled(xv, yv, runtime(0), n, eps, wv, rstd_out, r):
-            _rms_row_out(xv, yv, runtime(0), n, rstd, wv, False)
+            _rms_row_out(xv, yv, runtime(0), n, rstd, wv)
             put_stat(rstd_out, r, rstd)
         copy_row(y, r, ys, 0)
     alive(xs)
@@ -496,18 +542,25 @@ def rms_rstd(xr, r, n, eps):
 
 @cached_njit(error_model="numpy")
 def rms_forward_serial(x, w, eps, y, rstd_out, nt):
-    """RMSNorm forward of unit-stride rows of a 2-D array on the calling thread
-    (returns as :func:`ln_forward_serial`)."""
-    stop = rms_raw_rows(raw(x), raw(y), raw(w), eps, x.shape[1], nt, rstd_out, runtime(0),
-                        x.shape[0], runtime(0))
+    """RMSNorm forward of unit-stride rows of a 2-D array on the calling thread, plain
+    stores (returns as :func:`ln_forward_serial`; ``nt`` unused)."""
+    stop = rms_raw_rows(raw(x), raw(y), raw(w), eps, x.shape[1], PLAIN, rstd_out,
+                        runtime(0), x.shape[0], runtime(0))
     alive(w)
     return stop
 
 
-@cached_njit(parallel=True, error_model="numpy")
-def rms_forward_parallel(x, w, eps, y, rstd_out, nt):
-    """:func:`rms_forward_serial`, blocks of rows spread over Numba's threads (returns
-    as :func:`ln_forward_parallel`)."""
+@cached_njit(error_model="numpy")
+def rms_stream_forward_serial(x, w, eps, y, rstd_out, nt):
+    """:func:`rms_forward_serial` writing ``y`` with streaming stores."""
+    stop = rms_raw_rows(raw(x), raw(y), raw(w), eps, x.shape[1], STREAM, rstd_out,
+                        runtime(0), x.shape[0], runtime(0))
+    alive(w)
+    return stop
+
+
+@njit(parallel=True, error_model="numpy")
+def _rms_rows_parallel(x, w, eps, y, rstd_out, stream):
     rows, n = x.shape
     xv, yv, wv = raw(x), raw(y), raw(w)
     rb = _row_block(rows, n)
@@ -516,10 +569,23 @@ def rms_forward_parallel(x, w, eps, y, rstd_out, nt):
     for blk in prange(blocks):
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
-        pending[blk, 0] = rms_raw_rows(xv, yv, wv, eps, n, nt, rstd_out, r0, r1, r0)
+        pending[blk, 0] = rms_raw_rows(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, r0)
         pending[blk, 1] = r1
     alive(w)
     return pending
+
+
+@cached_njit(error_model="numpy")
+def rms_forward_parallel(x, w, eps, y, rstd_out, nt):
+    """:func:`rms_forward_serial`, blocks of rows spread over Numba's threads (returns
+    as :func:`ln_forward_parallel`)."""
+    return _rms_rows_parallel(x, w, eps, y, rstd_out, PLAIN)
+
+
+@cached_njit(error_model="numpy")
+def rms_stream_forward_parallel(x, w, eps, y, rstd_out, nt):
+    """:func:`rms_forward_parallel` writing ``y`` with streaming stores."""
+    return _rms_rows_parallel(x, w, eps, y, rstd_out, STREAM)
 
 
 @cached_njit(error_model="numpy")

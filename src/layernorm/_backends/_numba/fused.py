@@ -44,7 +44,7 @@ from ._simd import (
     vstore,
 )
 from .diskcache import cached_njit
-from .forward_rows import ln_long_rows, ln_short_rows, rms_raw_rows
+from .forward_rows import PLAIN, STREAM, ln_long_rows, ln_short_rows, rms_raw_rows
 from .rowmath import LANES
 
 #: Elements per block of rows (no effect on results): the block's ``h`` stays in L2
@@ -80,8 +80,12 @@ def _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt, r0, r1):
     """``h`` of rows ``r0 .. r1``, then their LayerNorm on the row path; returns the row
     the norm stopped at (``r1``: all done; see :func:`.forward_rows.ln_long_rows`)."""
     hv = add_block(x, res, h, r0, r1)
-    return r0 + ln_long_rows(hv, raw(y[r0:r1]), raw(w), raw(b), raw(tab), eps, x.shape[1],
-                             nt, mean_out, rstd_out, runtime(0), r1 - r0, r0)
+    yv, wv, bv, tv = raw(y[r0:r1]), raw(w), raw(b), raw(tab)
+    if nt:
+        return r0 + ln_long_rows(hv, yv, wv, bv, tv, eps, x.shape[1], STREAM, mean_out,
+                                 rstd_out, runtime(0), r1 - r0, r0)
+    return r0 + ln_long_rows(hv, yv, wv, bv, tv, eps, x.shape[1], PLAIN, mean_out, rstd_out,
+                             runtime(0), r1 - r0, r0)
 
 
 @njit(error_model="numpy")
@@ -95,8 +99,12 @@ def _add_ln_short_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, r0, r1
 @njit(error_model="numpy")
 def _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, r1):
     hv = add_block(x, res, h, r0, r1)
-    return r0 + rms_raw_rows(hv, raw(y[r0:r1]), raw(w), eps, x.shape[1], nt, rstd_out,
-                             runtime(0), r1 - r0, r0)
+    yv, wv = raw(y[r0:r1]), raw(w)
+    if nt:
+        return r0 + rms_raw_rows(hv, yv, wv, eps, x.shape[1], STREAM, rstd_out, runtime(0),
+                                 r1 - r0, r0)
+    return r0 + rms_raw_rows(hv, yv, wv, eps, x.shape[1], PLAIN, rstd_out, runtime(0),
+                             r1 - r0, r0)
 
 
 @njit(inline="always", error_model="numpy")

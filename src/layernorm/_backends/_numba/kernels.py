@@ -101,10 +101,14 @@ from .forward_rows import (
     ln_gathered_forward_serial,
     ln_short_forward_parallel,
     ln_short_forward_serial,
+    ln_stream_forward_parallel,
+    ln_stream_forward_serial,
     rms_forward_parallel,
     rms_forward_serial,
     rms_gathered_forward_parallel,
     rms_gathered_forward_serial,
+    rms_stream_forward_parallel,
+    rms_stream_forward_serial,
 )
 from .fused import (
     add_ln_forward_parallel,
@@ -162,6 +166,8 @@ __all__ = [
     "ln_short_forward_serial",
     "ln_short_quant_forward_parallel",
     "ln_short_quant_forward_serial",
+    "ln_stream_forward_parallel",
+    "ln_stream_forward_serial",
     "ln_tiled_backward_parallel",
     "ln_tiled_backward_serial",
     "merge_table",
@@ -180,5 +186,7 @@ __all__ = [
     "rms_quant_forward_parallel",
     "rms_quant_forward_serial",
     "rms_quant_rescued_serial",
+    "rms_stream_forward_parallel",
+    "rms_stream_forward_serial",
     "widen_param",
 ]

@@ -12,7 +12,7 @@ import numpy as np
 
 from ._simd import lane, raw, splat, store_fence, vload, vstore
 from .diskcache import cached_njit
-from .forward_rows import ln_row_out
+from .forward_rows import ln_row_out, ln_row_out_streamed
 from .rowmath import LANES, finish, row_moments
 
 #: Vector accumulators of the read pass (enough to hide the add latency).
@@ -39,10 +39,13 @@ def output_pass(x, w, b, shift, mu, rstd, y, nt):
     (``nt``: streaming stores, as the kernel chooses them)."""
     n = x.shape[1]
     xv, yv, wv, bv = raw(x), raw(y), raw(w), raw(b)
-    for r in range(x.shape[0]):
-        ln_row_out(xv, yv, r, n, shift[r], mu[r], rstd[r], wv, bv, nt)
     if nt:
+        for r in range(x.shape[0]):
+            ln_row_out_streamed(xv, yv, r, n, shift[r], mu[r], rstd[r], wv, bv)
         store_fence()
+    else:
+        for r in range(x.shape[0]):
+            ln_row_out(xv, yv, r, n, shift[r], mu[r], rstd[r], wv, bv)
 
 
 @cached_njit(error_model="numpy")

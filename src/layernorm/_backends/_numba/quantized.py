@@ -73,6 +73,7 @@ from ._simd import (
 )
 from .diskcache import cached_njit
 from .forward_rows import (
+    PLAIN,
     ln_raw_rows,
     ln_short_rows,
     rms_rows_rescued,
@@ -525,8 +526,8 @@ def ln_quant_rescued_serial(x, w, b, eps, q, mean_out, rstd_out, tab, fmt, dynam
     y32 = _scratch(rb, n)
     for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
-        ln_raw_rows(raw(x[r0:r1]), raw(y32), raw(w), raw(b), raw(tab), eps, n,
-                    runtime(False), mean_out, rstd_out, runtime(0), r1 - r0, r0)
+        ln_raw_rows(raw(x[r0:r1]), raw(y32), raw(w), raw(b), raw(tab), eps, n, PLAIN,
+                    mean_out, rstd_out, runtime(0), r1 - r0, r0)
         _quantize_block(y32, q, r0, r1, fmt, dynamic, inv_rows, scale_out)
 
 
@@ -538,6 +539,6 @@ def rms_quant_rescued_serial(x, w, eps, q, rstd_out, fmt, dynamic, inv_rows, sca
     y32 = _scratch(rb, n)
     for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
-        rms_rows_rescued(raw(x[r0:r1]), raw(y32), raw(w), eps, n, runtime(False), rstd_out,
+        rms_rows_rescued(raw(x[r0:r1]), raw(y32), raw(w), eps, n, PLAIN, rstd_out,
                          runtime(0), r1 - r0, r0)
         _quantize_block(y32, q, r0, r1, fmt, dynamic, inv_rows, scale_out)
