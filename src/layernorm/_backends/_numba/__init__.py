@@ -441,9 +441,12 @@ def add_layer_norm_forward(x3, r3, weight, bias, eps, h3, y3, mean, rstd, dtypes
     w, b = kernel_params(weight, bias, x.shape[1], mean.dtype)
     tab = k.merge_table(x.shape[1], mean.dtype)
     nt = _add_streams(x, r, y)
-    serial, parallel = (k.add_ln_short_forward_serial, k.add_ln_short_forward_parallel) \
-        if x.shape[1] <= k.SHORT_ROW_MAX else (k.add_ln_forward_serial,
-                                               k.add_ln_forward_parallel)
+    if x.shape[1] <= k.SHORT_ROW_MAX:
+        serial, parallel = k.add_ln_short_forward_serial, k.add_ln_short_forward_parallel
+    elif nt:
+        serial, parallel = k.add_ln_stream_forward_serial, k.add_ln_stream_forward_parallel
+    else:
+        serial, parallel = k.add_ln_forward_serial, k.add_ln_forward_parallel
     pending = _run(serial, parallel, x.size, ADD_LN_WRITES, x, r, w, b, e, h, y, mean, rstd,
                    tab, nt)
     # Blocks stopped before an overflowing row: their h is complete, normalize the rest.
@@ -457,8 +460,10 @@ def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
     x, r, h, y = _add_arrays(x3, r3, h3, y3, dtypes)
     e = _acc_scalar(eps, dtypes[2])
     w = kernel_params(weight, None, x.shape[1], rstd.dtype)[0]
-    pending = _run(k.add_rms_forward_serial, k.add_rms_forward_parallel, x.size,
-                   ADD_RMS_WRITES, x, r, w, e, h, y, rstd, _add_streams(x, r, y))
+    nt = _add_streams(x, r, y)
+    serial, parallel = ((k.add_rms_stream_forward_serial, k.add_rms_stream_forward_parallel)
+                        if nt else (k.add_rms_forward_serial, k.add_rms_forward_parallel))
+    pending = _run(serial, parallel, x.size, ADD_RMS_WRITES, x, r, w, e, h, y, rstd, nt)
     _complete(pending, k.rms_gathered_forward_serial, RMS_FORWARD_WRITES, RMS_FORWARD_ROWS,
               (h, w, e, y, rstd, False))
 

@@ -75,17 +75,14 @@ def add_block(x, res, h, r0, r1):
     return hv
 
 
-@njit(error_model="numpy")
-def _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt, r0, r1):
-    """``h`` of rows ``r0 .. r1``, then their LayerNorm on the row path; returns the row
-    the norm stopped at (``r1``: all done; see :func:`.forward_rows.ln_long_rows`)."""
+@njit(inline="always", error_model="numpy")
+def _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, stream, r0, r1):
+    """``h`` of rows ``r0 .. r1``, then their LayerNorm on the row path (``stream``: the
+    stores of y, see :data:`.forward_rows.PLAIN`); returns the row the norm stopped at
+    (``r1``: all done; see :func:`.forward_rows.ln_long_rows`)."""
     hv = add_block(x, res, h, r0, r1)
-    yv, wv, bv, tv = raw(y[r0:r1]), raw(w), raw(b), raw(tab)
-    if nt:
-        return r0 + ln_long_rows(hv, yv, wv, bv, tv, eps, x.shape[1], STREAM, mean_out,
-                                 rstd_out, runtime(0), r1 - r0, r0)
-    return r0 + ln_long_rows(hv, yv, wv, bv, tv, eps, x.shape[1], PLAIN, mean_out, rstd_out,
-                             runtime(0), r1 - r0, r0)
+    return r0 + ln_long_rows(hv, raw(y[r0:r1]), raw(w), raw(b), raw(tab), eps, x.shape[1],
+                             stream, mean_out, rstd_out, runtime(0), r1 - r0, r0)
 
 
 @njit(error_model="numpy")
@@ -96,15 +93,11 @@ def _add_ln_short_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, r0, r1
                               mean_out, rstd_out, runtime(0), r1 - r0, r0)
 
 
-@njit(error_model="numpy")
-def _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, r1):
+@njit(inline="always", error_model="numpy")
+def _add_rms_block(x, res, w, eps, h, y, rstd_out, stream, r0, r1):
     hv = add_block(x, res, h, r0, r1)
-    yv, wv = raw(y[r0:r1]), raw(w)
-    if nt:
-        return r0 + rms_raw_rows(hv, yv, wv, eps, x.shape[1], STREAM, rstd_out, runtime(0),
-                                 r1 - r0, r0)
-    return r0 + rms_raw_rows(hv, yv, wv, eps, x.shape[1], PLAIN, rstd_out, runtime(0),
-                             r1 - r0, r0)
+    return r0 + rms_raw_rows(hv, raw(y[r0:r1]), raw(w), eps, x.shape[1], stream, rstd_out,
+                             runtime(0), r1 - r0, r0)
 
 
 @njit(inline="always", error_model="numpy")
@@ -121,9 +114,8 @@ def block_rows(rows, n, blocks, elements):
 # rows kernel on h, which rescales such rows (see .rescale).
 
 
-@cached_njit(error_model="numpy")
-def add_ln_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
-    """``h = x + res`` and the LayerNorm of ``h`` into ``y``, on the calling thread."""
+@njit(inline="always", error_model="numpy")
+def _add_ln_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, stream):
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
@@ -131,14 +123,13 @@ def add_ln_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
         pending[blk, 0] = _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab,
-                                        nt, r0, r1)
+                                        stream, r0, r1)
         pending[blk, 1] = r1
     return pending
 
 
-@cached_njit(parallel=True, error_model="numpy")
-def add_ln_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
-    """:func:`add_ln_forward_serial` with blocks of rows over Numba's threads."""
+@njit(inline="always", error_model="numpy")
+def _add_ln_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, stream):
     rows, n = x.shape
     rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
     pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
@@ -146,9 +137,41 @@ def add_ln_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
         pending[blk, 0] = _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab,
-                                        nt, r0, r1)
+                                        stream, r0, r1)
         pending[blk, 1] = r1
     return pending
+
+
+# Plain and streaming stores of y are separate entry kernels (``nt`` unused): a call
+# compiles only the output loop it uses (see forward_rows.PLAIN). The block loops and
+# blocks above are inlined into them: Numba optimizes and generates machine code for a
+# jitted callee again inside every caller's module, so each extra level of calls
+# between an entry kernel and the row function cost about 0.3 s of a cold first call
+# (measured: add_layer_norm 3.0 -> 2.5 s).
+
+
+@cached_njit(error_model="numpy")
+def add_ln_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
+    """``h = x + res`` and the LayerNorm of ``h`` into ``y``, on the calling thread."""
+    return _add_ln_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, PLAIN)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def add_ln_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
+    """:func:`add_ln_forward_serial` with blocks of rows over Numba's threads."""
+    return _add_ln_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, PLAIN)
+
+
+@cached_njit(error_model="numpy")
+def add_ln_stream_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
+    """:func:`add_ln_forward_serial` writing ``y`` with streaming stores."""
+    return _add_ln_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, STREAM)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def add_ln_stream_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
+    """:func:`add_ln_forward_parallel` writing ``y`` with streaming stores."""
+    return _add_ln_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, STREAM)
 
 
 @cached_njit(error_model="numpy")
@@ -182,30 +205,52 @@ def add_ln_short_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, t
     return pending
 
 
-@cached_njit(error_model="numpy")
-def add_rms_forward_serial(x, res, w, eps, h, y, rstd_out, nt):
-    """``h = x + res`` and the RMSNorm of ``h`` into ``y``, on the calling thread
-    (returns as :func:`add_ln_forward_serial`)."""
+@njit(inline="always", error_model="numpy")
+def _add_rms_serial(x, res, w, eps, h, y, rstd_out, stream):
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
     for blk in range(pending.shape[0]):
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
-        pending[blk, 0] = _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, r1)
+        pending[blk, 0] = _add_rms_block(x, res, w, eps, h, y, rstd_out, stream, r0, r1)
         pending[blk, 1] = r1
     return pending
 
 
-@cached_njit(parallel=True, error_model="numpy")
-def add_rms_forward_parallel(x, res, w, eps, h, y, rstd_out, nt):
-    """:func:`add_rms_forward_serial` with blocks of rows over Numba's threads."""
+@njit(inline="always", error_model="numpy")
+def _add_rms_parallel(x, res, w, eps, h, y, rstd_out, stream):
     rows, n = x.shape
     rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
     pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
     for blk in prange(pending.shape[0]):
         r0 = blk * rb
         r1 = min(rows, r0 + rb)
-        pending[blk, 0] = _add_rms_block(x, res, w, eps, h, y, rstd_out, nt, r0, r1)
+        pending[blk, 0] = _add_rms_block(x, res, w, eps, h, y, rstd_out, stream, r0, r1)
         pending[blk, 1] = r1
     return pending
+
+
+@cached_njit(error_model="numpy")
+def add_rms_forward_serial(x, res, w, eps, h, y, rstd_out, nt):
+    """``h = x + res`` and the RMSNorm of ``h`` into ``y``, on the calling thread
+    (returns as :func:`add_ln_forward_serial`)."""
+    return _add_rms_serial(x, res, w, eps, h, y, rstd_out, PLAIN)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def add_rms_forward_parallel(x, res, w, eps, h, y, rstd_out, nt):
+    """:func:`add_rms_forward_serial` with blocks of rows over Numba's threads."""
+    return _add_rms_parallel(x, res, w, eps, h, y, rstd_out, PLAIN)
+
+
+@cached_njit(error_model="numpy")
+def add_rms_stream_forward_serial(x, res, w, eps, h, y, rstd_out, nt):
+    """:func:`add_rms_forward_serial` writing ``y`` with streaming stores."""
+    return _add_rms_serial(x, res, w, eps, h, y, rstd_out, STREAM)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def add_rms_stream_forward_parallel(x, res, w, eps, h, y, rstd_out, nt):
+    """:func:`add_rms_forward_parallel` writing ``y`` with streaming stores."""
+    return _add_rms_parallel(x, res, w, eps, h, y, rstd_out, STREAM)
