@@ -61,6 +61,7 @@ class BackwardPlan:
     __slots__ = (
         "acc",
         "bits",
+        "cast_grads",
         "flat_params",
         "grad_dtype",
         "ones",
@@ -82,6 +83,8 @@ class BackwardPlan:
         self.same_shape = tuple(shape) == self.shape2
         #: The parameter gradients are returned as the kernel's rows (no reshape).
         self.flat_params = param_shape == (n,)
+        #: The parameter gradients are returned in another dtype than the kernel's.
+        self.cast_grads = grad_dtype != self.acc
         bits = _numba.KERNEL_BITS.get(dtype)
         #: For float16/bfloat16: the dtype of the raw bits the kernels read, else None.
         self.bits = None if bits is None else np.dtype(bits)
@@ -223,4 +226,4 @@ def _param_grad(row: Any, plan: BackwardPlan) -> Any:
     the weight's (else x's) dtype."""
     if not plan.flat_params:
         row = row.reshape(plan.param_shape)
-    return row.astype(plan.grad_dtype, copy=False)
+    return row.astype(plan.grad_dtype) if plan.cast_grads else row
