@@ -149,6 +149,7 @@ def _fits(arr: Any, shape: tuple[int, ...], dtype: np.dtype) -> bool:
 
 
 def _contiguous(arr: Any) -> bool:
+    """``arr`` (a NumPy array of a planned shape and dtype) is C-contiguous and aligned."""
     flags = arr.flags
     return flags.c_contiguous and flags.aligned
 
