@@ -637,6 +637,8 @@ def test_grad_residual_is_fused(native_xp, monkeypatch, dtype):
     backward kernels; float32 and float64 give grad_x + grad_residual bit for bit, 16-bit
     the sum rounded once (a zero grad_residual leaves grad_x's bits); rows and the
     channels-first (cols) kernels."""
+    from layernorm import _fast_backward
+
     xp = native_xp
     backend = _backend_module(xp)
     seen = []
@@ -644,6 +646,16 @@ def test_grad_residual_is_fused(native_xp, monkeypatch, dtype):
         real = getattr(backend, fn)
         monkeypatch.setattr(backend, fn, lambda *a, _real=real, **k: (
             seen.append("grad_residual" in k), _real(*a, **k))[1])
+    real_short = _fast_backward.gradients
+
+    def short_spy(*args):
+        # Repeated NumPy calls reach the same kernels through the short path.
+        result = real_short(*args)
+        if result is not None:
+            seen.append(args[7] is not None)
+        return result
+
+    monkeypatch.setattr(_fast_backward, "gradients", short_spy)
     lengths = variant_lengths(dtype) if xp is not np else [7, 1000]
     for n in lengths:
         _, (xs, gys, ws, bs) = _inputs(xp, dtype, 9, n, n)

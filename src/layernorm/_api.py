@@ -3,8 +3,8 @@
 Each function asks the router (:func:`._dispatch.route`) where the call runs, hands
 torch tensors and Dask arrays to their adapters (:mod:`._adapters`), and everything
 else to the engine (:mod:`._engine`), which checks every argument and runs the native
-kernels or the generic array-API implementation. Repeated small NumPy forward calls
-take the short path (:mod:`._fast`) first.
+kernels or the generic array-API implementation. Repeated NumPy calls take the short
+path first (:mod:`._fast` forward, :mod:`._fast_backward` backward).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _engine, _fast
+from . import _engine, _fast, _fast_backward
 from ._dispatch import route
 
 _ADAPTERS = {"torch": "._adapters.torch", "dask": "._adapters.dask"}
@@ -234,7 +234,7 @@ def layer_norm_backward(
     normalized_shape: int | tuple[int, ...] | None = None,
     *,
     axis: int | tuple[int, ...] | None = None,
-    weight_offset: float = 0.0,
+    weight_offset: float = _NO_OFFSET,
     grad_residual: Any = None,
     backend: str | None = None,
 ) -> tuple[Any, Any, Any]:
@@ -284,6 +284,13 @@ def layer_norm_backward(
     >>> gb
     array([1., 1., 1., 1.])
     """
+    if (type(x) is np.ndarray and backend is None
+            and (weight_offset is _NO_OFFSET
+                 or (type(weight_offset) is float and weight_offset == 0.0))):
+        grads = _fast_backward.gradients(grad_y, x, mean, rstd, weight, normalized_shape, axis,
+                                         grad_residual, False)
+        if grads is not None:
+            return grads
     where = route(x, backend)
     extras = {"weight_offset": weight_offset, "grad_residual": grad_residual}
     if where.library == "torch":
@@ -305,7 +312,7 @@ def rms_norm_backward(
     normalized_shape: int | tuple[int, ...] | None = None,
     *,
     axis: int | tuple[int, ...] | None = None,
-    weight_offset: float = 0.0,
+    weight_offset: float = _NO_OFFSET,
     grad_residual: Any = None,
     backend: str | None = None,
 ) -> tuple[Any, Any]:
@@ -351,6 +358,13 @@ def rms_norm_backward(
     >>> gw.shape
     (2,)
     """
+    if (type(x) is np.ndarray and backend is None
+            and (weight_offset is _NO_OFFSET
+                 or (type(weight_offset) is float and weight_offset == 0.0))):
+        grads = _fast_backward.gradients(grad_y, x, None, rstd, weight, normalized_shape, axis,
+                                         grad_residual, True)
+        if grads is not None:
+            return grads
     where = route(x, backend)
     extras = {"weight_offset": weight_offset, "grad_residual": grad_residual}
     if where.library == "torch":

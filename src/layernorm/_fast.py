@@ -26,7 +26,7 @@ from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
 from ._dtypes import HALF_DTYPES, MACHINE_EPS, dtype_name
-from ._validate import memo_axes
+from ._validate import plain_axes
 
 #: Planned calls at least this large may run in parallel and may write with streaming
 #: stores (the Numba backend's own thresholds), so they go through the backend's choice
@@ -124,17 +124,7 @@ class Plan:
             self.run = functools.partial(_numba.run_rows, serial, parallel, writes)
             self.run_streamed = functools.partial(_numba.run_rows, *streamed, writes)
         else:
-            self.run = _resolving(self, "run", serial, writes)
-
-
-def _resolving(plan: Plan, slot: str, dispatcher: Any, writes: tuple[int, ...]) -> Any:
-    def first_call(*args: Any) -> Any:
-        entry = kernel_entry.entry_point(dispatcher, writes, args)
-        result = entry(*args)
-        setattr(plan, slot, entry)
-        return result
-
-    return first_call
+            self.run = kernel_entry.resolving(self, "run", serial, writes)
 
 
 _PLANS: dict[tuple[Any, ...], Plan | None] = {}
@@ -167,17 +157,6 @@ def _plan_of(key: tuple[Any, ...], x: Any, normalized_shape: Any, axis: Any, wei
         _PLANS.clear()
     _PLANS[key] = plan
     return plan
-
-
-def _plain_axes(normalized_shape: Any) -> bool:
-    """None, an int or a tuple of ints: values a memo key may stand for (4.0 == 4)."""
-    if normalized_shape is None or type(normalized_shape) is int:
-        return True
-    try:
-        memo_axes(normalized_shape)
-    except TypeError:
-        return False
-    return True
 
 
 def _new_eps(plan: Plan, eps: Any) -> Any:
@@ -251,8 +230,8 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
                axis: Any, return_stats: bool, out: Any) -> Any:
     """The result of :func:`layernorm.layer_norm` for a known small call, else None."""
     if ((normalized_shape is not None and type(normalized_shape) is not int
-            and not _plain_axes(normalized_shape))
-            or (axis is not None and type(axis) is not int and not _plain_axes(axis))):
+            and not plain_axes(normalized_shape))
+            or (axis is not None and type(axis) is not int and not plain_axes(axis))):
         return None
     if weight is None:
         wshape = wdtype = None
@@ -311,8 +290,8 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
              return_stats: bool, out: Any) -> Any:
     """The result of :func:`layernorm.rms_norm` for a known small call, else None."""
     if ((normalized_shape is not None and type(normalized_shape) is not int
-            and not _plain_axes(normalized_shape))
-            or (axis is not None and type(axis) is not int and not _plain_axes(axis))):
+            and not plain_axes(normalized_shape))
+            or (axis is not None and type(axis) is not int and not plain_axes(axis))):
         return None
     if weight is None:
         wshape = wdtype = None
@@ -409,7 +388,7 @@ class QuantPlan:
         if rows * n >= SERIAL_MAX_ELEMENTS:
             self.run = functools.partial(_numba.run_rows, serial, parallel, writes)
         else:
-            self.run = _resolving(self, "run", serial, writes)
+            self.run = kernel_entry.resolving(self, "run", serial, writes)
 
     def inverse(self, scale: float) -> Any:
         """``1 / scale`` in float32 for every row, or None if it is not a positive finite
@@ -449,8 +428,8 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
     if (x.dtype != np.float32 or type(quantize) is not str
             or not (scale is None or type(scale) is float)
             or (normalized_shape is not None and type(normalized_shape) is not int
-                and not _plain_axes(normalized_shape))
-            or (axis is not None and type(axis) is not int and not _plain_axes(axis))
+                and not plain_axes(normalized_shape))
+            or (axis is not None and type(axis) is not int and not plain_axes(axis))
             or not x.flags.c_contiguous):
         return None
     for p in (weight, bias):

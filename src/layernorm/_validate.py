@@ -252,6 +252,21 @@ def memo_axes(value: Any) -> Any:
     raise TypeError("not memoizable")
 
 
+def plain_axes(value: Any) -> bool:
+    """Whether ``value`` may stand in a memo key (:func:`memo_axes` accepts it).
+
+    Examples
+    --------
+    >>> plain_axes((1, 2)), plain_axes(4.0)
+    (True, False)
+    """
+    try:
+        memo_axes(value)
+    except TypeError:
+        return False
+    return True
+
+
 #: The ``quantize=`` formats and the largest magnitude each represents.
 QUANTIZE_QMAX: dict[str, float] = {"int8": 127.0, "float8_e4m3fn": 448.0,
                                    "float8_e5m2": 57344.0}

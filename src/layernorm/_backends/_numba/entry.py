@@ -109,6 +109,40 @@ def _load_cached(kernel: Any, sig: tuple[Any, ...]) -> Callable[..., Any] | None
         return result.entry_point
 
 
+def resolving(owner: Any, slot: str, kernel: Any, writes: tuple[int, ...]) -> Callable[..., Any]:
+    """A stand-in for ``kernel`` that replaces itself with the compiled entry point.
+
+    Its first call looks up the entry point for its arguments (:func:`entry_point`),
+    runs it and stores it as ``owner.<slot>``, so that later calls through that
+    attribute skip Numba's type resolution. Only for an owner whose own checks
+    guarantee that every later call passes arguments of the same dtypes, ranks and
+    scalar types (the short paths' plans).
+
+    Parameters
+    ----------
+    owner : object
+        Holds the stand-in in the attribute ``slot``.
+    slot : str
+        Name of that attribute.
+    kernel : numba.core.registry.CPUDispatcher
+        The jitted kernel.
+    writes : tuple of int
+        Positions of the arrays the kernel writes (see :func:`entry_point`).
+
+    Returns
+    -------
+    callable
+        Takes the kernel's arguments and returns its result.
+    """
+    def first_call(*args: Any) -> Any:
+        entry = entry_point(kernel, writes, args)
+        result = entry(*args)
+        setattr(owner, slot, entry)
+        return result
+
+    return first_call
+
+
 def call(kernel: Any, writes: tuple[int, ...], *args: Any) -> Any:
     """Call ``kernel`` through :func:`entry_point` (same arguments, same result)."""
     return entry_point(kernel, writes, args)(*args)
