@@ -342,14 +342,16 @@ ALIASES = ["out=x", "out=residual", "residual_out=x", "residual_out=residual",
            "out=x,residual_out=residual", "out=residual,residual_out=x"]
 
 
+@pytest.mark.parametrize("n", [200, 1100])
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("case", ALIASES)
-def test_one_pass_kernel_in_place(case, rms, stream):
-    # Several blocks of rows of 1100 (streaming stores peel to an aligned address, then
-    # a vector body and a tail), every output either x or residual itself.
-    x0, r0 = data((40, 1100), "float32", 0), data((40, 1100), "float32", 1)
-    w = data((1100,), "float32", 2)
+def test_one_pass_kernel_in_place(case, rms, stream, n):
+    # Rows of 1100 in several blocks (streaming stores peel to an aligned address, then
+    # a vector body and a tail) and pipelined rows of 200 (the next row's statistics
+    # before this row's output), every output either x or residual itself.
+    x0, r0 = data((40, n), "float32", 0), data((40, n), "float32", 1)
+    w = data((n,), "float32", 2)
     y_ref, h_ref, _ = unfused(x0, r0, "float32", rms, weight=w)
     x, r = x0.copy(), r0.copy()
     kwargs = {}
@@ -413,7 +415,7 @@ def test_other_calls_compose(make):
     assert_bitwise(got[0], y_ref)
 
 
-@pytest.mark.parametrize("shape", [(4, 300), (37, 64), (3000, 48)])
+@pytest.mark.parametrize("shape", [(4, 300), (6, 200), (37, 64), (3000, 48)])
 def test_one_pass_kernel_rows_whose_squares_overflow(shape):
     # A finite float32 row with a spread near 1e19 is normalized after an exact rescaling
     # (rescale.py): the one-pass kernel stops before it (h of its block is written), and

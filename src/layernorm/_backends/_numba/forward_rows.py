@@ -149,9 +149,9 @@ def ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1,
     unwritten and the rows after it are not done (see :mod:`.rescale`)."""
     stop = r1
     # Rows of at most PIPELINE_MAX_BYTES are pipelined: the statistics of row r + 1 are
-    # computed before the output pass of row r (the last row's twice), so that their
-    # latency overlaps it. One loop serves both orders (one inlined copy of the row
-    # arithmetic); iteration r0 - 1 only computes row r0's statistics.
+    # computed before the output pass of row r, so that their latency overlaps it. One
+    # loop serves both orders (one inlined copy of the row arithmetic); iteration
+    # r0 - 1 only computes row r0's statistics.
     if r0 >= r1:
         return stop
     ahead = n * itemsize(xv) <= PIPELINE_MAX_BYTES
@@ -159,8 +159,11 @@ def ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1,
     shift = pshift = cast(0.0, eps)
     mu = m2 = pmu = pm2 = 0.0
     for r in range(start, r1):
-        k = min(r + 1, r1 - 1) if ahead else r
-        kshift, kmu, km2 = row_moments(xv, k, n, tv)
+        if ahead and r + 1 >= r1:
+            # The last row's statistics, computed in the previous iteration.
+            kshift, kmu, km2 = pshift, pmu, pm2
+        else:
+            kshift, kmu, km2 = row_moments(xv, r + 1 if ahead else r, n, tv)
         if ahead:
             shift, mu, m2, pshift, pmu, pm2 = pshift, pmu, pm2, kshift, kmu, km2
         else:
