@@ -426,8 +426,10 @@ def add_layer_norm(
     ``h`` is ``x + residual`` computed in float64 if any of ``x``, ``residual`` and
     ``residual_dtype`` is float64 (else float32) and rounded once to ``residual_dtype``.
     ``y`` is bit for bit ``layer_norm(h, ...)`` with the same arguments, cast to x's
-    dtype. Today this is composed from the same kernels as :func:`layer_norm` (same
-    bits; not yet one pass over memory).
+    dtype. NumPy arrays and CPU torch tensors of one accumulation dtype, rows of unit
+    stride, take one kernel that adds, stores ``h`` and normalizes it block of rows by
+    block of rows (x and the residual are read once); other calls are composed from
+    the kernels of :func:`layer_norm`, with the same bits.
 
     Parameters
     ----------

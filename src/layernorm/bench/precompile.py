@@ -19,7 +19,11 @@ drivers (``layernorm._backends._numba``):
   column kernels;
 * each with weight and bias of the input's dtype and without them (an absent parameter
   is replaced by one of the accumulation dtype, a different compiled signature for
-  16-bit inputs); the backward's parameter-gradient reduction comes with it.
+  16-bit inputs); the backward's parameter-gradient reduction comes with it;
+* the forward kernels that write with streaming stores (their own kernels, which real
+  calls take only for outputs larger than half the last-level cache): small calls on
+  long rows made with streaming stores forced
+  (:func:`layernorm._backends._numba.streaming_stores_everywhere`).
 
 Layouts that reach the same compiled kernel cost only a call once it is compiled, so
 the list errs on the side of calling too many.
@@ -51,6 +55,8 @@ class Layout:
     #: Step over the last axis (2: every other element, rows with a stride).
     step: int = 1
     parallel: bool = False
+    #: Forward only, with streaming stores forced (see the module's docstring).
+    streamed: bool = False
 
 
 def layouts(threads: int) -> list[Layout]:
@@ -59,7 +65,7 @@ def layouts(threads: int) -> list[Layout]:
     Examples
     --------
     >>> [lay.name for lay in layouts(1)]
-    ['short rows', 'long rows', 'strided rows', 'columns']
+    ['short rows', 'long rows', 'strided rows', 'columns', 'streamed long rows']
     >>> all(np.prod(lay.shape) // lay.step >= 1 << 16 for lay in layouts(2) if lay.parallel)
     True
     """
@@ -68,12 +74,15 @@ def layouts(threads: int) -> list[Layout]:
         Layout("long rows", (8, 1024)),
         Layout("strided rows", (8, 2048), step=2),
         Layout("columns", (2, 16, 8), axis=1),
+        Layout("streamed long rows", (8, 1024), streamed=True),
     ]
     if threads > 1:
         out += [
             Layout("parallel short rows", (1024, 64), parallel=True),
             Layout("parallel long rows", (64, 1024), parallel=True),
             Layout("parallel columns", (4, 128, 128), axis=1, parallel=True),
+            Layout("parallel streamed long rows", (64, 1024), parallel=True,
+                   streamed=True),
         ]
     return out
 
@@ -99,6 +108,9 @@ def calls(op: str, direction: str, dtype: str, layout: Layout) -> Callable[[], N
 
     x, gy, weight, bias = _inputs(layout, dtype)
     axis = layout.axis
+    if layout.streamed:
+        return _streamed(op, direction, x, gy, weight, bias) if direction == "forward" \
+            else lambda: None
     if direction == "quantized":
         # One kernel per (op, dtype, parameters, row path) serves both kinds of scale;
         # each 8-bit format compiles its own, and int8 is the one compiled here. Layouts
@@ -148,6 +160,29 @@ def calls(op: str, direction: str, dtype: str, layout: Layout) -> Callable[[], N
                 ln.rms_norm_backward(gy, x, rstd, w, axis=axis)
 
     return forward if direction == "forward" else backward
+
+
+def _streamed(op: str, direction: str, x: Any, gy: Any, weight: Any,
+              bias: Any) -> Callable[[], None]:
+    """The forward calls of a streamed layout: the general path (``backend="numba"``;
+    the short path for small calls never streams), streaming stores forced."""
+    import layernorm as ln
+
+    from .._backends._numba import streaming_stores_everywhere
+
+    def forward() -> None:
+        with streaming_stores_everywhere():
+            for w, b in ((weight, bias), (None, None)):
+                if op == "layer_norm":
+                    ln.layer_norm(x, weight=w, bias=b, backend="numba")
+                elif op == "rms_norm":
+                    ln.rms_norm(x, weight=w, backend="numba")
+                elif op == "add_layer_norm":
+                    ln.add_layer_norm(x, gy, weight=w, bias=b, backend="numba")
+                else:
+                    ln.add_rms_norm(x, gy, weight=w, backend="numba")
+
+    return forward
 
 
 def cache_dir() -> str:
