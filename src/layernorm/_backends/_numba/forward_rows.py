@@ -57,7 +57,7 @@ from .rowmath import (
     cancelled,
     copy_row,
     finish,
-    lane_sums,
+    lane_sums_inlined,
     put_stat,
     redo,
     row_moments,
@@ -253,7 +253,7 @@ def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
             row = min(first + i, last)
             shift = row_shift(xv, row, n)
             put(sv, _S_SHIFT, i, shift)
-            a, q = lane_sums(xv, row, n, shift)
+            a, q = lane_sums_inlined(xv, row, n, shift)
             vstore(sv, a, _S_A + i, 0)
             vstore(sv, q, _S_Q + i, 0)
         s = _folded_tree_sums(sv, _S_A)
