@@ -188,11 +188,21 @@ def test_add_with_axis():
 
 @contextlib.contextmanager
 def fused_calls(stream=None):
-    """Counts the Numba backend's one-pass calls (a list of their names); ``stream``
-    forces streaming stores for y on or off (the choice only moves bits around)."""
+    """Counts the Numba backend's one-pass calls (a list of their names), by the general
+    path or the short path; ``stream`` forces streaming stores for y on or off (the
+    choice only moves bits around)."""
+    from layernorm import _fast_add
     from layernorm._backends import _numba as backend
 
     calls = []
+    real_short = _fast_add.add_norm
+
+    def short_spy(*args):
+        result = real_short(*args)
+        if result is not None:  # the short path's call of the same kernels
+            calls.append("add_rms_norm_forward" if args[-1] else "add_layer_norm_forward")
+        return result
+
     with pytest.MonkeyPatch.context() as mp:
         for name in ("add_layer_norm_forward", "add_rms_norm_forward"):
             real = getattr(backend, name)
@@ -202,6 +212,7 @@ def fused_calls(stream=None):
                 return _real(*args)
 
             mp.setattr(backend, name, spy)
+        mp.setattr(_fast_add, "add_norm", short_spy)
         if stream is not None:
             mp.setattr(backend, "use_streaming_stores", lambda x, y: stream)
         yield calls

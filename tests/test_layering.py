@@ -29,6 +29,7 @@ LAYERS = {
     "layernorm._adapters": 3,
     "layernorm._engine": 2,
     "layernorm._fast": 2,
+    "layernorm._fast_add": 2,
     "layernorm._fast_backward": 2,
     "layernorm._backends": 1,
     "layernorm._dispatch": 0,

@@ -4,7 +4,8 @@ Each function asks the router (:func:`._dispatch.route`) where the call runs, ha
 torch tensors and Dask arrays to their adapters (:mod:`._adapters`), and everything
 else to the engine (:mod:`._engine`), which checks every argument and runs the native
 kernels or the generic array-API implementation. Repeated NumPy calls take the short
-path first (:mod:`._fast` forward, :mod:`._fast_backward` backward).
+path first (:mod:`._fast` forward, :mod:`._fast_add` the fused residual add,
+:mod:`._fast_backward` backward).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _engine, _fast, _fast_backward
+from . import _engine, _fast, _fast_add, _fast_backward
 from ._dispatch import route
 
 _ADAPTERS = {"torch": "._adapters.torch", "dask": "._adapters.dask"}
@@ -386,6 +387,13 @@ def _add_norm(x: Any, residual: Any, normalized_shape: Any, weight: Any, bias: A
               return_stats: bool, out: Any, residual_out: Any, backend: str | None, *,
               rms: bool) -> Any:
     """The hand-off shared by :func:`add_layer_norm` and :func:`add_rms_norm`."""
+    if (type(x) is np.ndarray and backend is None and quantize is None and scale is None
+            and (weight_offset is _NO_OFFSET
+                 or (type(weight_offset) is float and weight_offset == 0.0))):
+        result = _fast_add.add_norm(x, residual, normalized_shape, weight, bias, eps, axis,
+                                    residual_dtype, return_stats, out, residual_out, rms)
+        if result is not None:
+            return result
     where = route(x, backend)
     extras = {"weight_offset": weight_offset, "residual_dtype": residual_dtype,
               "quantize": quantize, "scale": scale, "return_stats": return_stats, "out": out,

@@ -438,7 +438,9 @@ ADD_LN_WRITES = (5, 6, 7, 8)  # h, y, mean, rstd
 ADD_RMS_WRITES = (4, 5, 6)  # h, y, rstd
 
 
-def _add_streams(x: Any, res: Any, y: Any) -> bool:
+def fused_add_streams(x: Any, res: Any, y: Any) -> bool:
+    """Whether the fused add-and-normalize of ``x`` and ``res`` into ``y`` should write
+    ``y`` with streaming stores (its streaming entry kernels)."""
     # y in place of either input is in the cache already (see use_streaming_stores).
     return use_streaming_stores(x, y) and not np.may_share_memory(res, y)
 
@@ -449,6 +451,36 @@ def _add_arrays(x3, r3, h3, y3, dtypes):
             _as_kernel_array(h3[:, :, 0], h_name), _as_kernel_array(y3[:, :, 0], x_name))
 
 
+def _all_done(pending: Any) -> bool:
+    # One (stop, end) pair per block; a list of Python ints is the cheapest test.
+    return all(stop == end for stop, end in pending.tolist())
+
+
+def complete_add_layer_norm_rows(pending: Any, args: tuple[Any, ...]) -> None:
+    """Finish a fused add-and-LayerNorm kernel's call (``args`` as the kernel took them:
+    ``x, res, w, b, eps, h, y, mean, rstd, tab, nt``) that returned ``pending``.
+
+    Blocks stopped before a finite row whose squares overflow: their ``h`` is complete,
+    and the rest of each such block is normalized from it by the gathered kernel, which
+    rescales (see :func:`_complete`). Nothing to do if every block is done.
+    """
+    if _all_done(pending):
+        return
+    _x, _res, w, b, e, h, y, mean, rstd, tab, _nt = args
+    _complete(pending, load_kernels().ln_gathered_forward_serial, LN_FORWARD_WRITES,
+              LN_FORWARD_ROWS, (h, w, b, e, y, mean, rstd, tab, False))
+
+
+def complete_add_rms_norm_rows(pending: Any, args: tuple[Any, ...]) -> None:
+    """:func:`complete_add_layer_norm_rows` for the fused add-and-RMSNorm kernels
+    (``args``: ``x, res, w, eps, h, y, rstd, nt``)."""
+    if _all_done(pending):
+        return
+    _x, _res, w, e, h, y, rstd, _nt = args
+    _complete(pending, load_kernels().rms_gathered_forward_serial, RMS_FORWARD_WRITES,
+              RMS_FORWARD_ROWS, (h, w, e, y, rstd, False))
+
+
 def add_layer_norm_forward(x3, r3, weight, bias, eps, h3, y3, mean, rstd, dtypes) -> None:
     """``h3 = x3 + r3`` and the LayerNorm of ``h3`` into ``y3``, in one pass (:mod:`.fused`)."""
     k = load_kernels()
@@ -456,18 +488,15 @@ def add_layer_norm_forward(x3, r3, weight, bias, eps, h3, y3, mean, rstd, dtypes
     e = _acc_scalar(eps, dtypes[2])
     w, b = kernel_params(weight, bias, x.shape[1], mean.dtype)
     tab = k.merge_table(x.shape[1], mean.dtype)
-    nt = _add_streams(x, r, y)
+    nt = fused_add_streams(x, r, y)
     if x.shape[1] <= k.SHORT_ROW_MAX:
         serial, parallel = k.add_ln_short_forward_serial, k.add_ln_short_forward_parallel
     elif nt:
         serial, parallel = k.add_ln_stream_forward_serial, k.add_ln_stream_forward_parallel
     else:
         serial, parallel = k.add_ln_forward_serial, k.add_ln_forward_parallel
-    pending = _run(serial, parallel, x.size, ADD_LN_WRITES, x, r, w, b, e, h, y, mean, rstd,
-                   tab, nt)
-    # Blocks stopped before an overflowing row: their h is complete, normalize the rest.
-    _complete(pending, k.ln_gathered_forward_serial, LN_FORWARD_WRITES, LN_FORWARD_ROWS,
-              (h, w, b, e, y, mean, rstd, tab, False))
+    args = (x, r, w, b, e, h, y, mean, rstd, tab, nt)
+    complete_add_layer_norm_rows(_run(serial, parallel, x.size, ADD_LN_WRITES, *args), args)
 
 
 def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
@@ -476,12 +505,11 @@ def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
     x, r, h, y = _add_arrays(x3, r3, h3, y3, dtypes)
     e = _acc_scalar(eps, dtypes[2])
     w = kernel_params(weight, None, x.shape[1], rstd.dtype)[0]
-    nt = _add_streams(x, r, y)
+    nt = fused_add_streams(x, r, y)
     serial, parallel = ((k.add_rms_stream_forward_serial, k.add_rms_stream_forward_parallel)
                         if nt else (k.add_rms_forward_serial, k.add_rms_forward_parallel))
-    pending = _run(serial, parallel, x.size, ADD_RMS_WRITES, x, r, w, e, h, y, rstd, nt)
-    _complete(pending, k.rms_gathered_forward_serial, RMS_FORWARD_WRITES, RMS_FORWARD_ROWS,
-              (h, w, e, y, rstd, False))
+    args = (x, r, w, e, h, y, rstd, nt)
+    complete_add_rms_norm_rows(_run(serial, parallel, x.size, ADD_RMS_WRITES, *args), args)
 
 
 LN_QUANT_WRITES = (5, 6, 7, 8, 13)  # h, q, mean, rstd, scale

@@ -1,0 +1,344 @@
+"""The short path for repeated small NumPy ``add_layer_norm``/``add_rms_norm`` calls.
+
+The fused residual add of one ``(1, 768)`` token takes well under a microsecond in its
+kernel and about 30 us in the general path's checks (residual, dtypes, outputs and their
+overlaps, then the backend's wrapper): the fused call was several times slower than
+``np.add`` followed by the norm's own short path (:mod:`._fast`). As there, the first
+call with a given shape, dtype, axes and parameter layout goes through full validation
+(:func:`._engine.request`) and leaves an :class:`AddPlan`; a later call that matches it
+checks only what can change between such calls (the residual's type, shape, dtype and
+contiguity, ``eps``, ``residual_dtype`` and the outputs) and calls the one-pass kernel's
+compiled entry point directly (large calls: the backend's serial-or-parallel choice,
+with streaming stores where the backend would use them). It runs the kernels of the
+general path (:func:`._backends._numba.add_layer_norm_forward`) with the same arguments
+and completes rows that overflow the same way, so it gives the same bits.
+
+Eligible: ``x`` and ``residual`` plain C-contiguous NumPy arrays of one shape and one
+dtype (``h`` in that dtype), the normalized axes trailing, parameters of the
+accumulation dtype, and outputs that are fresh, or plain arrays that are ``x`` or
+``residual`` themselves or share no memory with any other argument. Anything else
+(other layouts and dtypes, a ``residual_dtype`` of another dtype, ``quantize``, an
+offset gain, a forced backend, outputs that partly overlap) returns ``None`` and takes
+the general path, which also raises every error.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from . import _engine
+from ._backends import _numba
+from ._backends._numba import entry as kernel_entry
+from ._dispatch import Route
+from ._dtypes import MACHINE_EPS, dtype_name
+from ._validate import plain_axes
+
+_NUMPY_ROUTE = Route("numpy", "numba")
+
+
+class AddPlan:
+    """What a validated ``add_`` call needs to run again: views, dtypes and kernels.
+
+    ``run`` calls the serial one-pass kernel of the call's row length; after its first
+    call it is that kernel's compiled entry point
+    (:func:`._backends._numba.entry.resolving`): the plan's checks guarantee that every
+    later call passes arrays of the same dtypes and dimensions. Calls of at least
+    :data:`._backends._numba.PARALLEL_MIN_ELEMENTS` elements run through the backend's
+    serial-or-parallel choice (:func:`._backends._numba.run_rows`) instead, and
+    ``run_streamed`` is that choice between the kernels that write ``y`` with streaming
+    stores.
+
+    Parameters
+    ----------
+    shape : tuple of int
+        Shape of ``x`` (and of ``residual``, ``y`` and ``h``).
+    rows, n : int
+        Rows of the kernels' 2-D view and their length (the normalized size).
+    dtype, acc : str
+        Names of x's dtype and of the accumulation dtype.
+    stats_shape : tuple of int
+        Shape of the returned statistics.
+    kernels : module
+        The Numba backend's kernels (:func:`._backends._numba.load_kernels`).
+    rms : bool
+        RMSNorm instead of LayerNorm.
+    """
+
+    __slots__ = (
+        "acc",
+        "bits",
+        "default_eps",
+        "dtype_name",
+        "eps_scalars",
+        "large",
+        "negative_zeros",
+        "no_stats",
+        "ones",
+        "rows",
+        "run",
+        "run_streamed",
+        "same_shape",
+        "shape2",
+        "stats_shape",
+        "tab",
+    )
+
+    def __init__(self, shape: tuple[int, ...], rows: int, n: int, dtype: str, acc: str,
+                 stats_shape: tuple[int, ...], kernels: Any, rms: bool) -> None:
+        self.rows, self.stats_shape, self.dtype_name = rows, stats_shape, dtype
+        self.acc = np.dtype(acc)
+        bits = _numba.KERNEL_BITS.get(dtype)
+        #: For float16/bfloat16: the dtype of the raw bits the kernels read, else None.
+        self.bits = None if bits is None else np.dtype(bits)
+        self.shape2 = (rows, n)
+        #: x, residual, h and y go to the kernel as they are (no reshape).
+        self.same_shape = tuple(shape) == self.shape2
+        self.default_eps = MACHINE_EPS[acc]
+        self.eps_scalars: dict[float, Any] = {}
+        #: Stand-ins for an absent weight or bias (the backend's exact identities).
+        self.ones, self.negative_zeros = _numba.kernel_params(None, None, n, self.acc)
+        #: Statistics outputs of a call that does not return them: an empty array, which
+        #: the kernels skip (the same argument types as a call that returns them).
+        self.no_stats = np.empty(0, dtype=self.acc)
+        #: The LayerNorm kernels' table of n-dependent weights (None for RMSNorm).
+        self.tab = None if rms else kernels.merge_table(n, self.acc)
+        if rms:
+            serial, parallel = kernels.add_rms_forward_serial, kernels.add_rms_forward_parallel
+            streamed = (kernels.add_rms_stream_forward_serial,
+                        kernels.add_rms_stream_forward_parallel)
+            writes = _numba.ADD_RMS_WRITES
+        else:
+            if n <= kernels.SHORT_ROW_MAX:
+                serial = kernels.add_ln_short_forward_serial
+                parallel = kernels.add_ln_short_forward_parallel
+                streamed = serial, parallel  # short rows never stream
+            else:
+                serial, parallel = kernels.add_ln_forward_serial, kernels.add_ln_forward_parallel
+                streamed = (kernels.add_ln_stream_forward_serial,
+                            kernels.add_ln_stream_forward_parallel)
+            writes = _numba.ADD_LN_WRITES
+        #: Large calls: the backend picks serial or parallel, plain or streaming stores.
+        self.large = rows * n >= _numba.PARALLEL_MIN_ELEMENTS
+        self.run_streamed = None
+        if self.large:
+            self.run = functools.partial(_numba.run_rows, serial, parallel, writes)
+            self.run_streamed = functools.partial(_numba.run_rows, *streamed, writes)
+        else:
+            self.run = kernel_entry.resolving(self, "run", serial, writes)
+
+
+_PLANS: dict[tuple[Any, ...], AddPlan | None] = {}
+_PLANS_MAX = 512
+
+
+def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
+          rms: bool) -> AddPlan | None:
+    params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
+    req = _engine.request(x, _NUMPY_ROUTE, normalized_shape, axis, **params)
+    layout = req.layout
+    if (layout.perm is not None or layout.inner != 1 or layout.n == 0 or layout.rows == 0
+            or any(p is not None and dtype_name(p.dtype) != req.acc
+                   for p in params.values())):
+        return None
+    return AddPlan(layout.shape, layout.rows, layout.n, req.dtype, req.acc,
+                   layout.stats_shape, _numba.load_kernels(), rms)
+
+
+def _plan_of(key: tuple[Any, ...], x: Any, normalized_shape: Any, axis: Any, weight: Any,
+             bias: Any, rms: bool) -> AddPlan | None:
+    """Validate a call first seen under ``key``; memoize its plan (None: not eligible)."""
+    try:
+        plan = _plan(x, normalized_shape, axis, weight, bias, rms)
+    except (TypeError, ValueError):
+        # Invalid: the general path raises the error, after the checks it makes first.
+        return None
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()  # start over: the shapes seen now keep the short path
+    _PLANS[key] = plan
+    return plan
+
+
+def _new_eps(plan: AddPlan, eps: Any) -> Any:
+    """``eps`` in the accumulation dtype if it is a finite float >= 0 that does not round
+    to 0 there (unless it is 0), else None (the general path says what is wrong)."""
+    if type(eps) is not float or not 0.0 <= eps < math.inf:
+        return None
+    scalar = plan.acc.type(eps)
+    if scalar == 0.0 and eps != 0.0:
+        return None
+    if len(plan.eps_scalars) > 64:
+        plan.eps_scalars.clear()
+    plan.eps_scalars[eps] = scalar
+    return scalar
+
+
+def _param_key(param: Any) -> tuple[Any, Any] | None:
+    """``(shape, dtype)`` of a parameter the plans take (None: absent), or ``()`` if it is
+    not a C-contiguous, aligned NumPy array."""
+    if param is None:
+        return None, None
+    if type(param) is not np.ndarray:
+        return ()
+    flags = param.flags
+    if not (flags.c_contiguous and flags.aligned):
+        return ()
+    return param.shape, param.dtype
+
+
+def _keeps_dtype(residual_dtype: Any, plan: AddPlan, dtype: np.dtype) -> bool:
+    """``residual_dtype`` names the residual's own dtype (a dtype, its name or type)."""
+    if type(residual_dtype) is str:
+        return residual_dtype == plan.dtype_name
+    if type(residual_dtype) is type(dtype):
+        return residual_dtype == dtype
+    return residual_dtype is dtype.type
+
+
+def _usable_out(out: Any, x: Any, residual: Any, inputs: tuple[tuple[Any, bool], ...]) -> bool:
+    """``out`` (for ``y`` or ``h``) is a plain NumPy array of x's shape and dtype,
+    C-contiguous, aligned and writeable, that is ``x`` or ``residual`` itself (in place:
+    the kernels read a block's rows before they write them) or shares no memory with it,
+    and shares none with the other ``inputs`` (``(array, owns its data)`` pairs)."""
+    if type(out) is not np.ndarray or out.shape != x.shape or out.dtype != x.dtype:
+        return False
+    flags = out.flags
+    if not (flags.c_contiguous and flags.aligned and flags.writeable):
+        return False
+    owns = flags.owndata
+    for arr, arr_owns in inputs:
+        # Two arrays that each own their memory are two allocations: nothing to look for
+        # (np.may_share_memory costs a tenth of a one-row call).
+        if arr is out:
+            if arr is not x and arr is not residual:
+                return False
+        elif not (owns and arr_owns) and np.may_share_memory(out, arr):
+            return False
+    return True
+
+
+def _outputs(x: Any, residual: Any, weight: Any, bias: Any, out: Any,
+             residual_out: Any) -> tuple[Any, Any] | None:
+    """``(y, h)``: ``out`` and ``residual_out`` where given and usable
+    (:func:`_usable_out`, and not the same memory), new arrays where not given; None if
+    a given one is not usable (the general path copies through temporaries, or raises)."""
+    inputs = tuple((a, a.flags.owndata) for a in (x, residual, weight, bias)
+                   if a is not None)
+    y = h = None
+    if out is not None:
+        if not _usable_out(out, x, residual, inputs):
+            return None
+        y = out
+    if residual_out is not None:
+        if residual_out is out:
+            return None  # y and h need separate arrays: the general path says so
+        if y is not None:
+            inputs = (*inputs, (y, y.flags.owndata))
+        if not _usable_out(residual_out, x, residual, inputs):
+            return None
+        h = residual_out
+    if y is None:
+        y = np.empty(x.shape, x.dtype)
+    if h is None:
+        h = np.empty(x.shape, x.dtype)
+    return y, h
+
+
+def add_norm(x: Any, residual: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
+             axis: Any, residual_dtype: Any, return_stats: bool, out: Any, residual_out: Any,
+             rms: bool) -> Any:
+    """The result of :func:`layernorm.add_layer_norm` (``rms``:
+    :func:`layernorm.add_rms_norm`, ``bias`` None) for a known call, else None.
+
+    The caller has checked that ``x`` is a NumPy array, that no backend is forced, that
+    ``quantize`` and ``scale`` are None and that ``weight_offset`` is 0.
+
+    Parameters
+    ----------
+    x, residual, normalized_shape, weight, bias, eps, axis, residual_dtype, return_stats, \
+out, residual_out
+        As given to the public function.
+    rms : bool
+        RMSNorm instead of LayerNorm.
+
+    Returns
+    -------
+    tuple or None
+        ``(y, h)``, then ``(mean, rstd)`` (RMSNorm: ``(rstd,)``) with ``return_stats``;
+        or None: the call takes the general path.
+    """
+    if ((normalized_shape is not None and type(normalized_shape) is not int
+            and not plain_axes(normalized_shape))
+            or (axis is not None and type(axis) is not int and not plain_axes(axis))):
+        return None
+    wkey, bkey = _param_key(weight), _param_key(bias)
+    if wkey == () or bkey == ():
+        return None
+    key = (rms, x.shape, x.dtype, normalized_shape, axis, *wkey, *bkey)
+    try:
+        plan = _PLANS[key]
+    except KeyError:
+        plan = _plan_of(key, x, normalized_shape, axis, weight, bias, rms)
+    except TypeError:  # unhashable normalized_shape
+        return None
+    if plan is None:
+        return None
+    flags = x.flags
+    if not (flags.c_contiguous and flags.aligned) or type(residual) is not np.ndarray \
+            or residual.shape != x.shape or residual.dtype != x.dtype:
+        return None
+    flags = residual.flags
+    if not (flags.c_contiguous and flags.aligned):
+        return None
+    if residual_dtype is not None and not _keeps_dtype(residual_dtype, plan, x.dtype):
+        return None
+    if eps is None and rms:
+        eps = plan.default_eps
+    e = plan.eps_scalars.get(eps) if type(eps) is float else None
+    if e is None and (e := _new_eps(plan, eps)) is None:
+        return None
+    if out is None and residual_out is None:
+        y, h = np.empty(x.shape, x.dtype), np.empty(x.shape, x.dtype)
+    else:
+        outputs = _outputs(x, residual, weight, bias, out, residual_out)
+        if outputs is None:
+            return None
+        y, h = outputs
+    if plan.same_shape and plan.bits is None:
+        x2, r2, h2, y2 = x, residual, h, y
+    else:
+        shape2 = plan.shape2
+        x2, r2 = x.reshape(shape2), residual.reshape(shape2)
+        h2, y2 = h.reshape(shape2), y.reshape(shape2)
+        if plan.bits is not None:
+            bits = plan.bits
+            x2, r2, h2, y2 = x2.view(bits), r2.view(bits), h2.view(bits), y2.view(bits)
+    if weight is None:
+        w = plan.ones
+    else:
+        w = weight if weight.ndim == 1 else weight.reshape(-1)
+    nt = plan.large and _numba.fused_add_streams(x2, r2, y2)
+    run = plan.run_streamed if nt else plan.run
+    if rms:
+        if return_stats:
+            rstd = np.empty(plan.stats_shape, plan.acc)
+            args = (x2, r2, w, e, h2, y2, rstd.reshape(-1), nt)
+        else:
+            args = (x2, r2, w, e, h2, y2, plan.no_stats, nt)
+        _numba.complete_add_rms_norm_rows(run(*args), args)
+        return (y, h, rstd) if return_stats else (y, h)
+    if bias is None:
+        b = plan.negative_zeros
+    else:
+        b = bias if bias.ndim == 1 else bias.reshape(-1)
+    if return_stats:
+        mean = np.empty(plan.stats_shape, plan.acc)
+        rstd = np.empty(plan.stats_shape, plan.acc)
+        args = (x2, r2, w, b, e, h2, y2, mean.reshape(-1), rstd.reshape(-1), plan.tab, nt)
+    else:
+        args = (x2, r2, w, b, e, h2, y2, plan.no_stats, plan.no_stats, plan.tab, nt)
+    _numba.complete_add_layer_norm_rows(run(*args), args)
+    return (y, h, mean, rstd) if return_stats else (y, h)
