@@ -495,6 +495,18 @@ def test_fused_add_is_the_composition(native_xp, monkeypatch, dtypes):
         real = getattr(backend, fn)
         monkeypatch.setattr(backend, fn, lambda *a, _real=real, _fn=fn: (calls.append(_fn),
                                                                          _real(*a))[1])
+    if xp is np:  # repeated NumPy calls run the same kernels through the short path
+        from layernorm import _fast_add
+
+        real_short = _fast_add.add_norm
+
+        def short_spy(*args):
+            result = real_short(*args)
+            if result is not None:
+                calls.append("short path")
+            return result
+
+        monkeypatch.setattr(_fast_add, "add_norm", short_spy)
     lengths = variant_lengths(h_name) if xp is not np else [7, 300, 4099]
     acc = np.float64 if x_name == "float64" else np.float32
     for n in lengths:
