@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import layernorm as ln
-from layernorm import _engine, _fast_backward
+from layernorm import _engine, _fast_backward, _plans
 from layernorm._backends import _numba
 from layernorm._backends._numba import entry as kernel_entry
 
@@ -249,7 +249,7 @@ def test_large_calls_run_the_backends_serial_or_parallel_choice(monkeypatch, gen
 
 def test_a_full_memo_starts_over_instead_of_refusing_new_shapes(monkeypatch, general_calls):
     monkeypatch.setattr(_fast_backward, "_PLANS", {})
-    monkeypatch.setattr(_fast_backward, "_PLANS_MAX", 4)
+    monkeypatch.setattr(_plans, "PLANS_MAX", 4)
     rng = np.random.default_rng(19)
     for rows in range(1, 10):
         x, grad_y, (mean, rstd), _ = _inputs(rng, (rows, 8), "float32", False, False)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import layernorm as ln
-from layernorm import _fast
+from layernorm import _fast, _plans
 
 from . import reference
 from .conftest import ATOL, DTYPES, random_rows
@@ -247,7 +247,7 @@ def test_a_full_memo_starts_over_instead_of_refusing_new_shapes(monkeypatch):
     from layernorm import _engine
 
     monkeypatch.setattr(_fast, "_PLANS", {})
-    monkeypatch.setattr(_fast, "_PLANS_MAX", 4)
+    monkeypatch.setattr(_plans, "PLANS_MAX", 4)
     monkeypatch.setattr(_engine, "_REQUESTS", {})
     monkeypatch.setattr(_engine, "_REQUESTS_MAX", 4)
     for rows in range(1, 12):

@@ -31,6 +31,7 @@ LAYERS = {
     "layernorm._fast": 2,
     "layernorm._fast_add": 2,
     "layernorm._fast_backward": 2,
+    "layernorm._plans": 2,
     "layernorm._backends": 1,
     "layernorm._dispatch": 0,
     "layernorm._validate": 0,

@@ -16,16 +16,16 @@ general path, which gives the same bits: both run the same kernels.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import numpy as np
 
-from . import _engine
+from . import _engine, _plans
 from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
 from ._dtypes import HALF_DTYPES, MACHINE_EPS, dtype_name
+from ._plans import accumulation_eps, remember
 from ._validate import plain_axes
 
 #: Planned calls at least this large may run in parallel and may write with streaming
@@ -109,15 +109,11 @@ class Plan:
         self.tab = None if rms else kernels.merge_table(n, self.acc)
         # The kernels of contiguous rows (the plan's checks keep x and y contiguous).
         if rms:
-            serial, parallel = kernels.rms_forward_serial, kernels.rms_forward_parallel
-            streamed = kernels.rms_stream_forward_serial, kernels.rms_stream_forward_parallel
-        elif n <= kernels.SHORT_ROW_MAX:
-            serial, parallel = (kernels.ln_short_forward_serial,
-                                kernels.ln_short_forward_parallel)
-            streamed = serial, parallel  # short rows never stream
+            serial, parallel = _numba.rms_unit_row_kernels(kernels)
+            streamed = _numba.rms_unit_row_kernels(kernels, True)
         else:
-            serial, parallel = kernels.ln_forward_serial, kernels.ln_forward_parallel
-            streamed = kernels.ln_stream_forward_serial, kernels.ln_stream_forward_parallel
+            serial, parallel = _numba.ln_unit_row_kernels(kernels, n)
+            streamed = _numba.ln_unit_row_kernels(kernels, n, True)
         #: ``run`` with streaming stores, for large calls that use them (``nt``).
         self.run_streamed = None
         if self.large:
@@ -128,7 +124,6 @@ class Plan:
 
 
 _PLANS: dict[tuple[Any, ...], Plan | None] = {}
-_PLANS_MAX = 512
 
 
 def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
@@ -141,36 +136,6 @@ def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
         return None
     return Plan(layout.shape, layout.rows, layout.n, req.dtype, req.acc, layout.stats_shape,
                 tuple(params.values()), _numba.load_kernels(), rms)
-
-
-def _plan_of(key: tuple[Any, ...], x: Any, normalized_shape: Any, axis: Any, weight: Any,
-             bias: Any, rms: bool) -> Plan | None:
-    """Validate a call first seen under ``key``; memoize its plan (None: not eligible)."""
-    try:
-        plan = _plan(x, normalized_shape, axis, weight, bias, rms)
-    except (TypeError, ValueError):
-        # Invalid: the general path raises the error, after the checks it makes first.
-        return None
-    if len(_PLANS) >= _PLANS_MAX:
-        # Start over rather than stop planning: a server that sees many shapes (varying
-        # sequence lengths) keeps the short path for the shapes it sees now.
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
-
-
-def _new_eps(plan: Plan, eps: Any) -> Any:
-    """``eps`` in the accumulation dtype if it is a finite float >= 0 that does not round
-    to 0 there (unless it is 0), else None (the general path says what is wrong)."""
-    if type(eps) is not float or not 0.0 <= eps < math.inf:
-        return None
-    scalar = plan.acc.type(eps)
-    if scalar == 0.0 and eps != 0.0:
-        return None
-    if len(plan.eps_scalars) > 64:
-        plan.eps_scalars.clear()
-    plan.eps_scalars[eps] = scalar
-    return scalar
 
 
 def _flat(param: Any, plan: Plan, bits: Any) -> Any:
@@ -249,13 +214,14 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
     try:
         plan = _PLANS[key]
     except KeyError:
-        plan = _plan_of(key, x, normalized_shape, axis, weight, bias, False)
+        plan = remember(_PLANS, key, lambda: _plan(x, normalized_shape, axis, weight, bias,
+                                                     False))
     except TypeError:  # unhashable normalized_shape
         return None
     if plan is None or not x.flags.c_contiguous:
         return None
     e = plan.eps_scalars.get(eps) if type(eps) is float else None
-    if e is None and (e := _new_eps(plan, eps)) is None:
+    if e is None and (e := accumulation_eps(plan, eps)) is None:
         return None
     if plan.direct and (out is None or _direct_out(out, x, weight, bias)):
         y = np.empty(x.shape, x.dtype) if out is None else out
@@ -303,7 +269,8 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
     try:
         plan = _PLANS[key]
     except KeyError:
-        plan = _plan_of(key, x, normalized_shape, axis, weight, None, True)
+        plan = remember(_PLANS, key, lambda: _plan(x, normalized_shape, axis, weight, None,
+                                                     True))
     except TypeError:
         return None
     if plan is None or not x.flags.c_contiguous:
@@ -311,7 +278,7 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
     if eps is None:
         eps = plan.default_eps
     e = plan.eps_scalars.get(eps) if type(eps) is float else None
-    if e is None and (e := _new_eps(plan, eps)) is None:
+    if e is None and (e := accumulation_eps(plan, eps)) is None:
         return None
     if plan.direct and (out is None or _direct_out(out, x, weight, None)):
         y = np.empty(x.shape, x.dtype) if out is None else out
@@ -445,7 +412,7 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
             plan = _quant_plan(x, normalized_shape, axis, weight, bias, quantize, rms)
         except (TypeError, ValueError, KeyError):
             plan = None  # the general path raises the error
-        if len(_PLANS) >= _PLANS_MAX:
+        if len(_PLANS) >= _plans.PLANS_MAX:
             _PLANS.clear()
         _PLANS[key] = plan
     except TypeError:  # unhashable normalized_shape
@@ -455,7 +422,7 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
     if rms and eps is None:
         eps = plan.default_eps
     e = plan.eps_scalars.get(eps) if type(eps) is float else None
-    if e is None and (e := _new_eps(plan, eps)) is None:
+    if e is None and (e := accumulation_eps(plan, eps)) is None:
         return None
     if scale is None:
         inv = plan.no_stats

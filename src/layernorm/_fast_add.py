@@ -25,7 +25,6 @@ the general path, which also raises every error.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import numpy as np
@@ -35,6 +34,7 @@ from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
 from ._dtypes import MACHINE_EPS, dtype_name
+from ._plans import accumulation_eps, remember
 from ._validate import plain_axes
 
 _NUMPY_ROUTE = Route("numpy", "numba")
@@ -107,19 +107,12 @@ class AddPlan:
         #: The LayerNorm kernels' table of n-dependent weights (None for RMSNorm).
         self.tab = None if rms else kernels.merge_table(n, self.acc)
         if rms:
-            serial, parallel = kernels.add_rms_forward_serial, kernels.add_rms_forward_parallel
-            streamed = (kernels.add_rms_stream_forward_serial,
-                        kernels.add_rms_stream_forward_parallel)
+            serial, parallel = _numba.add_rms_kernels(kernels)
+            streamed = _numba.add_rms_kernels(kernels, True)
             writes = _numba.ADD_RMS_WRITES
         else:
-            if n <= kernels.SHORT_ROW_MAX:
-                serial = kernels.add_ln_short_forward_serial
-                parallel = kernels.add_ln_short_forward_parallel
-                streamed = serial, parallel  # short rows never stream
-            else:
-                serial, parallel = kernels.add_ln_forward_serial, kernels.add_ln_forward_parallel
-                streamed = (kernels.add_ln_stream_forward_serial,
-                            kernels.add_ln_stream_forward_parallel)
+            serial, parallel = _numba.add_ln_kernels(kernels, n)
+            streamed = _numba.add_ln_kernels(kernels, n, True)
             writes = _numba.ADD_LN_WRITES
         #: Large calls: the backend picks serial or parallel, plain or streaming stores.
         self.large = rows * n >= _numba.PARALLEL_MIN_ELEMENTS
@@ -132,7 +125,6 @@ class AddPlan:
 
 
 _PLANS: dict[tuple[Any, ...], AddPlan | None] = {}
-_PLANS_MAX = 512
 
 
 def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
@@ -146,34 +138,6 @@ def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
         return None
     return AddPlan(layout.shape, layout.rows, layout.n, req.dtype, req.acc,
                    layout.stats_shape, _numba.load_kernels(), rms)
-
-
-def _plan_of(key: tuple[Any, ...], x: Any, normalized_shape: Any, axis: Any, weight: Any,
-             bias: Any, rms: bool) -> AddPlan | None:
-    """Validate a call first seen under ``key``; memoize its plan (None: not eligible)."""
-    try:
-        plan = _plan(x, normalized_shape, axis, weight, bias, rms)
-    except (TypeError, ValueError):
-        # Invalid: the general path raises the error, after the checks it makes first.
-        return None
-    if len(_PLANS) >= _PLANS_MAX:
-        _PLANS.clear()  # start over: the shapes seen now keep the short path
-    _PLANS[key] = plan
-    return plan
-
-
-def _new_eps(plan: AddPlan, eps: Any) -> Any:
-    """``eps`` in the accumulation dtype if it is a finite float >= 0 that does not round
-    to 0 there (unless it is 0), else None (the general path says what is wrong)."""
-    if type(eps) is not float or not 0.0 <= eps < math.inf:
-        return None
-    scalar = plan.acc.type(eps)
-    if scalar == 0.0 and eps != 0.0:
-        return None
-    if len(plan.eps_scalars) > 64:
-        plan.eps_scalars.clear()
-    plan.eps_scalars[eps] = scalar
-    return scalar
 
 
 def _param_key(param: Any) -> tuple[Any, Any] | None:
@@ -281,7 +245,7 @@ out, residual_out
     try:
         plan = _PLANS[key]
     except KeyError:
-        plan = _plan_of(key, x, normalized_shape, axis, weight, bias, rms)
+        plan = remember(_PLANS, key, lambda: _plan(x, normalized_shape, axis, weight, bias, rms))
     except TypeError:  # unhashable normalized_shape
         return None
     if plan is None:
@@ -298,7 +262,7 @@ out, residual_out
     if eps is None and rms:
         eps = plan.default_eps
     e = plan.eps_scalars.get(eps) if type(eps) is float else None
-    if e is None and (e := _new_eps(plan, eps)) is None:
+    if e is None and (e := accumulation_eps(plan, eps)) is None:
         return None
     if out is None and residual_out is None:
         y, h = np.empty(x.shape, x.dtype), np.empty(x.shape, x.dtype)

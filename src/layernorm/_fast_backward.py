@@ -27,6 +27,7 @@ from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
 from ._dtypes import dtype_name
+from ._plans import remember
 from ._validate import plain_axes
 
 _NUMPY_ROUTE = Route("numpy", "numba")
@@ -110,7 +111,6 @@ class BackwardPlan:
 
 
 _PLANS: dict[tuple[Any, ...], BackwardPlan | None] = {}
-_PLANS_MAX = 512
 
 
 def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any,
@@ -123,20 +123,6 @@ def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any,
     grad_dtype = (x if weight is None else weight).dtype
     return BackwardPlan(layout.shape, layout.rows, layout.n, req.dtype, req.acc,
                         layout.stats_shape, layout.param_shape, grad_dtype, rms)
-
-
-def _plan_of(key: tuple[Any, ...], x: Any, normalized_shape: Any, axis: Any, weight: Any,
-             rms: bool) -> BackwardPlan | None:
-    """Validate a call first seen under ``key``; memoize its plan (None: not eligible)."""
-    try:
-        plan = _plan(x, normalized_shape, axis, weight, rms)
-    except (TypeError, ValueError):
-        # Invalid: the general path raises the error, after the checks it makes first.
-        return None
-    if len(_PLANS) >= _PLANS_MAX:
-        _PLANS.clear()  # start over: the shapes seen now keep the short path
-    _PLANS[key] = plan
-    return plan
 
 
 def _fits(arr: Any, shape: tuple[int, ...], dtype: np.dtype) -> bool:
@@ -189,7 +175,7 @@ def gradients(grad_y: Any, x: Any, mean: Any, rstd: Any, weight: Any, normalized
     try:
         plan = _PLANS[key]
     except KeyError:
-        plan = _plan_of(key, x, normalized_shape, axis, weight, rms)
+        plan = remember(_PLANS, key, lambda: _plan(x, normalized_shape, axis, weight, rms))
     except TypeError:  # unhashable normalized_shape
         return None
     if (plan is None or not _contiguous(x) or not _fits(grad_y, x.shape, x.dtype)

@@ -233,7 +233,12 @@ def ln_row_kernels(k: Any, x: Any, y: Any, stream: bool = False) -> tuple[Any, A
     ``stream``: :func:`use_streaming_stores` said yes (only the long-row path streams)."""
     if not (_unit_stride(x) and _unit_stride(y)):
         return k.ln_gathered_forward_serial, k.ln_gathered_forward_parallel
-    if x.shape[1] <= k.SHORT_ROW_MAX:
+    return ln_unit_row_kernels(k, x.shape[1], stream)
+
+
+def ln_unit_row_kernels(k: Any, n: int, stream: bool = False) -> tuple[Any, Any]:
+    """:func:`ln_row_kernels` for rows of ``n`` elements of unit stride (x and y)."""
+    if n <= k.SHORT_ROW_MAX:
         return k.ln_short_forward_serial, k.ln_short_forward_parallel
     if stream:
         return k.ln_stream_forward_serial, k.ln_stream_forward_parallel
@@ -245,9 +250,31 @@ def rms_row_kernels(k: Any, x: Any, y: Any, stream: bool = False) -> tuple[Any, 
     :func:`ln_row_kernels`)."""
     if not (_unit_stride(x) and _unit_stride(y)):
         return k.rms_gathered_forward_serial, k.rms_gathered_forward_parallel
+    return rms_unit_row_kernels(k, stream)
+
+
+def rms_unit_row_kernels(k: Any, stream: bool = False) -> tuple[Any, Any]:
+    """:func:`rms_row_kernels` for rows of unit stride (x and y)."""
     if stream:
         return k.rms_stream_forward_serial, k.rms_stream_forward_parallel
     return k.rms_forward_serial, k.rms_forward_parallel
+
+
+def add_ln_kernels(k: Any, n: int, stream: bool = False) -> tuple[Any, Any]:
+    """The (serial, parallel) one-pass add-and-LayerNorm kernels for rows of ``n``
+    (``stream``: :func:`fused_add_streams` said yes; short rows never stream)."""
+    if n <= k.SHORT_ROW_MAX:
+        return k.add_ln_short_forward_serial, k.add_ln_short_forward_parallel
+    if stream:
+        return k.add_ln_stream_forward_serial, k.add_ln_stream_forward_parallel
+    return k.add_ln_forward_serial, k.add_ln_forward_parallel
+
+
+def add_rms_kernels(k: Any, stream: bool = False) -> tuple[Any, Any]:
+    """:func:`add_ln_kernels` for RMSNorm."""
+    if stream:
+        return k.add_rms_stream_forward_serial, k.add_rms_stream_forward_parallel
+    return k.add_rms_forward_serial, k.add_rms_forward_parallel
 
 
 #: Positions of the per-row arrays (x, y, statistics) among the row kernels' arguments.
@@ -489,12 +516,7 @@ def add_layer_norm_forward(x3, r3, weight, bias, eps, h3, y3, mean, rstd, dtypes
     w, b = kernel_params(weight, bias, x.shape[1], mean.dtype)
     tab = k.merge_table(x.shape[1], mean.dtype)
     nt = fused_add_streams(x, r, y)
-    if x.shape[1] <= k.SHORT_ROW_MAX:
-        serial, parallel = k.add_ln_short_forward_serial, k.add_ln_short_forward_parallel
-    elif nt:
-        serial, parallel = k.add_ln_stream_forward_serial, k.add_ln_stream_forward_parallel
-    else:
-        serial, parallel = k.add_ln_forward_serial, k.add_ln_forward_parallel
+    serial, parallel = add_ln_kernels(k, x.shape[1], nt)
     args = (x, r, w, b, e, h, y, mean, rstd, tab, nt)
     complete_add_layer_norm_rows(_run(serial, parallel, x.size, ADD_LN_WRITES, *args), args)
 
@@ -506,8 +528,7 @@ def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
     e = _acc_scalar(eps, dtypes[2])
     w = kernel_params(weight, None, x.shape[1], rstd.dtype)[0]
     nt = fused_add_streams(x, r, y)
-    serial, parallel = ((k.add_rms_stream_forward_serial, k.add_rms_stream_forward_parallel)
-                        if nt else (k.add_rms_forward_serial, k.add_rms_forward_parallel))
+    serial, parallel = add_rms_kernels(k, nt)
     args = (x, r, w, e, h, y, rstd, nt)
     complete_add_rms_norm_rows(_run(serial, parallel, x.size, ADD_RMS_WRITES, *args), args)
 

@@ -1,0 +1,65 @@
+"""What the short paths share: the memo of call plans and the ``eps`` they convert.
+
+:mod:`._fast` (forward), :mod:`._fast_backward` and :mod:`._fast_add` each validate the
+first call of a kind through the general path and keep a plan for it; a later call that
+matches its key checks only what can change. These are the pieces they have in common.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+#: Plans each short path keeps at most before it starts over.
+PLANS_MAX = 512
+
+
+def remember(plans: dict[Any, Any], key: Any, build: Callable[[], Any]) -> Any:
+    """The plan ``build()`` makes for a call first seen under ``key``, memoized in
+    ``plans`` (None: the call is not eligible). An invalid call (``build`` raises
+    TypeError or ValueError) is not memoized and gives None: the general path raises
+    the error, after the checks it makes first.
+
+    Examples
+    --------
+    >>> plans = {}
+    >>> remember(plans, "k", lambda: 42), plans
+    (42, {'k': 42})
+    >>> remember(plans, "bad", lambda: int("x")) is None, "bad" in plans
+    (True, False)
+    """
+    try:
+        plan = build()
+    except (TypeError, ValueError):
+        return None
+    if len(plans) >= PLANS_MAX:
+        # Start over rather than stop planning: a server that sees many shapes (varying
+        # sequence lengths) keeps the short path for the shapes it sees now.
+        plans.clear()
+    plans[key] = plan
+    return plan
+
+
+def accumulation_eps(plan: Any, eps: Any) -> Any:
+    """``eps`` in ``plan.acc`` (remembered in ``plan.eps_scalars``) if it is a finite
+    float >= 0 that does not round to 0 there (unless it is 0), else None (the general
+    path says what is wrong).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> class P:
+    ...     acc, eps_scalars = np.dtype(np.float32), {}
+    >>> accumulation_eps(P, 1e-5) == np.float32(1e-5), accumulation_eps(P, 1e-46)
+    (np.True_, None)
+    """
+    if type(eps) is not float or not 0.0 <= eps < math.inf:
+        return None
+    scalar = plan.acc.type(eps)
+    if scalar == 0.0 and eps != 0.0:
+        return None
+    if len(plan.eps_scalars) > 64:
+        plan.eps_scalars.clear()
+    plan.eps_scalars[eps] = scalar
+    return scalar
