@@ -293,3 +293,51 @@ def test_large_inputs_take_the_short_path_with_the_backends_choice(monkeypatch, 
     for got, want in zip(fast, general, strict=True):
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
     assert into is out and np.array_equal(out.view(np.uint8), general[0].view(np.uint8))
+
+
+def _unaligned(arr):
+    """A copy of ``arr`` whose data starts one byte past an allocation's start: C-contiguous
+    but not aligned for its dtype."""
+    buffer = np.empty(arr.nbytes + 1, np.uint8)
+    view = buffer[1:].view(arr.dtype).reshape(arr.shape)
+    view[...] = arr
+    assert view.flags.c_contiguous and not view.flags.aligned
+    return view
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("which", ["x", "weight", "out"])
+def test_unaligned_arrays_after_a_plan_take_the_general_path(rms, which):
+    # The planned entry points were compiled for aligned arrays: an unaligned one must not
+    # reach them, and the general path gives the same bits.
+    rng = np.random.default_rng(11)
+    x = random_rows(rng, (3, 40), "float32", loc=1.5)
+    w = (1 + 0.25 * rng.standard_normal(40)).astype(np.float32)
+    norm = ln.rms_norm if rms else ln.layer_norm
+    for _ in range(2):
+        want = norm(x, weight=w)
+    args = {"x": x, "weight": w, "out": np.empty_like(x)}
+    args[which] = _unaligned(args[which])
+    if rms:
+        short = _fast.rms_norm(args["x"], None, args["weight"], None, None, False,
+                               args["out"])
+    else:
+        short = _fast.layer_norm(args["x"], None, args["weight"], None, 1e-5, None, False,
+                                 args["out"])
+    assert short is None
+    got = norm(args["x"], weight=args["weight"], out=args["out"])
+    assert got is args["out"]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_unaligned_input_after_a_plan_of_a_quantized_call_takes_the_general_path():
+    rng = np.random.default_rng(12)
+    x = random_rows(rng, (3, 40), "float32", loc=-0.5)
+    for _ in range(2):
+        want_q, want_scale = ln.layer_norm(x, quantize="int8")
+    x_unaligned = _unaligned(x)
+    assert _fast.quantized(x_unaligned, None, None, None, 1e-5, None, False, None, "int8",
+                           None, False) is None
+    q, scale = ln.layer_norm(x_unaligned, quantize="int8")
+    np.testing.assert_array_equal(q, want_q)
+    np.testing.assert_array_equal(scale, want_scale)

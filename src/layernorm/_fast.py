@@ -6,8 +6,8 @@ cache-resident batch of 128 KiB takes about 20 us in its kernel, as long as the
 general path's validation. The first
 call with a given shape, dtype and parameter layout goes through full validation
 (:func:`._engine.request`) and leaves a :class:`Plan`; a later call that matches it checks
-only what can change between such calls (contiguity, ``eps``, ``out``) and calls the
-serial Numba kernel directly (for large calls, the backend's serial-or-parallel choice).
+only what can change between such calls (contiguity and alignment, ``eps``, ``out``) and
+calls the serial Numba kernel directly (for large calls, the backend's serial-or-parallel choice).
 Anything else (strided inputs, axes other than
 the trailing ones, forced backends, unusual parameters) returns ``None`` and takes the
 general path, which gives the same bits: both run the same kernels.
@@ -148,6 +148,13 @@ def _flat(param: Any, plan: Plan, bits: Any) -> Any:
     return param.astype(plan.acc) if plan.cast_params else param
 
 
+def _rows(arr: Any) -> bool:
+    """``arr`` (a NumPy array) is C-contiguous and aligned: the compiled entry points the
+    plans call were typed for such arrays."""
+    flags = arr.flags
+    return flags.c_contiguous and flags.aligned
+
+
 def _apart(out: Any, arr: Any) -> bool:
     """``out`` cannot overlap the input ``arr`` (None, another allocation, or disjoint)."""
     # Two arrays that each own their memory are two allocations: no overlap to look for
@@ -162,7 +169,7 @@ def _usable_out(out: Any, x: Any, weight: Any, bias: Any) -> bool:
     if type(out) is not np.ndarray or out.shape != x.shape or out.dtype != x.dtype:
         return False
     flags = out.flags
-    if not (flags.c_contiguous and flags.writeable):
+    if not (flags.c_contiguous and flags.aligned and flags.writeable):
         return False
     return (out is x or _apart(out, x)) and _apart(out, weight) and _apart(out, bias)
 
@@ -200,13 +207,13 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
         return None
     if weight is None:
         wshape = wdtype = None
-    elif type(weight) is np.ndarray and weight.flags.c_contiguous:
+    elif type(weight) is np.ndarray and _rows(weight):
         wshape, wdtype = weight.shape, weight.dtype
     else:
         return None
     if bias is None:
         bshape = bdtype = None
-    elif type(bias) is np.ndarray and bias.flags.c_contiguous:
+    elif type(bias) is np.ndarray and _rows(bias):
         bshape, bdtype = bias.shape, bias.dtype
     else:
         return None
@@ -218,7 +225,7 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
                                                      False))
     except TypeError:  # unhashable normalized_shape
         return None
-    if plan is None or not x.flags.c_contiguous:
+    if plan is None or not _rows(x):
         return None
     e = plan.eps_scalars.get(eps) if type(eps) is float else None
     if e is None and (e := accumulation_eps(plan, eps)) is None:
@@ -261,7 +268,7 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
         return None
     if weight is None:
         wshape = wdtype = None
-    elif type(weight) is np.ndarray and weight.flags.c_contiguous:
+    elif type(weight) is np.ndarray and _rows(weight):
         wshape, wdtype = weight.shape, weight.dtype
     else:
         return None
@@ -273,7 +280,7 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
                                                      True))
     except TypeError:
         return None
-    if plan is None or not x.flags.c_contiguous:
+    if plan is None or not _rows(x):
         return None
     if eps is None:
         eps = plan.default_eps
@@ -397,10 +404,10 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
             or (normalized_shape is not None and type(normalized_shape) is not int
                 and not plain_axes(normalized_shape))
             or (axis is not None and type(axis) is not int and not plain_axes(axis))
-            or not x.flags.c_contiguous):
+            or not _rows(x)):
         return None
     for p in (weight, bias):
-        if p is not None and not (type(p) is np.ndarray and p.flags.c_contiguous):
+        if p is not None and not (type(p) is np.ndarray and _rows(p)):
             return None
     key = (x.shape, normalized_shape, axis, None if weight is None else weight.shape,
            None if weight is None else weight.dtype, None if bias is None else bias.shape,
@@ -436,7 +443,7 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
     if out is None:
         q = np.empty(x.shape, plan.qdtype)
     elif (type(out) is np.ndarray and out.shape == x.shape and out.dtype == plan.qdtype
-          and out.flags.c_contiguous and out.flags.writeable and _apart(out, x)
+          and _rows(out) and out.flags.writeable and _apart(out, x)
           and _apart(out, weight) and _apart(out, bias)):
         q = out
     else:
