@@ -325,6 +325,39 @@ def test_time_interleaved_calibrates_calls_per_sample_with_any_clock():
     assert floored["tick"]["number"] == 3
 
 
+def test_time_interleaved_calibrates_from_the_fastest_of_several_calls():
+    # One slow call (a thread pool waking up) must not shrink the samples to a few calls.
+    class FakeClock:
+        def __init__(self):
+            self.now = self.t0 = 0.0
+
+        def start(self):
+            self.t0 = self.now
+
+        def stop(self):
+            return self.now - self.t0
+
+    clock = FakeClock()
+    durations = iter([5e-3] + [1e-3] * 1000)
+
+    def call():
+        clock.now += next(durations)
+
+    t = timing.time_interleaved({"call": call}, repeats=2, target_s=0.01, clock=clock,
+                                warmup=0)
+    assert t["call"]["number"] == 10
+    # A call as long as a sample is calibrated from itself alone (not called again).
+    calls = []
+
+    def slow():
+        calls.append(1)
+        clock.now += 0.02
+
+    t = timing.time_interleaved({"slow": slow}, repeats=1, target_s=0.01, clock=clock,
+                                warmup=0)
+    assert t["slow"]["number"] == 1 and len(calls) == 2
+
+
 def test_cuda_event_clock_reads_the_events_elapsed_milliseconds():
     class Event:
         def __init__(self):

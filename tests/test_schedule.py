@@ -34,33 +34,73 @@ def make(policy="auto"):
     return chooser, clock, chooser.key("kernel", np.dtype(np.float32), ELEMENTS)
 
 
+def probe(chooser, key, *seconds):
+    """A probe: the call that wakes the pool, then PROBE_CALLS measured calls."""
+    assert len(seconds) == schedule.RECENT
+    assert chooser.parallel(key) is True
+    chooser.record(key, True, 1.0, ELEMENTS)  # waking the pool: never measured
+    for s in seconds:
+        assert chooser.parallel(key) is True  # a probe runs all its calls
+        chooser.record(key, True, s, ELEMENTS)
+
+
 def test_a_new_class_measures_serial_first_then_goes_parallel():
     chooser, _clock, key = make()
     assert chooser.parallel(key) is False
     chooser.record(key, False, 0.010, ELEMENTS)
+    probe(chooser, key, 0.005, 0.006, 0.007)  # faster than serial: stays parallel
     assert chooser.parallel(key) is True
-    chooser.record(key, True, 0.005, ELEMENTS)  # twice as fast: stays parallel
+    assert chooser.classes[key].parallel == pytest.approx(0.006 / ELEMENTS)
+
+
+def test_the_call_that_wakes_the_pool_does_not_count():
+    # Starting or waking the thread pool costs as much as a cache-resident call: a
+    # class measured by that call would stay serial although parallel is faster.
+    chooser, _clock, key = make()
+    chooser.record(key, False, 0.010, ELEMENTS)
+    chooser.record(key, True, 0.035, ELEMENTS)  # the wake-up: 3.5x the serial time
+    assert chooser.classes[key].parallel is None
     assert chooser.parallel(key) is True
 
 
-def test_a_collapsed_parallel_call_turns_the_class_serial_until_a_probe():
+def test_one_slow_call_of_a_probe_does_not_turn_the_class_serial():
+    chooser, _clock, key = make()
+    chooser.record(key, False, 0.010, ELEMENTS)
+    probe(chooser, key, 0.005, 0.030, 0.006)  # an interrupt in the second call
+    assert chooser.parallel(key) is True
+
+
+def test_one_slow_parallel_call_does_not_turn_the_class_serial_two_do():
+    chooser, _clock, key = make()
+    chooser.record(key, False, 0.010, ELEMENTS)
+    probe(chooser, key, 0.005, 0.005, 0.005)
+    chooser.record(key, True, 0.050, ELEMENTS)  # 5x the serial time, once
+    assert chooser.parallel(key) is True
+    for seconds in (0.005, 0.005, 0.015):
+        chooser.record(key, True, seconds, ELEMENTS)
+        assert chooser.parallel(key) is True
+    chooser.record(key, True, 0.040, ELEMENTS)  # a busy machine: two slow calls in a row
+    assert chooser.parallel(key) is False
+
+
+def test_a_collapsed_probe_turns_the_class_serial_until_the_next_probe():
     chooser, clock, key = make()
     chooser.record(key, False, 0.010, ELEMENTS)
-    chooser.record(key, True, 0.080, ELEMENTS)  # a busy machine: 8x the serial time
+    probe(chooser, key, 0.080, 0.080, 0.090)  # a busy machine: 8x the serial time
     assert chooser.parallel(key) is False
-    # The next probe waits PROBE_COST_FACTOR times what the collapsed call cost.
-    clock.now += schedule.PROBE_COST_FACTOR * 0.080 - 0.01
+    # The next probe waits PROBE_COST_FACTOR times what the collapsed probe cost.
+    clock.now += schedule.PROBE_COST_FACTOR * 0.250 - 0.01
+    chooser.record(key, False, 0.010, ELEMENTS)  # serial calls in the meantime
     assert chooser.parallel(key) is False
     clock.now += 0.02
-    assert chooser.parallel(key) is True
-    chooser.record(key, True, 0.004, ELEMENTS)  # the machine is quiet again
+    probe(chooser, key, 0.004, 0.004, 0.004)  # the machine is quiet again
     assert chooser.parallel(key) is True
 
 
 def test_probes_are_at_least_the_minimum_pause_apart():
     chooser, clock, key = make()
     chooser.record(key, False, 1e-4, ELEMENTS)
-    chooser.record(key, True, 2e-4, ELEMENTS)
+    probe(chooser, key, 2e-4, 2e-4, 2e-4)
     clock.now += schedule.PROBE_PAUSE_S / 2
     assert chooser.parallel(key) is False
     clock.now += schedule.PROBE_PAUSE_S
@@ -70,21 +110,36 @@ def test_probes_are_at_least_the_minimum_pause_apart():
 def test_a_parallel_class_refreshes_its_serial_time():
     chooser, clock, key = make()
     chooser.record(key, False, 0.010, ELEMENTS)
-    chooser.record(key, True, 0.005, ELEMENTS)
+    probe(chooser, key, 0.005, 0.005, 0.005)
     clock.now += schedule.SERIAL_REFRESH_S + 0.1
     assert chooser.parallel(key) is False  # one serial call...
     chooser.record(key, False, 0.010, ELEMENTS)
-    assert chooser.parallel(key) is True  # ...then parallel again
+    assert chooser.parallel(key) is True  # ...then parallel again, a probe first
+    probe(chooser, key, 0.005, 0.005, 0.005)
+    assert chooser.parallel(key) is True
 
 
-def test_serial_times_are_a_running_mean():
+def test_serial_time_is_the_median_of_the_latest_calls():
     chooser, _clock, key = make()
+    for seconds in (0.010, 0.030, 0.012, 0.050, 0.011):
+        chooser.record(key, False, seconds, ELEMENTS)
+    # The latest RECENT (3) calls: 0.012, 0.050, 0.011.
+    assert chooser.classes[key].serial == pytest.approx(0.012 / ELEMENTS)
+    probe(chooser, key, 0.0119, 0.0118, 0.1)  # just under that median
+    assert chooser.parallel(key) is True
+
+
+def test_a_probe_does_not_count_the_parallel_calls_before_it():
+    chooser, clock, key = make()
     chooser.record(key, False, 0.010, ELEMENTS)
-    chooser.record(key, False, 0.030, ELEMENTS)
-    w = schedule.SERIAL_WEIGHT
-    expected = ((1 - w) * 0.010 + w * 0.030) / ELEMENTS
-    assert chooser.classes[key].serial == pytest.approx(expected)
-    chooser.record(key, True, 0.0149, ELEMENTS)  # just under that mean (0.015)
+    probe(chooser, key, 0.004, 0.004, 0.004)
+    chooser.record(key, True, 0.030, ELEMENTS)
+    chooser.record(key, True, 0.030, ELEMENTS)  # the machine got busy
+    assert chooser.parallel(key) is False
+    clock.now += 10.0
+    chooser.record(key, False, 0.010, ELEMENTS)
+    probe(chooser, key, 0.005, 0.005, 0.030)  # quiet again: 0.004 and 0.030s forgotten
+    assert chooser.classes[key].parallel == pytest.approx(0.005 / ELEMENTS)
     assert chooser.parallel(key) is True
 
 

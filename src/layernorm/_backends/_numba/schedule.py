@@ -9,13 +9,26 @@ a (2048, 512) forward took 8 ms at 2 threads against 0.5 ms serial beside one bu
 process; TBB's work stealing avoids that but collapsed beside torch's OpenMP threads).
 
 :class:`Chooser` keeps, per kernel, input dtype and size class (``elements.bit_length()``),
-the seconds per element of the latest parallel call and a running mean of the serial
-ones. A call runs parallel unless the latest parallel call of its class was slower than
-the serial mean; while serial, one parallel call probes again after a pause of at least
+the seconds per element of its latest ``RECENT`` serial and parallel calls; their medians
+stand for the class. A call runs parallel unless the parallel median is above the serial
+one; while serial, the class probes parallel again after a pause of at least
 ``PROBE_PAUSE_S`` and ``PROBE_COST_FACTOR`` times what the last probe cost, so probing
 costs at most a few percent of the time even when every probe collapses; while
-parallel, a serial call refreshes the serial mean every ``SERIAL_REFRESH_S``. A class
+parallel, a serial call refreshes the serial times every ``SERIAL_REFRESH_S``. A class
 starts with one serial call. Calls that compiled or loaded a kernel are not measured.
+
+A probe is a parallel call that follows a serial one of its class (the first parallel
+call of a class is one) and ``RECENT`` parallel calls after it. Its first call is not
+measured: it wakes the thread pool, whose workers have gone to sleep during the serial
+calls (or starts it), and that costs as much as a cache-resident call itself. Medians,
+not the latest call or a mean, because one call in fifty or so is several times slower
+for reasons that do not last (an interrupt; another library's thread pool, spinning on
+the other core after its own call). Measured, (242, 768) float32, 2 threads, beside
+torch's calls in one process, quiet machine: with the latest call alone, the pool's
+wake-up made a class look 3.5x slower parallel than serial, and with a running mean a
+single 270 us call among 37 us ones turned the class serial for the next pause; either
+way half the calls ran serial, 55-70 us against 35-40 us parallel. A busy machine slows
+most calls, and two slow ones in a row move the median.
 
 ``LAYERNORM_PARALLEL`` (environment, read at import) sets the policy: ``auto`` (the
 default, as above), ``always`` (parallel whenever the call is large enough: what the
@@ -32,12 +45,13 @@ from typing import Any
 POLICIES = ("auto", "always", "never")
 #: Least seconds between two parallel probes of a class run serially.
 PROBE_PAUSE_S = 0.05
-#: A parallel probe waits at least this many times its predecessor's duration.
-PROBE_COST_FACTOR = 20.0
+#: A probe waits at least this many times the duration of the previous probe's calls.
+PROBE_COST_FACTOR = 30.0
+#: Calls whose median stands for a class's serial or parallel time; a probe measures this
+#: many parallel calls (after the one that wakes the pool).
+RECENT = 3
 #: Seconds between two serial calls refreshing the serial mean of a parallel class.
 SERIAL_REFRESH_S = 2.0
-#: Weight of a new serial time in the running mean.
-SERIAL_WEIGHT = 0.25
 
 
 def policy_from_environment() -> str:
@@ -52,14 +66,27 @@ def policy_from_environment() -> str:
 class _Class:
     """What is known about one (kernel, dtype, size class)."""
 
-    __slots__ = ("last_parallel_s", "parallel", "parallel_at", "serial", "serial_at")
+    __slots__ = ("left", "parallel", "parallel_at", "parallel_times", "probe_s", "serial",
+                 "serial_at", "serial_times", "slept")
 
     def __init__(self) -> None:
-        self.serial: float | None = None  # running mean, seconds per element
-        self.parallel: float | None = None  # latest, seconds per element
+        self.serial_times: list[float] = []  # latest RECENT, seconds per element
+        self.parallel_times: list[float] = []
+        self.serial: float | None = None  # median of serial_times
+        self.parallel: float | None = None  # median of parallel_times, once a probe is done
         self.serial_at = -1e300  # clock of the latest serial measurement
-        self.parallel_at = -1e300
-        self.last_parallel_s = 0.0  # duration of the latest parallel call
+        self.parallel_at = -1e300  # clock of the latest measured parallel call
+        self.probe_s = 0.0  # seconds the measured calls of the latest probe took
+        self.slept = False  # the latest call was serial: the next parallel one wakes the pool
+        self.left = 0  # measured calls left in the current probe
+
+
+def _push(times: list[float], rate: float) -> float:
+    """Append ``rate`` to the latest ``times`` (at most ``RECENT``); their median."""
+    times.append(rate)
+    if len(times) > RECENT:
+        del times[0]
+    return sorted(times)[len(times) // 2]
 
 
 class Chooser:
@@ -100,12 +127,12 @@ class Chooser:
         c = self.classes.get(key)
         if c is None or c.serial is None:
             return False
-        now = self.clock()
-        if c.parallel is None:
+        if c.parallel is None or c.left > 0:
             return True
+        now = self.clock()
         if c.parallel < c.serial:
             return now - c.serial_at < SERIAL_REFRESH_S
-        pause = max(PROBE_PAUSE_S, PROBE_COST_FACTOR * c.last_parallel_s)
+        pause = max(PROBE_PAUSE_S, PROBE_COST_FACTOR * c.probe_s)
         return now - c.parallel_at >= pause
 
     def record(self, key: Any, parallel: bool, seconds: float, elements: int) -> None:
@@ -119,9 +146,21 @@ class Chooser:
             c = self.classes[key] = _Class()
         rate = seconds / max(elements, 1)
         now = self.clock()
-        if parallel:
-            c.parallel, c.parallel_at, c.last_parallel_s = rate, now, seconds
-        else:
-            c.serial = rate if c.serial is None else (
-                (1.0 - SERIAL_WEIGHT) * c.serial + SERIAL_WEIGHT * rate)
+        if not parallel:
+            c.serial = _push(c.serial_times, rate)
             c.serial_at = now
+            c.slept = True
+        elif c.slept:  # a probe's first call, waking the pool: not measured
+            c.slept = False
+            c.left, c.probe_s = RECENT, 0.0
+            c.parallel_times.clear()
+        else:
+            median = _push(c.parallel_times, rate)
+            c.parallel_at = now
+            if c.left > 0:
+                c.probe_s += seconds
+                c.left -= 1
+                if c.left == 0:
+                    c.parallel = median
+            elif c.parallel is not None:
+                c.parallel = median
