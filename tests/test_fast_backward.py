@@ -233,13 +233,13 @@ def test_large_calls_run_the_backends_serial_or_parallel_choice(monkeypatch, gen
     rows = -(-_numba.PARALLEL_MIN_ELEMENTS // 256) + 3  # not a multiple of the row block
     x, grad_y, stats, w = _inputs(rng, (rows, 256), "float32", True, rms)
     chosen = []
-    real = _numba.run_rows
+    real = _numba._choose
 
     def spy(*args):
         chosen.append(args[0])
         return real(*args)
 
-    monkeypatch.setattr(_numba, "run_rows", spy)
+    monkeypatch.setattr(_numba, "_choose", spy)
     monkeypatch.setattr(_fast_backward, "_PLANS", {})  # the next call plans with the spy
     for _ in range(2):
         fast = _backward(rms, grad_y, x, stats, w)

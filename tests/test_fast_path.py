@@ -295,6 +295,44 @@ def test_large_inputs_take_the_short_path_with_the_backends_choice(monkeypatch, 
     assert into is out and np.array_equal(out.view(np.uint8), general[0].view(np.uint8))
 
 
+@pytest.mark.parametrize("parallel", [False, True])
+def test_large_planned_calls_look_up_each_kernel_once(monkeypatch, parallel):
+    """The plan's runner resolves the compiled entry point of the variant it runs once,
+    then calls it directly (the lookup costs a tenth of a cache-resident call)."""
+    numba = pytest.importorskip("numba")
+    from layernorm._backends import _numba
+    from layernorm._backends._numba import entry as kernel_entry
+
+    if parallel and numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one Numba thread: every call runs serially")
+    policy = "always" if parallel else "never"
+    monkeypatch.setattr(_numba.chooser, "policy", policy)
+    lookups = []
+    real = kernel_entry.entry_point
+
+    def spy(kernel, writes, args):
+        lookups.append(kernel)
+        return real(kernel, writes, args)
+
+    monkeypatch.setattr(kernel_entry, "entry_point", spy)
+    monkeypatch.setattr(_fast, "_PLANS", {})
+    rng = np.random.default_rng(15)
+    x = random_rows(rng, (_fast.SERIAL_MAX_ELEMENTS // 96 + 1, 96), "float32", loc=-1.0)
+    threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(2 if parallel else 1)
+        got = [ln.layer_norm(x) for _ in range(4)]
+    finally:
+        numba.set_num_threads(threads)
+    plan = _fast._PLANS[(x.shape, x.dtype, None, None, None, None, None, None)]
+    assert isinstance(plan.run, _numba.PlannedRows)
+    # The first call plans and runs through the plan: one lookup in four calls.
+    assert len(lookups) == 1
+    want = ln.layer_norm(x, backend="numba")
+    for y in got:
+        np.testing.assert_array_equal(y, want)
+
+
 def _unaligned(arr):
     """A copy of ``arr`` whose data starts one byte past an allocation's start: C-contiguous
     but not aligned for its dtype."""

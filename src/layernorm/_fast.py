@@ -15,7 +15,6 @@ general path, which gives the same bits: both run the same kernels.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -30,7 +29,7 @@ from ._validate import plain_axes
 
 #: Planned calls at least this large may run in parallel and may write with streaming
 #: stores (the Numba backend's own thresholds), so they go through the backend's choice
-#: (:func:`._backends._numba.run_rows`) instead of the serial kernel alone. The general
+#: (:class:`._backends._numba.PlannedRows`) instead of the serial kernel alone. The general
 #: path's validation costs about 20 us a call: as much as the kernel of a 128 KiB
 #: working set, so cache-resident calls of any size take the short path.
 SERIAL_MAX_ELEMENTS = _numba.PARALLEL_MIN_ELEMENTS
@@ -117,8 +116,8 @@ class Plan:
         #: ``run`` with streaming stores, for large calls that use them (``nt``).
         self.run_streamed = None
         if self.large:
-            self.run = functools.partial(_numba.run_rows, serial, parallel, writes)
-            self.run_streamed = functools.partial(_numba.run_rows, *streamed, writes)
+            self.run = _numba.PlannedRows(serial, parallel, writes)
+            self.run_streamed = _numba.PlannedRows(*streamed, writes)
         else:
             self.run = kernel_entry.resolving(self, "run", serial, writes)
 
@@ -360,7 +359,7 @@ class QuantPlan:
         serial, parallel = _numba.quantized_kernels(kernels, n, rms)
         writes = _numba.RMS_QUANT_WRITES if rms else _numba.LN_QUANT_WRITES
         if rows * n >= SERIAL_MAX_ELEMENTS:
-            self.run = functools.partial(_numba.run_rows, serial, parallel, writes)
+            self.run = _numba.PlannedRows(serial, parallel, writes)
         else:
             self.run = kernel_entry.resolving(self, "run", serial, writes)
 

@@ -24,7 +24,6 @@ the general path, which also raises every error.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -48,7 +47,7 @@ class AddPlan:
     (:func:`._backends._numba.entry.resolving`): the plan's checks guarantee that every
     later call passes arrays of the same dtypes and dimensions. Calls of at least
     :data:`._backends._numba.PARALLEL_MIN_ELEMENTS` elements run through the backend's
-    serial-or-parallel choice (:func:`._backends._numba.run_rows`) instead, and
+    serial-or-parallel choice (:class:`._backends._numba.PlannedRows`) instead, and
     ``run_streamed`` is that choice between the kernels that write ``y`` with streaming
     stores.
 
@@ -118,8 +117,8 @@ class AddPlan:
         self.large = rows * n >= _numba.PARALLEL_MIN_ELEMENTS
         self.run_streamed = None
         if self.large:
-            self.run = functools.partial(_numba.run_rows, serial, parallel, writes)
-            self.run_streamed = functools.partial(_numba.run_rows, *streamed, writes)
+            self.run = _numba.PlannedRows(serial, parallel, writes)
+            self.run_streamed = _numba.PlannedRows(*streamed, writes)
         else:
             self.run = kernel_entry.resolving(self, "run", serial, writes)
 

@@ -17,7 +17,6 @@ general path, which also raises every error.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -41,7 +40,7 @@ class BackwardPlan:
     the plan's checks guarantee that every later call passes arrays of the same dtypes
     and dimensions. Calls of at least :data:`._backends._numba.PARALLEL_MIN_ELEMENTS`
     elements run through the backend's serial-or-parallel choice
-    (:func:`._backends._numba.run_rows`) instead.
+    (:class:`._backends._numba.PlannedRows`) instead.
 
     Parameters
     ----------
@@ -105,7 +104,7 @@ class BackwardPlan:
             serial, parallel = _numba.ln_backward_kernels(kernels, like, like, like)
             writes = _numba.LN_BACKWARD_WRITES
         if rows * n >= _numba.PARALLEL_MIN_ELEMENTS:
-            self.run = functools.partial(_numba.run_rows, serial, parallel, writes)
+            self.run = _numba.PlannedRows(serial, parallel, writes)
         else:
             self.run = kernel_entry.resolving(self, "run", serial, writes)
 

@@ -96,21 +96,32 @@ def _run(serial: Any, parallel: Any, elements: int, writes: tuple[int, ...],
     class are slower than serial ones (a busy machine). ``writes`` are the positions of
     the arrays the kernels write (see :mod:`.entry`).
     """
+    return _choose(serial, elements, args, lambda: entry.entry_point(serial, writes, args),
+                   lambda: entry.entry_point(parallel, writes, args))
+
+
+def _choose(serial: Any, elements: int, args: tuple[Any, ...], serial_entry: Any,
+            parallel_entry: Any) -> Any:
+    """:func:`_run` with the compiled entry points given by two functions (called only
+    for the variant that runs)."""
     global _parallel_ran
     if elements < PARALLEL_MIN_ELEMENTS or _serial_only or _num_threads() < 2:
-        return entry.call(serial, writes, *args)
+        return serial_entry()(*args)
     key = chooser.key(serial, args[0].dtype, elements)
     known = len(entry.entry_points)
-    start = time.perf_counter()
     ran_parallel = False
     if chooser.parallel(key) and _parallel_lock.acquire(blocking=False):
         try:
             _parallel_ran = ran_parallel = True
-            result = entry.call(parallel, writes, *args)
+            kernel = parallel_entry()
+            start = time.perf_counter()
+            result = kernel(*args)
         finally:
             _parallel_lock.release()
     else:
-        result = entry.call(serial, writes, *args)
+        kernel = serial_entry()
+        start = time.perf_counter()
+        result = kernel(*args)
     if len(entry.entry_points) == known:  # not a call that compiled or loaded a kernel
         chooser.record(key, ran_parallel, time.perf_counter() - start, elements)
     return result
@@ -119,10 +130,47 @@ def _run(serial: Any, parallel: Any, elements: int, writes: tuple[int, ...],
 def run_rows(serial: Any, parallel: Any, writes: tuple[int, ...], *args: Any) -> Any:
     """Run a 2-D row kernel (``args[0]`` is ``x``) serially or in parallel, as the drivers do.
 
-    The short path (:mod:`layernorm._fast`) calls this for planned calls too large for
-    the serial kernel alone; both variants give the same bits.
+    Both variants give the same bits.
     """
     return _run(serial, parallel, args[0].size, writes, *args)
+
+
+class PlannedRows:
+    """:func:`run_rows` for the short paths' plans (:mod:`layernorm._fast` and the like),
+    which the backend chooses to run serially or in parallel.
+
+    A plan's checks guarantee that every call passes arrays of the same dtypes, ranks and
+    alignment and scalars of the same types, so each variant's compiled entry point is
+    looked up once, on its first use (:func:`.entry.entry_point`; the lookup costs about
+    5 us a call, a tenth of a cache-resident (242, 768) call).
+
+    Parameters
+    ----------
+    serial, parallel : numba.core.registry.CPUDispatcher
+        The kernel's two variants (the same bits).
+    writes : tuple of int
+        Positions of the arrays the kernels write.
+    """
+
+    __slots__ = ("_parallel", "_serial", "parallel", "serial", "writes")
+
+    def __init__(self, serial: Any, parallel: Any, writes: tuple[int, ...]) -> None:
+        self.serial, self.parallel, self.writes = serial, parallel, writes
+        self._serial: Any = None
+        self._parallel: Any = None
+
+    def __call__(self, *args: Any) -> Any:
+        def serial_entry() -> Any:
+            if self._serial is None:
+                self._serial = entry.entry_point(self.serial, self.writes, args)
+            return self._serial
+
+        def parallel_entry() -> Any:
+            if self._parallel is None:
+                self._parallel = entry.entry_point(self.parallel, self.writes, args)
+            return self._parallel
+
+        return _choose(self.serial, args[0].size, args, serial_entry, parallel_entry)
 
 
 def _num_threads() -> int:
