@@ -173,3 +173,80 @@ def test_numba_disable_jit_runs_the_kernels_as_python():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["ok"]
+
+
+def test_kernels_compile_at_their_opt_level_and_numba_keeps_its_own(monkeypatch):
+    """A kernel's compilation runs at KERNEL_OPT; Numba's level is restored after it, so
+    the user's own jitted functions keep theirs."""
+    import numba
+    from numba.core import codegen, config
+
+    from layernorm._backends._numba import optlevel
+
+    monkeypatch.delenv("NUMBA_OPT", raising=False)
+    levels = []
+    real = codegen.CPUCodegen._pass_builder
+
+    def spy(self, **kwargs):
+        levels.append(int(kwargs.get("opt", config.OPT)))
+        return real(self, **kwargs)
+
+    monkeypatch.setattr(codegen.CPUCodegen, "_pass_builder", spy)
+    before = config.OPT
+    kernel = optlevel.at_kernel_opt_level(numba.njit(lambda a: a * 3.0 + 1.0))
+    assert kernel(2.0) == 7.0
+    assert optlevel.KERNEL_OPT in levels and max(levels) == optlevel.KERNEL_OPT
+    assert config.OPT == before
+    levels.clear()
+    user = numba.njit(lambda a: a * 5.0)
+    assert user(2.0) == 10.0
+    assert int(before) in levels  # not lowered for a function of the user's
+
+
+def test_a_level_the_user_chose_is_left_alone(monkeypatch):
+    import numba
+
+    from layernorm._backends._numba import optlevel
+
+    monkeypatch.setenv("NUMBA_OPT", "3")
+    kernel = numba.njit(lambda a: a + 1.0)
+    assert optlevel.at_kernel_opt_level(kernel) is kernel
+    assert "compile" not in vars(kernel)
+
+
+_BITS = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import layernorm as ln
+
+    rng = np.random.default_rng(8)
+    out = []
+    for shape in ((37, 64), (9, 300), (5, 1000)):
+        x = (1e4 + rng.standard_normal(shape)).astype(np.float32)
+        w, b = (rng.standard_normal(shape[1]).astype(np.float32) for _ in range(2))
+        y, mean, rstd = ln.layer_norm(x, weight=w, bias=b, return_stats=True)
+        gy = rng.standard_normal(shape).astype(np.float32)
+        grads = ln.layer_norm_backward(gy, x, mean, rstd, w)
+        out += [y, mean, rstd, *grads, ln.rms_norm(x, weight=w)]
+    np.save(sys.argv[1], np.concatenate([a.ravel().view(np.uint32) for a in out]))
+    """
+)
+
+
+def test_results_do_not_depend_on_the_opt_level(tmp_path):
+    """The kernels give the same bits compiled at Numba's default level 3 (NUMBA_OPT=3,
+    each run with an empty cache of its own) as at KERNEL_OPT."""
+    bits = []
+    for level in (None, "3"):
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / f"cache-{level}"))
+        env.pop("NUMBA_OPT", None)
+        if level is not None:
+            env["NUMBA_OPT"] = level
+        path = tmp_path / f"bits-{level}.npy"
+        proc = subprocess.run([sys.executable, "-c", _BITS, str(path)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        bits.append(np.load(path))
+    assert bits[0].size > 10_000
+    np.testing.assert_array_equal(bits[0], bits[1])

@@ -29,6 +29,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from .optlevel import at_kernel_opt_level
+
 #: The directory whose ``.py`` files the salt covers (this package).
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 #: Cache directories are named this prefix plus :func:`source_salt`.
@@ -142,7 +144,8 @@ def disk_cache(py_func: Callable[..., Any]) -> Any:
 
 
 def cached_njit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
-    """``numba.njit(cache=True, **options)`` with the cache of :func:`disk_cache`.
+    """``numba.njit(cache=True, **options)`` with the cache of :func:`disk_cache`,
+    compiled at the kernels' optimization level (:mod:`.optlevel`).
 
     Compilation stays lazy: the decorator defines the kernel, its first call compiles it
     or loads it from the cache.
@@ -166,6 +169,7 @@ def cached_njit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
             cache = disk_cache(fn)
             if cache is not None:
                 kernel._cache = cache
+            at_kernel_opt_level(kernel)
         return kernel
 
     return decorate
