@@ -770,3 +770,21 @@ def test_redone_rows_give_the_same_bits_on_every_path(n):
             _same_bits(ln.add_layer_norm(big, np.zeros_like(big), n, w, b)[0], want)
     finally:
         numba.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("n", [64, 100])
+def test_short_rows_of_a_call_that_prefetches_equal_rows_alone(monkeypatch, n):
+    """A serial short-row call of PREFETCH_MIN_BYTES or more prefetches the rows ahead
+    (a hint: the same bits as small calls of the same rows)."""
+    from layernorm._backends._numba import forward_rows
+
+    monkeypatch.setattr(backend.chooser, "policy", "never")  # the serial kernel
+    rows = forward_rows.PREFETCH_MIN_BYTES // (4 * n) + 37  # not a multiple of LANES
+    x = _rows(rows, n, n + 1)
+    w, b = _params(n, n + 1)
+    y, mean, rstd = ln.layer_norm(x, n, w, b, return_stats=True)
+    for start in (0, rows // 3, rows - 40):
+        y1, m1, r1 = ln.layer_norm(x[start:start + 40], n, w, b, return_stats=True)
+        _same_bits(y1, y[start:start + 40])
+        _same_bits(m1, mean[start:start + 40])
+        _same_bits(r1, rstd[start:start + 40])

@@ -36,7 +36,8 @@ Only jitted code can use what this module defines:
   :func:`store_float8_e4m3fn`, :func:`store_float8_e5m2` (saturate, round half to even
   and store a vector's 8-bit codes into a ``uint8`` :class:`Raw`), for the quantized
   outputs;
-* :func:`vaddress` of an element, for alignment decisions;
+* :func:`vaddress` of an element, for alignment decisions, and :func:`prefetch_at` of a
+  cache line at such an address (a hint: no effect on results);
 * :func:`runtime` of an integer constant, so that passing it to a helper does not compile
   a specialization per value;
 * :func:`alive` keeps a local array allocated up to that point (views borrow memory).
@@ -877,6 +878,29 @@ def _float8_store(drop: int, rebias: int, min_normal: int, nan: int, unit: float
 store_float8_e4m3fn = intrinsic(_float8_store(20, 120 << 3, 0x3C800000, 0x7F, 512.0, 448.0))
 #: ``store_float8_e5m2(view, vec, r, i)``: float8 e5m2 codes of ``vec`` (|v| <= 57344).
 store_float8_e5m2 = intrinsic(_float8_store(21, 112 << 2, 0x38800000, 0x7E, 65536.0, 57344.0))
+
+
+@intrinsic
+def prefetch_at(typingctx, address, offset, write):
+    """A hint that the cache line at byte ``address + offset`` will be read (``write``
+    False) or written (True) soon: ``llvm.prefetch``, never a fault, no effect on results.
+    ``address`` is an integer (:func:`vaddress`), ``write`` a literal bool."""
+    if not isinstance(address, types.Integer) or not isinstance(offset, types.Integer) \
+            or not isinstance(write, types.BooleanLiteral):
+        return None
+    rw = 1 if write.literal_value else 0
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        i64 = ir.IntType(64)
+        off = args[1] if offset.bitwidth == 64 else builder.sext(args[1], i64)
+        ptr = builder.inttoptr(builder.add(args[0], off), ir.IntType(8).as_pointer())
+        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type], fnty)
+        builder.call(fn, [ptr, ir.Constant(i32, rw), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(address, offset, write), codegen
 
 
 if config.DISABLE_JIT:

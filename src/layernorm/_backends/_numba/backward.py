@@ -14,7 +14,7 @@ first pass of row ``r + 1`` (DRAM reads in flight while the cached row is finish
 longer rows run in tiles of ``TILE_ROWS`` rows, first passes of the tile interleaved,
 then one read-modify-write of the dw/db partial vectors for the tile's rows
 (``dw = ((dw + a) + b) + ...``, exactly the single-row passes in row order). Both
-schedules prefetch (:func:`prefetch_at`) what the next loop reads from memory and the
+schedules prefetch (:func:`._simd.prefetch_at`) what the next loop reads from memory and the
 grad_x lines they are about to write (measured: without it, a single thread keeps too
 few memory reads in flight while it computes from cache). RMSNorm runs its rows skewed
 too, and rows of at least ``TILE_MIN_N`` two per pass.
@@ -34,16 +34,14 @@ kernel serves both) and is never read.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import config
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from ._scalars import cast, narrow, widen
 from ._simd import (
     alive,
     get,
     itemsize,
+    prefetch_at,
     put,
     raw,
     runtime,
@@ -69,36 +67,6 @@ COL_BLOCK = 64
 #: Unit-stride rows shorter than this take the short-row backward kernels, which keep
 #: the partial sums in registers (no effect on results).
 SHORT_BACKWARD_N = 5 * LANES
-
-
-@intrinsic
-def prefetch_at(typingctx, address, offset, write):
-    """A hint that the cache line at byte ``address + offset`` will be read (``write``
-    False) or written (True) soon: ``llvm.prefetch``, never a fault, no effect on results.
-    ``address`` is an integer (:func:`vaddress`), ``write`` a literal bool."""
-    if not isinstance(address, types.Integer) or not isinstance(offset, types.Integer) \
-            or not isinstance(write, types.BooleanLiteral):
-        return None
-    rw = 1 if write.literal_value else 0
-
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        i64 = ir.IntType(64)
-        off = args[1] if offset.bitwidth == 64 else builder.sext(args[1], i64)
-        ptr = builder.inttoptr(builder.add(args[0], off), ir.IntType(8).as_pointer())
-        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
-        fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type], fnty)
-        builder.call(fn, [ptr, ir.Constant(i32, rw), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    return types.none(address, offset, write), codegen
-
-
-if config.DISABLE_JIT:  # Numba's debugging mode: the kernels run as Python, a hint is nothing
-
-    def prefetch_at(address, offset, write):
-        """No-op stand-in for the intrinsic under ``NUMBA_DISABLE_JIT=1``."""
-        return None
 
 
 @njit(inline="always", error_model="numpy")

@@ -33,6 +33,7 @@ __all__ = [
     "hmax_bits",
     "lane",
     "load2",
+    "prefetch_at",
     "put",
     "raw",
     "rounded",
@@ -172,6 +173,11 @@ def put(view: np.ndarray, r: int, i: int, value: Any) -> None:
 def vaddress(view: np.ndarray, r: int, i: int) -> int:
     """Address of element ``[r, i]``."""
     return int(view[r, i:].ctypes.data)
+
+
+def prefetch_at(address: int, offset: int, write: bool) -> None:
+    """A cache hint: nothing to do in Python."""
+    return None
 
 
 def copy2(dst: np.ndarray, di: int, dj: int, src: np.ndarray, si: int, sj: int) -> None:
