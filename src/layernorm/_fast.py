@@ -24,7 +24,7 @@ from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
 from ._dtypes import HALF_DTYPES, MACHINE_EPS, dtype_name
-from ._plans import accumulation_eps, remember
+from ._plans import accumulation_eps, kernel_ready, remember
 from ._validate import plain_axes
 
 #: Planned calls at least this large may run in parallel and may write with streaming
@@ -147,13 +147,6 @@ def _flat(param: Any, plan: Plan, bits: Any) -> Any:
     return param.astype(plan.acc) if plan.cast_params else param
 
 
-def _rows(arr: Any) -> bool:
-    """``arr`` (a NumPy array) is C-contiguous and aligned: the compiled entry points the
-    plans call were typed for such arrays."""
-    flags = arr.flags
-    return flags.c_contiguous and flags.aligned
-
-
 def _apart(out: Any, arr: Any) -> bool:
     """``out`` cannot overlap the input ``arr`` (None, another allocation, or disjoint)."""
     # Two arrays that each own their memory are two allocations: no overlap to look for
@@ -167,8 +160,7 @@ def _usable_out(out: Any, x: Any, weight: Any, bias: Any) -> bool:
     possibly ``x`` itself (in place)."""
     if type(out) is not np.ndarray or out.shape != x.shape or out.dtype != x.dtype:
         return False
-    flags = out.flags
-    if not (flags.c_contiguous and flags.aligned and flags.writeable):
+    if not (kernel_ready(out) and out.flags.writeable):
         return False
     return (out is x or _apart(out, x)) and _apart(out, weight) and _apart(out, bias)
 
@@ -206,13 +198,13 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
         return None
     if weight is None:
         wshape = wdtype = None
-    elif type(weight) is np.ndarray and _rows(weight):
+    elif type(weight) is np.ndarray and kernel_ready(weight):
         wshape, wdtype = weight.shape, weight.dtype
     else:
         return None
     if bias is None:
         bshape = bdtype = None
-    elif type(bias) is np.ndarray and _rows(bias):
+    elif type(bias) is np.ndarray and kernel_ready(bias):
         bshape, bdtype = bias.shape, bias.dtype
     else:
         return None
@@ -224,7 +216,7 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
                                                      False))
     except TypeError:  # unhashable normalized_shape
         return None
-    if plan is None or not _rows(x):
+    if plan is None or not kernel_ready(x):
         return None
     e = plan.eps_scalars.get(eps) if type(eps) is float else None
     if e is None and (e := accumulation_eps(plan, eps)) is None:
@@ -267,7 +259,7 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
         return None
     if weight is None:
         wshape = wdtype = None
-    elif type(weight) is np.ndarray and _rows(weight):
+    elif type(weight) is np.ndarray and kernel_ready(weight):
         wshape, wdtype = weight.shape, weight.dtype
     else:
         return None
@@ -279,7 +271,7 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
                                                      True))
     except TypeError:
         return None
-    if plan is None or not _rows(x):
+    if plan is None or not kernel_ready(x):
         return None
     if eps is None:
         eps = plan.default_eps
@@ -403,10 +395,10 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
             or (normalized_shape is not None and type(normalized_shape) is not int
                 and not plain_axes(normalized_shape))
             or (axis is not None and type(axis) is not int and not plain_axes(axis))
-            or not _rows(x)):
+            or not kernel_ready(x)):
         return None
     for p in (weight, bias):
-        if p is not None and not (type(p) is np.ndarray and _rows(p)):
+        if p is not None and not (type(p) is np.ndarray and kernel_ready(p)):
             return None
     key = (x.shape, normalized_shape, axis, None if weight is None else weight.shape,
            None if weight is None else weight.dtype, None if bias is None else bias.shape,
@@ -442,7 +434,7 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
     if out is None:
         q = np.empty(x.shape, plan.qdtype)
     elif (type(out) is np.ndarray and out.shape == x.shape and out.dtype == plan.qdtype
-          and _rows(out) and out.flags.writeable and _apart(out, x)
+          and kernel_ready(out) and out.flags.writeable and _apart(out, x)
           and _apart(out, weight) and _apart(out, bias)):
         q = out
     else:

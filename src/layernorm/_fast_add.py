@@ -33,7 +33,7 @@ from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
 from ._dtypes import MACHINE_EPS, dtype_name
-from ._plans import accumulation_eps, remember
+from ._plans import accumulation_eps, kernel_ready, remember
 from ._validate import plain_axes
 
 _NUMPY_ROUTE = Route("numpy", "numba")
@@ -144,10 +144,7 @@ def _param_key(param: Any) -> tuple[Any, Any] | None:
     not a C-contiguous, aligned NumPy array."""
     if param is None:
         return None, None
-    if type(param) is not np.ndarray:
-        return ()
-    flags = param.flags
-    if not (flags.c_contiguous and flags.aligned):
+    if type(param) is not np.ndarray or not kernel_ready(param):
         return ()
     return param.shape, param.dtype
 
@@ -169,7 +166,7 @@ def _usable_out(out: Any, x: Any, residual: Any, inputs: tuple[tuple[Any, bool],
     if type(out) is not np.ndarray or out.shape != x.shape or out.dtype != x.dtype:
         return False
     flags = out.flags
-    if not (flags.c_contiguous and flags.aligned and flags.writeable):
+    if not (kernel_ready(out) and flags.writeable):
         return False
     owns = flags.owndata
     for arr, arr_owns in inputs:
@@ -249,12 +246,9 @@ out, residual_out
         return None
     if plan is None:
         return None
-    flags = x.flags
-    if not (flags.c_contiguous and flags.aligned) or type(residual) is not np.ndarray \
-            or residual.shape != x.shape or residual.dtype != x.dtype:
-        return None
-    flags = residual.flags
-    if not (flags.c_contiguous and flags.aligned):
+    if (not kernel_ready(x) or type(residual) is not np.ndarray
+            or residual.shape != x.shape or residual.dtype != x.dtype
+            or not kernel_ready(residual)):
         return None
     if residual_dtype is not None and not _keeps_dtype(residual_dtype, plan, x.dtype):
         return None

@@ -26,7 +26,7 @@ from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
 from ._dtypes import dtype_name
-from ._plans import remember
+from ._plans import kernel_ready, remember
 from ._validate import plain_axes
 
 _NUMPY_ROUTE = Route("numpy", "numba")
@@ -129,14 +129,7 @@ def _fits(arr: Any, shape: tuple[int, ...], dtype: np.dtype) -> bool:
     (the compiled entry points were typed for aligned arrays)."""
     if type(arr) is not np.ndarray or arr.shape != shape or arr.dtype != dtype:
         return False
-    flags = arr.flags
-    return flags.c_contiguous and flags.aligned
-
-
-def _contiguous(arr: Any) -> bool:
-    """``arr`` (a NumPy array of a planned shape and dtype) is C-contiguous and aligned."""
-    flags = arr.flags
-    return flags.c_contiguous and flags.aligned
+    return kernel_ready(arr)
 
 
 def gradients(grad_y: Any, x: Any, mean: Any, rstd: Any, weight: Any, normalized_shape: Any,
@@ -177,10 +170,10 @@ def gradients(grad_y: Any, x: Any, mean: Any, rstd: Any, weight: Any, normalized
         plan = remember(_PLANS, key, lambda: _plan(x, normalized_shape, axis, weight, rms))
     except TypeError:  # unhashable normalized_shape
         return None
-    if (plan is None or not _contiguous(x) or not _fits(grad_y, x.shape, x.dtype)
+    if (plan is None or not kernel_ready(x) or not _fits(grad_y, x.shape, x.dtype)
             or not _fits(rstd, plan.stats_shape, plan.acc)
             or (not rms and not _fits(mean, plan.stats_shape, plan.acc))
-            or (weight is not None and not _contiguous(weight))
+            or (weight is not None and not kernel_ready(weight))
             or (grad_residual is not None and not _fits(grad_residual, x.shape, x.dtype))):
         return None
     grad_x = np.empty(x.shape, x.dtype)

@@ -15,6 +15,20 @@ from typing import Any
 PLANS_MAX = 512
 
 
+def kernel_ready(arr: Any) -> bool:
+    """``arr`` (a NumPy array) is C-contiguous and aligned, as the compiled entry points
+    the plans call were typed for.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> kernel_ready(np.ones((2, 3))), kernel_ready(np.ones((2, 3)).T)
+    (True, False)
+    """
+    flags = arr.flags
+    return flags.c_contiguous and flags.aligned
+
+
 def remember(plans: dict[Any, Any], key: Any, build: Callable[[], Any]) -> Any:
     """The plan ``build()`` makes for a call first seen under ``key``, memoized in
     ``plans`` (None: the call is not eligible). An invalid call (``build`` raises

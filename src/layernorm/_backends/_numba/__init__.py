@@ -96,30 +96,30 @@ def _run(serial: Any, parallel: Any, elements: int, writes: tuple[int, ...],
     class are slower than serial ones (a busy machine). ``writes`` are the positions of
     the arrays the kernels write (see :mod:`.entry`).
     """
-    return _choose(serial, elements, args, lambda: entry.entry_point(serial, writes, args),
-                   lambda: entry.entry_point(parallel, writes, args))
+    return _choose(serial, elements, args, lambda a: entry.entry_point(serial, writes, a),
+                   lambda a: entry.entry_point(parallel, writes, a))
 
 
 def _choose(serial: Any, elements: int, args: tuple[Any, ...], serial_entry: Any,
             parallel_entry: Any) -> Any:
-    """:func:`_run` with the compiled entry points given by two functions (called only
-    for the variant that runs)."""
+    """:func:`_run` with the compiled entry points given by two functions of ``args``
+    (called only for the variant that runs)."""
     global _parallel_ran
     if elements < PARALLEL_MIN_ELEMENTS or _serial_only or _num_threads() < 2:
-        return serial_entry()(*args)
+        return serial_entry(args)(*args)
     key = chooser.key(serial, args[0].dtype, elements)
     known = len(entry.entry_points)
     ran_parallel = False
     if chooser.parallel(key) and _parallel_lock.acquire(blocking=False):
         try:
             _parallel_ran = ran_parallel = True
-            kernel = parallel_entry()
+            kernel = parallel_entry(args)
             start = time.perf_counter()
             result = kernel(*args)
         finally:
             _parallel_lock.release()
     else:
-        kernel = serial_entry()
+        kernel = serial_entry(args)
         start = time.perf_counter()
         result = kernel(*args)
     if len(entry.entry_points) == known:  # not a call that compiled or loaded a kernel
@@ -160,17 +160,18 @@ class PlannedRows:
         self._parallel: Any = None
 
     def __call__(self, *args: Any) -> Any:
-        def serial_entry() -> Any:
-            if self._serial is None:
-                self._serial = entry.entry_point(self.serial, self.writes, args)
-            return self._serial
+        return _choose(self.serial, args[0].size, args, self._serial_entry,
+                       self._parallel_entry)
 
-        def parallel_entry() -> Any:
-            if self._parallel is None:
-                self._parallel = entry.entry_point(self.parallel, self.writes, args)
-            return self._parallel
+    def _serial_entry(self, args: tuple[Any, ...]) -> Any:
+        if self._serial is None:
+            self._serial = entry.entry_point(self.serial, self.writes, args)
+        return self._serial
 
-        return _choose(self.serial, args[0].size, args, serial_entry, parallel_entry)
+    def _parallel_entry(self, args: tuple[Any, ...]) -> Any:
+        if self._parallel is None:
+            self._parallel = entry.entry_point(self.parallel, self.writes, args)
+        return self._parallel
 
 
 def _num_threads() -> int:
