@@ -297,20 +297,21 @@ def test_time_interleaved_reports_a_failing_implementation():
         timing.median_times({"ok": lambda: None, "broken": broken}, 2, 0.0)
 
 
+class FakeClock:
+    """A clock that only the timed functions advance (by setting ``now``)."""
+
+    def __init__(self):
+        self.now = self.t0 = 0.0
+
+    def start(self):
+        self.t0 = self.now
+
+    def stop(self):
+        return self.now - self.t0
+
+
 def test_time_interleaved_calibrates_calls_per_sample_with_any_clock():
-    class FakeClock:
-        """Every call of the timed function advances it by 1 ms."""
-
-        def __init__(self):
-            self.now = self.t0 = 0.0
-
-        def start(self):
-            self.t0 = self.now
-
-        def stop(self):
-            return self.now - self.t0
-
-    clock = FakeClock()
+    clock = FakeClock()  # every call of the timed function advances it by 1 ms
 
     def tick():
         clock.now += 1e-3
@@ -327,16 +328,6 @@ def test_time_interleaved_calibrates_calls_per_sample_with_any_clock():
 
 def test_time_interleaved_calibrates_from_the_fastest_of_several_calls():
     # One slow call (a thread pool waking up) must not shrink the samples to a few calls.
-    class FakeClock:
-        def __init__(self):
-            self.now = self.t0 = 0.0
-
-        def start(self):
-            self.t0 = self.now
-
-        def stop(self):
-            return self.now - self.t0
-
     clock = FakeClock()
     durations = iter([5e-3] + [1e-3] * 1000)
 
