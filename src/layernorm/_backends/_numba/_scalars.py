@@ -1,4 +1,4 @@
-"""Numba intrinsics and overloads: 16-bit float conversion and accumulation-typed casts.
+"""Numba intrinsics and typed builtins: 16-bit float conversion and accumulation-typed casts.
 
 Numba has no float16/bfloat16 on the CPU, so 16-bit arrays reach the kernels as their
 raw bits: ``int16`` bits are float16, ``uint16`` bits are bfloat16. ``widen`` turns an
@@ -11,27 +11,8 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic, overload
-
-
-@intrinsic
-def _half_bits_to_f32(typingctx, bits):
-    sig = types.float32(bits)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def _f32_to_half_bits(typingctx, value):
-    sig = types.int16(value)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return sig, codegen
+from numba.core.typing.templates import AbstractTemplate, infer_global, signature
+from numba.extending import intrinsic, lower_builtin
 
 
 @intrinsic
@@ -44,19 +25,9 @@ def _f32_bits(typingctx, value):
     return sig, codegen
 
 
-@intrinsic
-def _bfloat16_bits_to_f32(typingctx, bits):
-    sig = types.float32(bits)
-
-    def codegen(context, builder, signature, args):
-        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-        return builder.bitcast(wide, ir.FloatType())
-
-    return sig, codegen
-
-
 # The Python bodies below run only under NUMBA_DISABLE_JIT (Numba's debugging mode, see
-# .python_simd), on scalars and on vectors (NumPy arrays); jitted code uses the overloads.
+# .python_simd), on scalars and on vectors (NumPy arrays); jitted code uses the typed
+# builtins registered below.
 
 
 def widen(value):
@@ -91,44 +62,79 @@ def cast(value, like):
     return np.asarray(like).dtype.type(value)
 
 
-@overload(widen, inline="always")
-def _widen(value):
-    if value == types.int16:
-        return lambda value: _half_bits_to_f32(value)
-    if value == types.uint16:
-        return lambda value: _bfloat16_bits_to_f32(value)
+# ``widen``, ``narrow`` and ``cast`` are typed by a template and lowered directly (as
+# ``_simd`` does its operators) rather than by overloads: an overload compiles a small
+# function per signature (or, inlined, is typed again at every call site), which cost a
+# tenth of a cold first call; these lower to one or two LLVM instructions where used.
+
+
+def _register(function, typer, lower) -> None:
+    @infer_global(function)
+    class _Typer(AbstractTemplate):
+        def generic(self, args, kws):
+            return None if kws else typer(*args)
+
+    lower_builtin(function, types.VarArg(types.Any))(lower)
+
+
+def _widen_type(value):
+    if value == types.int16 or value == types.uint16:
+        return signature(types.float32, value)
     if value == types.float32 or value == types.float64:
-        return lambda value: value
+        return signature(value, value)
     return None
 
 
-@overload(narrow, inline="always")
-def _narrow(value, out):
-    element = out.dtype
+def _widen_lower(context, builder, sig, args):
+    (v,) = args
+    (value,) = sig.args
+    if value == types.int16:
+        return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
+    if value == types.uint16:
+        wide = builder.shl(builder.zext(v, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+    return v
+
+
+def _to_bfloat16_bits(value):
+    bits = _f32_bits(value)
+    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16((bits >> np.uint32(16)) | np.uint32(0x40))
+    bits = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return np.uint16(bits >> np.uint32(16))
+
+
+def _narrow_type(value, out):
+    element = getattr(out, "dtype", None)
+    if element not in (types.int16, types.uint16, types.float32, types.float64):
+        return None
+    if not isinstance(value, types.Number):
+        return None
+    return signature(element, value, out)
+
+
+def _narrow_lower(context, builder, sig, args):
+    element = sig.return_type
+    sixteen = element in (types.int16, types.uint16)
+    v = context.cast(builder, args[0], sig.args[0], types.float32 if sixteen else element)
     if element == types.int16:
-        return lambda value, out: _f32_to_half_bits(np.float32(value))
-
+        return builder.bitcast(builder.fptrunc(v, ir.HalfType()), ir.IntType(16))
     if element == types.uint16:
-
-        def to_bfloat16(value, out):
-            bits = _f32_bits(np.float32(value))
-            if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-                return np.uint16((bits >> np.uint32(16)) | np.uint32(0x40))
-            bits = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-            return np.uint16(bits >> np.uint32(16))
-
-        return to_bfloat16
-    if element == types.float32:
-        return lambda value, out: np.float32(value)
-    if element == types.float64:
-        return lambda value, out: np.float64(value)
-    return None
+        return context.compile_internal(builder, _to_bfloat16_bits,
+                                        signature(types.uint16, types.float32), [v])
+    return v
 
 
-@overload(cast, inline="always")
-def _cast(value, like):
-    if like == types.float32:
-        return lambda value, like: np.float32(value)
-    if like == types.float64:
-        return lambda value, like: np.float64(value)
-    return None
+def _cast_type(value, like):
+    if like not in (types.float32, types.float64) or not isinstance(value, types.Number):
+        return None
+    return signature(like, value, like)
+
+
+def _cast_lower(context, builder, sig, args):
+    return context.cast(builder, args[0], sig.args[0], sig.return_type)
+
+
+_register(widen, _widen_type, _widen_lower)
+_register(narrow, _narrow_type, _narrow_lower)
+_register(cast, _cast_type, _cast_lower)

@@ -52,7 +52,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils, config
 from numba.core.typing.templates import AbstractTemplate, infer_global, signature
-from numba.extending import intrinsic, lower_builtin, models, overload, register_model
+from numba.extending import intrinsic, lower_builtin, models, register_model
 
 WIDTH = 16
 
@@ -699,15 +699,21 @@ def vaddress(typingctx, view, r, i):
 
 def itemsize(view):
     """Bytes per element of a :class:`Raw` (a compile-time constant)."""
-    return view.itemsize  # Python (NUMBA_DISABLE_JIT) only; jitted code: the overload
+    return view.itemsize  # Python (NUMBA_DISABLE_JIT) only; jitted code: the builtin below
 
 
-@overload(itemsize, inline="always")
-def _itemsize(view):
-    if isinstance(view, Raw):
-        size = view.dtype.bitwidth // 8
-        return lambda view: size
-    return None
+@infer_global(itemsize)
+class _ItemsizeTyper(AbstractTemplate):
+    # A template and a constant lowering: an overload compiled a function for it.
+    def generic(self, args, kws):
+        if len(args) == 1 and not kws and isinstance(args[0], Raw):
+            return signature(types.intp, *args)
+        return None
+
+
+@lower_builtin(itemsize, Raw)
+def _itemsize_lower(context, builder, sig, args):
+    return context.get_constant(types.intp, sig.args[0].dtype.bitwidth // 8)
 
 
 @intrinsic

@@ -170,7 +170,7 @@ def times_w(v, w, i):
     return v * (vload(w, 0, i) if isinstance(v, np.ndarray) else widen(get(w, 0, i)))
 
 
-@overload(times_w, inline="always")
+@overload(times_w)
 def _times_w(v, w, i):
     if isinstance(v, Vec):
         return lambda v, w, i: v * vload(w, 0, i)
@@ -185,7 +185,7 @@ def put_stat(out, r, value):
         out[r] = value
 
 
-@overload(put_stat, inline="always")
+@overload(put_stat)
 def _put_stat(out, r, value):
     if isinstance(out, types.NoneType):
         return lambda out, r, value: None
@@ -204,7 +204,7 @@ def affine(v, w, b, i):
     return fma(v, widen(get(w, 0, i)), widen(get(b, 0, i)))
 
 
-@overload(affine, inline="always")
+@overload(affine)
 def _affine(v, w, b, i):
     if isinstance(v, Vec):
         return lambda v, w, b, i: fma(v, vload(w, 0, i), vload(b, 0, i))
