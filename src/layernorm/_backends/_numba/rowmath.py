@@ -229,7 +229,7 @@ def tree_sum(v):
     return lane(v, 0)
 
 
-@njit(error_model="numpy")
+@njit(inline="always", error_model="numpy")
 def wide_tree_sum(v):
     """:func:`tree_sum` of ``v`` with its first level (``h = 8``) in ``v``'s type and the
     others in float64."""
@@ -246,7 +246,7 @@ def tree8(a0, a1, a2, a3, a4, a5, a6, a7):
     return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
 
 
-@njit(error_model="numpy")
+@njit(inline="always", error_model="numpy")
 def square_tree(d0, d1, d2, d3, d4, d5, d6, d7):
     """``d0**2 + ... + d7**2`` in the fixed tree (pairs fused: ``fma(d0, d0, d1 * d1)``).
 
@@ -263,7 +263,7 @@ def row_shift(xr, r, n):
     return widen(get(xr, r, 0))
 
 
-@njit(error_model="numpy")
+@njit(inline="always", error_model="numpy")
 def chunk_sums(v0, v1, v2, v3, v4, v5, v6, v7):
     """Sum and sum of squares of a chunk's ``PER_LANE`` leaves, in the fixed trees."""
     return tree8(v0, v1, v2, v3, v4, v5, v6, v7), square_tree(v0, v1, v2, v3, v4, v5, v6, v7)
