@@ -1510,7 +1510,7 @@ def test_quantize_row_path_y32_is_the_plain_forward(rms):
     params = {"weight": w} if rms else {"weight": w, "bias": b}
     y_ref, *stats_ref = ref_fn(x[:5], eps=float(eps), return_stats=True, **params)
     tab = rowmath.merge_table(n, np.dtype(np.float32))
-    for dynamic in (True, False):
+    for dynamic in (qz.DYNAMIC, qz.STATIC):
         bufs = (np.zeros((rows, pad), np.float32), np.zeros((1, rowmath.LANES), np.float32),
                 np.empty((1, rowmath.LANES), np.uint8), np.empty(rows, np.float32))
         q = np.zeros((rows, n), np.uint8)

@@ -311,14 +311,16 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
 class QuantPlan:
     """What a validated quantized call needs to run again (see :class:`Plan`).
 
-    ``run`` calls the quantizing kernel of the call's row path and format with the
-    arguments :func:`._backends._numba.quantized_forward` would pass; the inverse of a
+    ``run_dynamic`` / ``run_static`` call the quantizing kernel of the call's row path
+    and format, for a dynamic or a static scale, with the arguments
+    :func:`._backends._numba.quantized_forward` would pass; the inverse of a
     static scale is kept per value, one array of rows each.
     """
 
     __slots__ = (
         "acc",
         "default_eps",
+        "dynamic",
         "eps_scalars",
         "inverses",
         "n",
@@ -328,8 +330,10 @@ class QuantPlan:
         "qdtype",
         "rms",
         "rows",
-        "run",
+        "run_dynamic",
+        "run_static",
         "shape2",
+        "static",
         "stats_shape",
         "tab",
         "tag",
@@ -342,6 +346,7 @@ class QuantPlan:
         acc = self.acc = np.dtype(np.float32)
         self.qdtype = _engine.dtype_of(np, quantize)
         self.tag = kernels.FORMAT_TAGS[quantize]
+        self.dynamic, self.static = kernels.DYNAMIC, kernels.STATIC
         self.default_eps = MACHINE_EPS["float32"]
         self.eps_scalars: dict[float, Any] = {}
         self.inverses: dict[float, Any] = {}
@@ -350,10 +355,13 @@ class QuantPlan:
         self.tab = None if rms else kernels.merge_table(n, acc)
         serial, parallel = _numba.quantized_kernels(kernels, n, rms)
         writes = _numba.RMS_QUANT_WRITES if rms else _numba.LN_QUANT_WRITES
-        if rows * n >= SERIAL_MAX_ELEMENTS:
-            self.run = _numba.PlannedRows(serial, parallel, writes)
-        else:
-            self.run = kernel_entry.resolving(self, "run", serial, writes)
+        # One runner per scale kind: a dynamic and a static scale are two compiled
+        # specializations (``kernels.DYNAMIC`` / ``kernels.STATIC`` differ in type).
+        for slot in ("run_dynamic", "run_static"):
+            if rows * n >= SERIAL_MAX_ELEMENTS:
+                setattr(self, slot, _numba.PlannedRows(serial, parallel, writes))
+            else:
+                setattr(self, slot, kernel_entry.resolving(self, slot, serial, writes))
 
     def inverse(self, scale: float) -> Any:
         """``1 / scale`` in float32 for every row, or None if it is not a positive finite
@@ -449,13 +457,16 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
         r = rstd.reshape(-1)
     else:
         m = r = plan.no_stats
-    tail = (plan.tag, inv is plan.no_stats, inv, scale_rows)
+    if inv is plan.no_stats:
+        tail, run = (plan.tag, plan.dynamic, inv, scale_rows), plan.run_dynamic
+    else:
+        tail, run = (plan.tag, plan.static, inv, scale_rows), plan.run_static
     if rms:
         args = (x2, None, w, e, None, q2, r, *tail)
     else:
         b = plan.negative_zeros if bias is None else bias.reshape(-1)
         args = (x2, None, w, b, e, None, q2, m, r, plan.tab, *tail)
-    _numba.complete_quantized_rows(plan.run(*args), args, rms)
+    _numba.complete_quantized_rows(run(*args), args, rms)
     if not return_stats:
         return q, scale
     return (q, scale, rstd) if rms else (q, scale, mean, rstd)

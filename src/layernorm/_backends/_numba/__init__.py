@@ -637,7 +637,7 @@ def quantized_forward(x3, r3, weight, bias, eps, h3, q3, mean, rstd, fmt, inv_ro
     dynamic = inv_rows is None
     inv = _NO_ROWS if dynamic else inv_rows
     w, b = kernel_params(weight, bias, x.shape[1], rstd.dtype)
-    tail = (k.FORMAT_TAGS[fmt], dynamic, inv, scale_out)
+    tail = (k.FORMAT_TAGS[fmt], k.DYNAMIC if dynamic else k.STATIC, inv, scale_out)
     res = None if r3 is None else _as_kernel_array(r3[:, :, 0], r_name)
     h = None if r3 is None else _as_kernel_array(h3[:, :, 0], h_name)
     rms = mean is None

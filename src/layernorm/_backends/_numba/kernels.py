@@ -123,7 +123,9 @@ from .fused import (
     add_rms_stream_forward_serial,
 )
 from .quantized import (
+    DYNAMIC,
     FORMAT_TAGS,
+    STATIC,
     ln_quant_forward_parallel,
     ln_quant_forward_serial,
     ln_quant_rescued_serial,
@@ -137,11 +139,13 @@ from .rowmath import LANES, merge_table, widen_param
 
 __all__ = [
     "COL_BLOCK",
+    "DYNAMIC",
     "FORMAT_TAGS",
     "LANES",
     "PAIR_MIN_N",
     "SHORT_BACKWARD_N",
     "SHORT_ROW_MAX",
+    "STATIC",
     "TILE_MIN_N",
     "add_ln_forward_parallel",
     "add_ln_forward_serial",
