@@ -573,14 +573,16 @@ def test_compile_quantized_calls_the_quantizing_kernels(monkeypatch):
     real = backend.quantized_forward
 
     def spy(*args):
-        seen.append(args[1] is not None)  # with a residual
+        seen.append((args[1] is not None, args[10] is None))  # a residual; dynamic scale
         return real(*args)
 
     monkeypatch.setattr(backend, "quantized_forward", spy)
     layout = precompile.layouts(1)[0]
     for op in ("layer_norm", "add_rms_norm"):
         precompile.calls(op, "quantized", "bfloat16", layout)()
-    assert seen == [False, False, True, True]  # with and without parameters
+    # with and without parameters, each with a per-row and a given scale
+    assert seen == [(res, dynamic) for res in (False, True) for _ in range(2)
+                    for dynamic in (True, False)]
 
 
 def test_onnxruntime_workers_block_instead_of_spinning(monkeypatch):

@@ -7,7 +7,7 @@ kernels already compiled: a first call then loads its kernel instead of compilin
 What it compiles is exactly what real calls use, because it *makes* real calls: small
 ``layer_norm``/``rms_norm`` and ``add_layer_norm``/``add_rms_norm`` calls (x plus a
 residual of its dtype; with ``backward``, their backwards; with ``quantized``, the same
-with ``quantize="int8"``) through the public API, once for
+with ``quantize="int8"``, per-row and given scales) through the public API, once for
 each layout that selects a different kernel in the Numba backend's
 drivers (``layernorm._backends._numba``):
 
@@ -112,16 +112,18 @@ def calls(op: str, direction: str, dtype: str, layout: Layout) -> Callable[[], N
         return _streamed(op, direction, x, gy, weight, bias) if direction == "forward" \
             else lambda: None
     if direction == "quantized":
-        # One kernel per (op, dtype, parameters, row path) serves both kinds of scale;
-        # each 8-bit format compiles its own, and int8 is the one compiled here. Layouts
-        # the kernels do not take compose from the plain kernels.
+        # One kernel per (op, dtype, parameters, row path, kind of scale): a per-row
+        # (dynamic) and a given (static) scale compile separately; each 8-bit format
+        # compiles its own, and int8 is the one compiled here. Layouts the kernels do
+        # not take compose from the plain kernels.
         def quantized() -> None:
             fn = getattr(ln, op)
             args = (x, gy) if op.startswith("add_") else (x,)
             for w, b in ((weight, bias), (None, None)):
                 params = {"weight": w} if op.endswith("rms_norm") else {"weight": w,
                                                                         "bias": b}
-                fn(*args, axis=axis, quantize="int8", **params)
+                for scale in (None, 0.05):
+                    fn(*args, axis=axis, quantize="int8", scale=scale, **params)
 
         return quantized
     if op.startswith("add_"):
