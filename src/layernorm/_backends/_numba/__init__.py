@@ -528,13 +528,23 @@ def _add_arrays(x3, r3, h3, y3, dtypes):
 
 
 def _all_done(pending: Any) -> bool:
-    # One (stop, end) pair per block; a list of Python ints is the cheapest test.
+    # A serial kernel's count of stopped blocks, or one (stop, end) pair per block of a
+    # parallel one (a list of Python ints is the cheapest test).
+    if type(pending) is int:
+        return pending == 0
     return all(stop == end for stop, end in pending.tolist())
+
+
+def _stopped_ranges(pending: Any, rows: int) -> Any:
+    """(stop, end) pairs to finish: a parallel kernel's own, or all rows of a serial
+    call whose blocks stopped (it reports only how many; its ``h`` is complete)."""
+    return np.array([[0, rows]], dtype=np.int64) if type(pending) is int else pending
 
 
 def complete_add_layer_norm_rows(pending: Any, args: tuple[Any, ...]) -> None:
     """Finish a fused add-and-LayerNorm kernel's call (``args`` as the kernel took them:
-    ``x, res, w, b, eps, h, y, mean, rstd, tab, nt``) that returned ``pending``.
+    ``x, res, w, b, eps, h, y, mean, rstd, tab, nt``) that returned ``pending`` (a
+    serial kernel's count of stopped blocks, a parallel one's (stop, end) per block).
 
     Blocks stopped before a finite row whose squares overflow: their ``h`` is complete,
     and the rest of each such block is normalized from it by the gathered kernel, which
@@ -543,7 +553,8 @@ def complete_add_layer_norm_rows(pending: Any, args: tuple[Any, ...]) -> None:
     if _all_done(pending):
         return
     _x, _res, w, b, e, h, y, mean, rstd, tab, _nt = args
-    _complete(pending, load_kernels().ln_gathered_forward_serial, LN_FORWARD_WRITES,
+    _complete(_stopped_ranges(pending, h.shape[0]),
+              load_kernels().ln_gathered_forward_serial, LN_FORWARD_WRITES,
               LN_FORWARD_ROWS, (h, w, b, e, y, mean, rstd, tab, False))
 
 
@@ -553,7 +564,8 @@ def complete_add_rms_norm_rows(pending: Any, args: tuple[Any, ...]) -> None:
     if _all_done(pending):
         return
     _x, _res, w, e, h, y, rstd, _nt = args
-    _complete(pending, load_kernels().rms_gathered_forward_serial, RMS_FORWARD_WRITES,
+    _complete(_stopped_ranges(pending, h.shape[0]),
+              load_kernels().rms_gathered_forward_serial, RMS_FORWARD_WRITES,
               RMS_FORWARD_ROWS, (h, w, e, y, rstd, False))
 
 

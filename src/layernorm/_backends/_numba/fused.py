@@ -108,24 +108,25 @@ def block_rows(rows, n, blocks, elements):
 
 
 # Entry kernels, one per path (rows longer than SHORT_ROW_MAX, shorter ones): a call
-# compiles only its own. Each returns its blocks' (stop, end) rows: a block whose norm
-# stopped before a finite row whose squares overflow (h is written for the whole
-# block; y from that row on is not) is finished by the driver, through the gathered
-# rows kernel on h, which rescales such rows (see .rescale).
+# compiles only its own. A block whose norm stopped before a finite row whose squares
+# overflow has h written for the whole block and y from that row on not; the driver
+# finishes it through the gathered rows kernel on h, which rescales such rows (see
+# .rescale). A parallel kernel returns its blocks' (stop, end) rows; a serial one, the
+# number of blocks that stopped (its h is then complete, and the driver redoes all of
+# y from it: such rows are rare, and a serial call with nothing to report allocates
+# and returns no array, which was a third of a one-row call's time in the kernel).
 
 
 @njit(inline="always", error_model="numpy")
 def _add_ln_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, stream):
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
-    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
-    for blk in range(pending.shape[0]):
-        r0 = blk * rb
+    stopped = 0
+    for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
-        pending[blk, 0] = _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab,
-                                        stream, r0, r1)
-        pending[blk, 1] = r1
-    return pending
+        stopped += _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, stream,
+                                 r0, r1) < r1
+    return stopped
 
 
 @njit(inline="always", error_model="numpy")
@@ -180,14 +181,12 @@ def add_ln_short_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab
     unused)."""
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
-    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
-    for blk in range(pending.shape[0]):
-        r0 = blk * rb
+    stopped = 0
+    for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
-        pending[blk, 0] = _add_ln_short_block(x, res, w, b, eps, h, y, mean_out, rstd_out,
-                                              tab, r0, r1)
-        pending[blk, 1] = r1
-    return pending
+        stopped += _add_ln_short_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, r0,
+                                       r1) < r1
+    return stopped
 
 
 @cached_njit(parallel=True, error_model="numpy")
@@ -209,13 +208,11 @@ def add_ln_short_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, t
 def _add_rms_serial(x, res, w, eps, h, y, rstd_out, stream):
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
-    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
-    for blk in range(pending.shape[0]):
-        r0 = blk * rb
+    stopped = 0
+    for r0 in range(0, rows, rb):
         r1 = min(rows, r0 + rb)
-        pending[blk, 0] = _add_rms_block(x, res, w, eps, h, y, rstd_out, stream, r0, r1)
-        pending[blk, 1] = r1
-    return pending
+        stopped += _add_rms_block(x, res, w, eps, h, y, rstd_out, stream, r0, r1) < r1
+    return stopped
 
 
 @njit(inline="always", error_model="numpy")
