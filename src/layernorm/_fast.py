@@ -24,7 +24,7 @@ from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
 from ._dtypes import HALF_DTYPES, MACHINE_EPS, dtype_name
-from ._plans import accumulation_eps, kernel_ready, remember
+from ._plans import accumulation_eps, kernel_ready, params_key, remember
 from ._validate import plain_axes
 
 #: Planned calls at least this large may run in parallel and may write with streaming
@@ -196,19 +196,10 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
             and not plain_axes(normalized_shape))
             or (axis is not None and type(axis) is not int and not plain_axes(axis))):
         return None
-    if weight is None:
-        wshape = wdtype = None
-    elif type(weight) is np.ndarray and kernel_ready(weight):
-        wshape, wdtype = weight.shape, weight.dtype
-    else:
+    pkey = params_key(weight, bias)
+    if pkey is None:
         return None
-    if bias is None:
-        bshape = bdtype = None
-    elif type(bias) is np.ndarray and kernel_ready(bias):
-        bshape, bdtype = bias.shape, bias.dtype
-    else:
-        return None
-    key = (x.shape, x.dtype, normalized_shape, axis, wshape, wdtype, bshape, bdtype)
+    key = (x.shape, x.dtype, normalized_shape, axis, *pkey)
     try:
         plan = _PLANS[key]
     except KeyError:
@@ -257,13 +248,10 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
             and not plain_axes(normalized_shape))
             or (axis is not None and type(axis) is not int and not plain_axes(axis))):
         return None
-    if weight is None:
-        wshape = wdtype = None
-    elif type(weight) is np.ndarray and kernel_ready(weight):
-        wshape, wdtype = weight.shape, weight.dtype
-    else:
+    pkey = params_key(weight)
+    if pkey is None:
         return None
-    key = (x.shape, x.dtype, normalized_shape, axis, wshape, wdtype)
+    key = (x.shape, x.dtype, normalized_shape, axis, *pkey)
     try:
         plan = _PLANS[key]
     except KeyError:
@@ -405,12 +393,10 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
             or (axis is not None and type(axis) is not int and not plain_axes(axis))
             or not kernel_ready(x)):
         return None
-    for p in (weight, bias):
-        if p is not None and not (type(p) is np.ndarray and kernel_ready(p)):
-            return None
-    key = (x.shape, normalized_shape, axis, None if weight is None else weight.shape,
-           None if weight is None else weight.dtype, None if bias is None else bias.shape,
-           None if bias is None else bias.dtype, quantize, rms)
+    pkey = params_key(weight, bias)
+    if pkey is None:
+        return None
+    key = (x.shape, normalized_shape, axis, *pkey, quantize, rms)
     try:
         plan = _PLANS[key]
     except KeyError:

@@ -33,7 +33,7 @@ from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
 from ._dtypes import MACHINE_EPS, dtype_name
-from ._plans import accumulation_eps, kernel_ready, remember
+from ._plans import accumulation_eps, kernel_ready, params_key, remember
 from ._validate import plain_axes
 
 _NUMPY_ROUTE = Route("numpy", "numba")
@@ -224,21 +224,10 @@ out, residual_out
             and not plain_axes(normalized_shape))
             or (axis is not None and type(axis) is not int and not plain_axes(axis))):
         return None
-    # Parameters: absent, or C-contiguous aligned NumPy arrays (written out: a helper
-    # call per parameter was a tenth of a one-row call's Python time).
-    if weight is None:
-        wshape = wdtype = None
-    elif type(weight) is np.ndarray and kernel_ready(weight):
-        wshape, wdtype = weight.shape, weight.dtype
-    else:
+    pkey = params_key(weight, bias)
+    if pkey is None:
         return None
-    if bias is None:
-        bshape = bdtype = None
-    elif type(bias) is np.ndarray and kernel_ready(bias):
-        bshape, bdtype = bias.shape, bias.dtype
-    else:
-        return None
-    key = (rms, x.shape, x.dtype, normalized_shape, axis, wshape, wdtype, bshape, bdtype)
+    key = (rms, x.shape, x.dtype, normalized_shape, axis, *pkey)
     try:
         plan = _PLANS[key]
     except KeyError:

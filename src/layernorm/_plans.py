@@ -11,6 +11,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 #: Plans each short path keeps at most before it starts over.
 PLANS_MAX = 512
 
@@ -27,6 +29,41 @@ def kernel_ready(arr: Any) -> bool:
     """
     flags = arr.flags
     return flags.c_contiguous and flags.aligned
+
+
+#: ``params_key``'s ``bias`` for a norm without one (RMSNorm): the key records the weight
+#: only.
+NO_BIAS: Any = object()
+
+
+def params_key(weight: Any, bias: Any = NO_BIAS) -> tuple[Any, ...] | None:
+    """What a plan's key records of ``weight`` and ``bias``: ``(shape, dtype)`` of each
+    (``None, None`` for an absent one; nothing for ``bias`` :data:`NO_BIAS`), or None if
+    either is not a C-contiguous, aligned NumPy array (such a call takes the general
+    path).
+
+    Examples
+    --------
+    >>> params_key(np.ones(3, np.float32), None)
+    ((3,), dtype('float32'), None, None)
+    >>> params_key(None)
+    (None, None)
+    >>> params_key(np.ones(6)[::2]) is None
+    True
+    """
+    if weight is None:
+        wshape = wdtype = None
+    elif type(weight) is np.ndarray and kernel_ready(weight):
+        wshape, wdtype = weight.shape, weight.dtype
+    else:
+        return None
+    if bias is NO_BIAS:
+        return wshape, wdtype
+    if bias is None:
+        return wshape, wdtype, None, None
+    if type(bias) is np.ndarray and kernel_ready(bias):
+        return wshape, wdtype, bias.shape, bias.dtype
+    return None
 
 
 def remember(plans: dict[Any, Any], key: Any, build: Callable[[], Any]) -> Any:
