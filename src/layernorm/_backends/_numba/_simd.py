@@ -818,10 +818,6 @@ def _saturate(builder, v, low: float, high: float):
     return builder.select(builder.fcmp_ordered(">", v, _f32_splat(high)), _f32_splat(high), v)
 
 
-def _round_half_even(builder, v):
-    return builder.fsub(builder.fadd(v, _f32_splat(_ROUNDER)), _f32_splat(_ROUNDER))
-
-
 @intrinsic
 def store_int8(typingctx, view, vec, r, i):
     """Store int8 codes of a float32 vector at ``[r, i]`` of a uint8 :class:`Raw`.
@@ -845,12 +841,30 @@ def store_int8(typingctx, view, vec, r, i):
     return types.none(view, vec, r, i), codegen
 
 
-def _float8_store(drop: int, rebias: int, min_normal: int, nan: int, unit: float, qmax: float):
+def _float8_store(drop: int, min_normal: int, nan: int, qmax: float):
     """An intrinsic storing float8 codes: saturate to ``+-qmax`` (NaN kept), then round
-    the float32 bits half to even to ``23 - drop`` mantissa bits. Normal results rebias
-    the exponent (a rounding carry lands in the next binade, as it should); subnormal
-    ones are the magnitude in units of the smallest subnormal (``* unit``, exact),
-    rounded half to even. NaN keeps its sign and becomes ``nan``."""
+    the magnitude half to even to the format (``23 - drop`` mantissa bits, subnormals
+    included) and read the code off the rounding sum's bits. NaN keeps its sign and
+    becomes ``nan``.
+
+    The rounding adds ``C = 1.5 * 2**(E + drop)`` to the magnitude, ``E`` being its
+    binary exponent raised to at least that of ``min_normal`` (the format's smallest
+    normal): ``C``'s unit in the last place is the format's spacing in the magnitude's
+    binade (in the subnormal range, the subnormal spacing), so the float32 sum is the
+    magnitude rounded half to even (``C`` is an even number of units) and
+    ``m = bits(sum) - bits(C)`` counts units: the subnormal code itself below
+    ``min_normal``, ``2**mb`` plus the mantissa code in a normal binade (``2**(mb + 1)``
+    when the rounding carries into the next binade, which is that binade's code). The
+    code is then ``m + (E + bias - 1) * 2**mb``, an integer sum: four integer
+    operations and one floating-point addition per lane, no float32 subnormal (whose
+    arithmetic costs a microcode assist, about 50x, on many x86 cores)."""
+    mantissa_bits = 23 - drop
+    exponent_mask = 0x7F800000
+    # bits(C) = e_bits + (drop << 23) + 0x400000 and (E + bias - 1) * 2**mb =
+    # (e_bits >> drop) - (min_normal >> drop), so code = bits(sum) - e_bits
+    # + (e_bits >> drop) - offset.
+    offset = (drop << 23) + 0x400000 + (min_normal >> drop)
+    assert min_normal & ~exponent_mask == 0 and mantissa_bits in (2, 3)
 
     def typer(typingctx, view, vec, r, i):
         if not (isinstance(view, Raw) and view.dtype == types.uint8 and _is_f32_vec(vec)
@@ -862,15 +876,15 @@ def _float8_store(drop: int, rebias: int, min_normal: int, nan: int, unit: float
             bits = _bits_of(builder, v)
             sign = builder.and_(builder.lshr(bits, _splat_i32(24)), _splat_i32(0x80))
             mag = builder.and_(bits, _splat_i32(0x7FFFFFFF))
-            odd = builder.and_(builder.lshr(mag, _splat_i32(drop)), _splat_i32(1))
-            up = builder.add(builder.add(mag, _splat_i32((1 << (drop - 1)) - 1)), odd)
-            normal = builder.sub(builder.lshr(up, _splat_i32(drop)), _splat_i32(rebias))
-            small = builder.fmul(builder.bitcast(mag, v.type), _f32_splat(unit))
-            small = builder.select(builder.fcmp_ordered("<", small, _f32_splat(16.0)), small,
-                                   _f32_splat(16.0))
-            sub = builder.fptosi(_round_half_even(builder, small), ir.VectorType(_I32, WIDTH))
-            code = builder.select(builder.icmp_unsigned("<", mag, _splat_i32(min_normal)),
-                                  sub, normal)
+            e_bits = builder.and_(mag, _splat_i32(exponent_mask))
+            e_bits = builder.select(builder.icmp_unsigned("<", e_bits, _splat_i32(min_normal)),
+                                    _splat_i32(min_normal), e_bits)
+            rounder = builder.add(e_bits, _splat_i32((drop << 23) + 0x400000))
+            total = builder.fadd(builder.bitcast(mag, v.type),
+                                 builder.bitcast(rounder, v.type))
+            code = builder.sub(_bits_of(builder, total), e_bits)
+            code = builder.add(code, builder.lshr(e_bits, _splat_i32(drop)))
+            code = builder.sub(code, _splat_i32(offset))
             code = builder.select(builder.icmp_unsigned(">", mag, _splat_i32(0x7F800000)),
                                   _splat_i32(nan), code)
             return _store_bytes(context, builder, view, args, r, i, builder.or_(sign, code))
@@ -881,9 +895,9 @@ def _float8_store(drop: int, rebias: int, min_normal: int, nan: int, unit: float
 
 
 #: ``store_float8_e4m3fn(view, vec, r, i)``: float8 e4m3fn codes of ``vec`` (|v| <= 448).
-store_float8_e4m3fn = intrinsic(_float8_store(20, 120 << 3, 0x3C800000, 0x7F, 512.0, 448.0))
+store_float8_e4m3fn = intrinsic(_float8_store(20, 0x3C800000, 0x7F, 448.0))
 #: ``store_float8_e5m2(view, vec, r, i)``: float8 e5m2 codes of ``vec`` (|v| <= 57344).
-store_float8_e5m2 = intrinsic(_float8_store(21, 112 << 2, 0x38800000, 0x7E, 65536.0, 57344.0))
+store_float8_e5m2 = intrinsic(_float8_store(21, 0x38800000, 0x7E, 57344.0))
 
 
 @intrinsic
