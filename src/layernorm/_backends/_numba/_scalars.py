@@ -68,7 +68,11 @@ def cast(value, like):
 # tenth of a cold first call; these lower to one or two LLVM instructions where used.
 
 
-def _register(function, typer, lower) -> None:
+def register_builtin(function, typer, lower) -> None:
+    """Type calls of the Python function ``function`` in jitted code with ``typer``
+    (argument types -> a signature, or None) and lower them with ``lower`` (Numba's
+    ``(context, builder, sig, args)``): a typed builtin, compiled where it is called."""
+
     @infer_global(function)
     class _Typer(AbstractTemplate):
         def generic(self, args, kws):
@@ -85,15 +89,18 @@ def _widen_type(value):
     return None
 
 
-def _widen_lower(context, builder, sig, args):
-    (v,) = args
-    (value,) = sig.args
+def widen_ir(builder, v, value):
+    """LLVM IR of :func:`widen` of the scalar ``v`` of Numba type ``value``."""
     if value == types.int16:
         return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
     if value == types.uint16:
         wide = builder.shl(builder.zext(v, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
         return builder.bitcast(wide, ir.FloatType())
     return v
+
+
+def _widen_lower(context, builder, sig, args):
+    return widen_ir(builder, args[0], sig.args[0])
 
 
 def _to_bfloat16_bits(value):
@@ -135,6 +142,6 @@ def _cast_lower(context, builder, sig, args):
     return context.cast(builder, args[0], sig.args[0], sig.return_type)
 
 
-_register(widen, _widen_type, _widen_lower)
-_register(narrow, _narrow_type, _narrow_lower)
-_register(cast, _cast_type, _cast_lower)
+register_builtin(widen, _widen_type, _widen_lower)
+register_builtin(narrow, _narrow_type, _narrow_lower)
+register_builtin(cast, _cast_type, _cast_lower)

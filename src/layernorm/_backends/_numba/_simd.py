@@ -48,11 +48,14 @@ from __future__ import annotations
 import operator
 import platform
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils, config
 from numba.core.typing.templates import AbstractTemplate, infer_global, signature
 from numba.extending import intrinsic, lower_builtin, models, register_model
+
+from ._scalars import register_builtin, widen, widen_ir
 
 WIDTH = 16
 
@@ -170,16 +173,20 @@ def fma(typingctx, a, b, c):
         return None
 
     def codegen(context, builder, sig, args):
-        ty = args[0].type
-        element = ty.element if isinstance(ty, ir.VectorType) else ty
-        suffix = "f64" if element == ir.DoubleType() else "f32"
-        if isinstance(ty, ir.VectorType):
-            suffix = f"v{WIDTH}{suffix}"
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * 3),
-                                            f"llvm.fma.{suffix}")
-        return builder.call(fn, args)
+        return _fma_ir(builder, *args)
 
     return a(a, b, c), codegen
+
+
+def _fma_ir(builder, a, b, c):
+    ty = a.type
+    element = ty.element if isinstance(ty, ir.VectorType) else ty
+    suffix = "f64" if element == ir.DoubleType() else "f32"
+    if isinstance(ty, ir.VectorType):
+        suffix = f"v{WIDTH}{suffix}"
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * 3),
+                                        f"llvm.fma.{suffix}")
+    return builder.call(fn, [a, b, c])
 
 
 @intrinsic
@@ -695,6 +702,106 @@ def vaddress(typingctx, view, r, i):
         return builder.ptrtoint(ptr, ir.IntType(64))
 
     return types.uint64(view, r, i), codegen
+
+
+# Parameter loads fused into an operation, and statistics stores: typed builtins (as
+# widen and the vector operators are), not overloads, which compiled a small function
+# per signature on every cold first call (0.1-0.2 s of one).
+
+
+def _param_ir(context, builder, view_ty, view, i_ty, i, vector):
+    """LLVM IR of element ``i`` (a scalar) or elements ``i .. i + WIDTH`` (a vector) of
+    row 0 of a :class:`Raw`, widened to the accumulation type."""
+    ptr = _raw_pointer(context, builder, view_ty, view, ir.Constant(ir.IntType(64), 0),
+                       _as_i64(builder, i, i_ty))
+    if not vector:
+        return widen_ir(builder, builder.load(ptr), view_ty.dtype)
+    raw_ty = ir.VectorType(_element_ir(context, view_ty.dtype), WIDTH)
+    loaded = builder.load(builder.bitcast(ptr, raw_ty.as_pointer()),
+                          align=view_ty.dtype.bitwidth // 8)
+    return _widen_vector(builder, loaded, view_ty.dtype)
+
+
+def _param_operand_ok(v, view) -> bool:
+    if not isinstance(view, Raw):
+        return False
+    acc = _acc_of(view.dtype)
+    return v == acc or v == _vec_of(acc)
+
+
+def affine(v, w, b, i):
+    """``v * w[i..] + b[i..]`` rounded once (fma), ``w`` and ``b`` row 0 of :class:`Raw`
+    views (widened); ``v`` a vector (``WIDTH`` parameters from ``i``) or a scalar."""
+    if isinstance(v, np.ndarray):
+        return fma(v, vload(w, 0, i), vload(b, 0, i))
+    return fma(v, widen(get(w, 0, i)), widen(get(b, 0, i)))
+
+
+def _affine_type(v, w, b, i):
+    if _param_operand_ok(v, w) and _param_operand_ok(v, b) and isinstance(i, types.Integer):
+        return signature(v, v, w, b, i)
+    return None
+
+
+def _affine_lower(context, builder, sig, args):
+    v, w, b, i = args
+    vt, wt, bt, it = sig.args
+    vector = isinstance(vt, Vec)
+    return _fma_ir(builder, v, _param_ir(context, builder, wt, w, it, i, vector),
+                   _param_ir(context, builder, bt, b, it, i, vector))
+
+
+def times_w(v, w, i):
+    """``v * w[i..]`` (a vector ``v``: ``WIDTH`` elements from ``i``) or ``v * w[i]``
+    (a scalar), ``w`` row 0 of a :class:`Raw` (widened)."""
+    return v * (vload(w, 0, i) if isinstance(v, np.ndarray) else widen(get(w, 0, i)))
+
+
+def _times_w_type(v, w, i):
+    if _param_operand_ok(v, w) and isinstance(i, types.Integer):
+        return signature(v, v, w, i)
+    return None
+
+
+def _times_w_lower(context, builder, sig, args):
+    v, w, i = args
+    vt, wt, it = sig.args
+    return builder.fmul(v, _param_ir(context, builder, wt, w, it, i, isinstance(vt, Vec)))
+
+
+def put_stat(out, r, value):
+    """``out[r] = value``, or nothing when the caller did not ask for ``out`` (None, or an
+    empty array: the short path passes one, so that a call without statistics runs the
+    same compiled kernel as a call with them)."""
+    if out is not None and out.shape[0] != 0:
+        out[r] = value
+
+
+def _put_stat_type(out, r, value):
+    if not (isinstance(r, types.Integer) and isinstance(value, types.Float)):
+        return None
+    if isinstance(out, types.NoneType) or (
+            isinstance(out, types.Array) and out.ndim == 1 and out.mutable
+            and isinstance(out.dtype, types.Float)):
+        return signature(types.none, out, r, value)
+    return None
+
+
+def _put_stat_lower(context, builder, sig, args):
+    out_ty, r_ty, value_ty = sig.args
+    if isinstance(out_ty, types.Array):
+        ary = context.make_array(out_ty)(context, builder, args[0])
+        (count,) = cgutils.unpack_tuple(builder, ary.shape, 1)
+        with builder.if_then(builder.icmp_signed("!=", count, count.type(0))):
+            ptr = _element_pointer(context, builder, out_ty, args[0],
+                                   [context.cast(builder, args[1], r_ty, types.intp)])
+            builder.store(context.cast(builder, args[2], value_ty, out_ty.dtype), ptr)
+    return context.get_dummy_value()
+
+
+register_builtin(affine, _affine_type, _affine_lower)
+register_builtin(times_w, _times_w_type, _times_w_lower)
+register_builtin(put_stat, _put_stat_type, _put_stat_lower)
 
 
 def itemsize(view):

@@ -46,13 +46,14 @@ from ._simd import (
     raw,
     runtime,
     splat,
+    times_w,
     vaddress,
     vload,
     vload_tail,
     vstore,
 )
 from .diskcache import cached_njit
-from .rowmath import LANES, copy_row, times_w, tree_sum
+from .rowmath import LANES, copy_row, tree_sum
 
 #: Rows at least this long run the backward two rows per pass in the any-stride path
 #: (no effect on results; measured: it pays once the partial sums no longer fit in L1).

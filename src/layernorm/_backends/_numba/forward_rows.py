@@ -24,6 +24,7 @@ from numba import njit, prange
 
 from ._scalars import cast, narrow, widen
 from ._simd import (
+    affine,
     alive,
     fma,
     fold1,
@@ -34,12 +35,14 @@ from ._simd import (
     itemsize,
     prefetch_at,
     put,
+    put_stat,
     raw,
     rounded,
     runtime,
     splat,
     sqrt,
     store_fence,
+    times_w,
     vaddress,
     vload,
     vload_tail,
@@ -54,17 +57,14 @@ from .rowmath import (
     LANES,
     PER_LANE,
     WORK_ELEMENTS,
-    affine,
     cancelled,
     copy_row,
     finish,
     lane_sums_inlined,
-    put_stat,
     redo,
     row_moments,
     row_shift,
     square_tree,
-    times_w,
     tree_sum,
 )
 

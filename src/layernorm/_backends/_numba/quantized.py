@@ -57,16 +57,19 @@ from numba.extending import overload
 
 from ._scalars import narrow, widen
 from ._simd import (
+    affine,
     alive,
     get,
     hmax_bits,
     put,
+    put_stat,
     raw,
     runtime,
     splat,
     store_float8_e4m3fn,
     store_float8_e5m2,
     store_int8,
+    times_w,
     vabsmax,
     vload,
     vstore,
@@ -83,11 +86,8 @@ from .fused import PARALLEL_BLOCKS, add_block, block_rows
 from .rescale import finite_row
 from .rowmath import (
     LANES,
-    affine,
     finish,
-    put_stat,
     row_moments,
-    times_w,
 )
 
 #: Elements per block of rows (no effect on results): a dynamic scale's float32 block

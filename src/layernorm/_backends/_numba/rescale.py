@@ -36,8 +36,7 @@ import numpy as np
 from numba import njit
 
 from ._scalars import cast, narrow, widen
-from ._simd import alive, get, put, raw
-from .rowmath import affine, put_stat, times_w
+from ._simd import affine, alive, get, put, put_stat, raw, times_w
 
 
 @njit(error_model="numpy")

@@ -67,13 +67,11 @@ import functools
 from typing import Any
 
 import numpy as np
-from numba import njit, types
-from numba.extending import overload
+from numba import njit
 
 from ._scalars import cast, widen
 from ._simd import (
     WIDTH,
-    Vec,
     down1,
     down2,
     down4,
@@ -163,52 +161,6 @@ def widen_param(bits):
     for i in range(body, n):
         put(ov, 0, i, widen(get(pv, 0, i)))
     return out[0]
-
-
-def times_w(v, w, i):
-    """``v * w[i:i+WIDTH]`` (vector ``v``) or ``v * w[i]`` (scalar), ``w`` widened."""
-    return v * (vload(w, 0, i) if isinstance(v, np.ndarray) else widen(get(w, 0, i)))
-
-
-@overload(times_w)
-def _times_w(v, w, i):
-    if isinstance(v, Vec):
-        return lambda v, w, i: v * vload(w, 0, i)
-    return lambda v, w, i: v * widen(get(w, 0, i))
-
-
-def put_stat(out, r, value):
-    """``out[r] = value``, or nothing when the caller did not ask for ``out`` (None, or an
-    empty array: the short path passes one, so that a call without statistics runs the
-    same compiled kernel as a call with them)."""
-    if out is not None and out.shape[0] != 0:
-        out[r] = value
-
-
-@overload(put_stat)
-def _put_stat(out, r, value):
-    if isinstance(out, types.NoneType):
-        return lambda out, r, value: None
-
-    def impl(out, r, value):
-        if out.shape[0] != 0:
-            out[r] = value
-
-    return impl
-
-
-def affine(v, w, b, i):
-    """``v * w[i..] + b[i..]`` rounded once (fma); an absent parameter is an identity array."""
-    if isinstance(v, np.ndarray):
-        return fma(v, vload(w, 0, i), vload(b, 0, i))
-    return fma(v, widen(get(w, 0, i)), widen(get(b, 0, i)))
-
-
-@overload(affine)
-def _affine(v, w, b, i):
-    if isinstance(v, Vec):
-        return lambda v, w, b, i: fma(v, vload(w, 0, i), vload(b, 0, i))
-    return lambda v, w, b, i: fma(v, widen(get(w, 0, i)), widen(get(b, 0, i)))
 
 
 @njit(inline="always", error_model="numpy")
