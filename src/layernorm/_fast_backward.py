@@ -205,4 +205,6 @@ def _param_grad(row: Any, plan: BackwardPlan) -> Any:
     the weight's (else x's) dtype."""
     if not plan.flat_params:
         row = row.reshape(plan.param_shape)
-    return row.astype(plan.grad_dtype) if plan.cast_grads else row
+    # The kernel returns a view of the partials it summed in place: a copy (or the cast)
+    # keeps the gradient from holding them alive.
+    return row.astype(plan.grad_dtype) if plan.cast_grads else row.copy()

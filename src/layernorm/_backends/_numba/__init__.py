@@ -482,7 +482,9 @@ def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype, grad_residual=N
         sums = _run(k.backward_cols_serial, k.backward_cols_parallel, x.size,
                     LN_BACKWARD_WRITES, gy, x, mean, rstd, w, gx, partials, False, gres,
                     has_res)
-    return sums[0], sums[1]
+    # The kernels sum the partials in place and return a view of them: copy the sums
+    # out so that the gradients do not keep the (blocks x n) partials alive.
+    return sums[0].copy(), sums[1].copy()
 
 
 def rms_norm_backward(gy3, x3, rstd, weight, gx3, dtype, grad_residual=None):
@@ -506,7 +508,7 @@ def rms_norm_backward(gy3, x3, rstd, weight, gx3, dtype, grad_residual=None):
         sums = _run(k.backward_cols_serial, k.backward_cols_parallel, x.size,
                     LN_BACKWARD_WRITES, gy, x, rstd, rstd, w, gx, partials, True, gres,
                     has_res)
-    return sums[0]
+    return sums[0].copy()  # out of the partials, as above
 
 
 #: Positions of the arrays the fused add-and-normalize kernels write.

@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._scalars import cast, narrow, widen
+from ._scalars import cast, imin, narrow, widen
 from ._simd import (
     alive,
     get,
@@ -163,7 +163,7 @@ def _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gr
     read and written per row (the same additions in the same order, so the same bits).
     """
     n = x.shape[1]
-    nv = min(n // LANES, 4)
+    nv = imin(n // LANES, 4)
     xv, gyv, gxv, wv = raw(x), raw(gy), raw(gx), raw(w)
     grv = raw(gres)
     dw = raw(partials[0, blk])
@@ -295,8 +295,8 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, ha
     for r in range(r0, r1):
         # The block's last row computes the means of itself again, unused.
         rn = r + 1 if r + 1 < r1 else r
-        gpf, xpf = vaddress(gyv, min(r + 2, last), 0), vaddress(xv, min(r + 2, last), 0)
-        wpf = vaddress(gxv, min(r + 1, last), 0)
+        gpf, xpf = vaddress(gyv, imin(r + 2, last), 0), vaddress(xv, imin(r + 2, last), 0)
+        wpf = vaddress(gxv, imin(r + 1, last), 0)
         m, s = mean_in[r], rstd_in[r]
         mn = mean_in[rn]
         mv, rv, mgv, mgxv = splat(m), splat(s), splat(mg), splat(mgx)
@@ -494,16 +494,17 @@ def _ln_bwd_gathered(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres
 
 @njit(inline="always", error_model="numpy")
 def _block_sums(partials):
-    """``partials[:, blk, :]`` summed over ``blk`` in increasing order (deterministic)."""
+    """``partials[:, blk, :]`` summed over ``blk`` in increasing order (deterministic),
+    into ``partials[:, 0, :]``, which is returned (a view: the driver copies it out).
+
+    In place: a new array here compiled Numba's ``np.empty`` for the signature, a
+    quarter of a second of a cold first backward."""
     count, blocks, n = partials.shape
-    total = np.empty((count, n), dtype=partials.dtype)
     for c in range(count):
-        for i in range(n):
-            total[c, i] = partials[c, 0, i]
         for blk in range(1, blocks):
             for i in range(n):
-                total[c, i] = total[c, i] + partials[c, blk, i]
-    return total
+                partials[c, 0, i] = partials[c, 0, i] + partials[c, blk, i]
+    return partials[:, 0, :]
 
 
 # Entry kernels, one per path so that a call compiles only its own: unit-stride rows
@@ -525,7 +526,7 @@ def ln_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gre
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
-                     min(rows, r0 + block_rows), gres, has_res)
+                     imin(rows, r0 + block_rows), gres, has_res)
     return _block_sums(partials)
 
 
@@ -537,7 +538,7 @@ def ln_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, g
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
-                     min(rows, r0 + block_rows), gres, has_res)
+                     imin(rows, r0 + block_rows), gres, has_res)
     return _block_sums(partials)
 
 
@@ -550,7 +551,7 @@ def ln_tiled_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_row
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_tiles(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
-                      min(rows, r0 + block_rows), gres, has_res)
+                      imin(rows, r0 + block_rows), gres, has_res)
     return _block_sums(partials)
 
 
@@ -562,7 +563,7 @@ def ln_tiled_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_r
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_tiles(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
-                      min(rows, r0 + block_rows), gres, has_res)
+                      imin(rows, r0 + block_rows), gres, has_res)
     return _block_sums(partials)
 
 
@@ -574,7 +575,7 @@ def ln_gathered_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_gathered(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
-                         min(rows, r0 + block_rows), gres, has_res)
+                         imin(rows, r0 + block_rows), gres, has_res)
     return _block_sums(partials)
 
 
@@ -586,7 +587,7 @@ def ln_gathered_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, bloc
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_gathered(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
-                         min(rows, r0 + block_rows), gres, has_res)
+                         imin(rows, r0 + block_rows), gres, has_res)
     return _block_sums(partials)
 
 
@@ -599,7 +600,7 @@ def ln_short_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_row
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
-                           min(rows, r0 + block_rows), gres, has_res)
+                           imin(rows, r0 + block_rows), gres, has_res)
     return _block_sums(partials)
 
 
@@ -611,7 +612,7 @@ def ln_short_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_r
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
-                           min(rows, r0 + block_rows), gres, has_res)
+                           imin(rows, r0 + block_rows), gres, has_res)
     return _block_sums(partials)
 
 
@@ -704,8 +705,8 @@ def _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res)
     mgx = _rms_bwd_mean(gyv, xv, r0, n, rstd_in[r0], wv)
     for r in range(r0, r1):
         rn = r + 1 if r + 1 < r1 else r
-        gpf, xpf = vaddress(gyv, min(r + 2, last), 0), vaddress(xv, min(r + 2, last), 0)
-        wpf = vaddress(gxv, min(r + 1, last), 0)
+        gpf, xpf = vaddress(gyv, imin(r + 2, last), 0), vaddress(xv, imin(r + 2, last), 0)
+        wpf = vaddress(gxv, imin(r + 1, last), 0)
         s = rstd_in[r]
         rv, mgxv, rvn = splat(s), splat(mgx), splat(rstd_in[rn])
         acc = zero
@@ -772,7 +773,7 @@ def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_r
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
         _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0,
-                        min(rows, r0 + block_rows), gres, has_res)
+                        imin(rows, r0 + block_rows), gres, has_res)
     return _block_sums(partials)
 
 
@@ -783,7 +784,7 @@ def rms_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gres, has
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
         _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0,
-                        min(rows, r0 + block_rows), gres, has_res)
+                        imin(rows, r0 + block_rows), gres, has_res)
     return _block_sums(partials)
 
 
@@ -794,7 +795,7 @@ def rms_paired_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres
     rows = x.shape[0]
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
-        _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows),
+        _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, imin(rows, r0 + block_rows),
                       gres, has_res)
     return _block_sums(partials)
 
@@ -806,7 +807,7 @@ def rms_paired_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gr
     rows = x.shape[0]
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
-        _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, min(rows, r0 + block_rows),
+        _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, imin(rows, r0 + block_rows),
                       gres, has_res)
     return _block_sums(partials)
 
@@ -819,7 +820,7 @@ def rms_gathered_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gr
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
         _rms_bwd_gathered(gy, x, rstd_in, w, gx, partials, blk, r0,
-                          min(rows, r0 + block_rows), gres, has_res)
+                          imin(rows, r0 + block_rows), gres, has_res)
     return _block_sums(partials)
 
 
@@ -831,7 +832,7 @@ def rms_gathered_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, 
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
         _rms_bwd_gathered(gy, x, rstd_in, w, gx, partials, blk, r0,
-                          min(rows, r0 + block_rows), gres, has_res)
+                          imin(rows, r0 + block_rows), gres, has_res)
     return _block_sums(partials)
 
 
@@ -847,7 +848,7 @@ def _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols, gre
     wv = raw(w)
     dw = raw(partials[0, item])
     db = raw(partials[partials.shape[0] - 1, item])
-    for c in range(c0, min(inner, c0 + COL_BLOCK)):
+    for c in range(c0, imin(inner, c0 + COL_BLOCK)):
         r = o * inner + c
         for i in range(n):
             xs[0, i] = x[o, i, c]

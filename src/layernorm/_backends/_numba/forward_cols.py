@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._scalars import cast, widen
+from ._scalars import cast, imax, imin, widen
 from ._simd import WIDTH, alive, copy2, fma, load2, raw, runtime, splat, store2, wide
 from .diskcache import cached_njit
 from .rescale import ln_column_rescaled, rms_column_rescaled
@@ -149,7 +149,7 @@ def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out, r0
 def _tile_columns(n):
     # Columns per work item: several WIDTH blocks, so each visit of a (far away) row
     # reads a few contiguous cache lines, while the tile stays within L2.
-    return WIDTH * max(1, min(8, 4096 // max(n, 1)))
+    return WIDTH * imax(1, imin(8, 4096 // imax(n, 1)))
 
 
 @njit(inline="always", error_model="numpy")
@@ -164,7 +164,7 @@ def _load_tile(x2, xt, c0, valid, unit):
         for s in range(full):
             copy2(xt, i, s * WIDTH, x2, i, c0 + s * WIDTH)
         for k in range(full * WIDTH, xt.shape[1]):
-            xt[i, k] = x2[i, c0 + min(k, valid - 1)]
+            xt[i, k] = x2[i, c0 + imin(k, valid - 1)]
 
 
 @njit(inline="always", error_model="numpy")
@@ -186,12 +186,12 @@ def _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item)
     per = (inner + tw - 1) // tw
     o = item // per
     c0 = (item % per) * tw
-    valid = min(tw, inner - c0)
+    valid = imin(tw, inner - c0)
     unit = x.strides[2] == x.itemsize and y.strides[2] == y.itemsize
     _load_tile(x[o], xt, c0, valid, unit)
     for s in range(0, valid, WIDTH):
         _ln_cols(xt, yt, s, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out,
-                 o * inner + c0 + s, min(WIDTH, valid - s))
+                 o * inner + c0 + s, imin(WIDTH, valid - s))
     _store_tile(yt, y[o], c0, valid, unit)
 
 
@@ -210,7 +210,7 @@ def _col_scratch(x, y, acc):
 @njit(inline="always", error_model="numpy")
 def _col_items(x):
     tw = _tile_columns(x.shape[1])
-    return x.shape[0] * ((x.shape[2] + tw - 1) // tw), max(1, WORK_ELEMENTS // (tw * x.shape[1]))
+    return x.shape[0] * ((x.shape[2] + tw - 1) // tw), imax(1, WORK_ELEMENTS // (tw * x.shape[1]))
 
 
 @cached_njit(error_model="numpy")
@@ -228,7 +228,7 @@ def ln_forward_cols_parallel(x, w, b, eps, y, mean_out, rstd_out, tab):
     items, per_work = _col_items(x)
     for wk in prange((items + per_work - 1) // per_work):
         scratch, tiles = _col_scratch(x, y, mean_out.dtype)
-        for item in range(wk * per_work, min(items, (wk + 1) * per_work)):
+        for item in range(wk * per_work, imin(items, (wk + 1) * per_work)):
             _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item)
 
 
@@ -295,12 +295,12 @@ def _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item):
     per = (inner + tw - 1) // tw
     o = item // per
     c0 = (item % per) * tw
-    valid = min(tw, inner - c0)
+    valid = imin(tw, inner - c0)
     unit = x.strides[2] == x.itemsize and y.strides[2] == y.itemsize
     _load_tile(x[o], xt, c0, valid, unit)
     for s in range(0, valid, WIDTH):
         _rms_cols(xt, yt, s, w, eps, lanes, cs, rstd_out, o * inner + c0 + s,
-                  min(WIDTH, valid - s))
+                  imin(WIDTH, valid - s))
     _store_tile(yt, y[o], c0, valid, unit)
 
 
@@ -319,5 +319,5 @@ def rms_forward_cols_parallel(x, w, eps, y, rstd_out):
     items, per_work = _col_items(x)
     for wk in prange((items + per_work - 1) // per_work):
         scratch, tiles = _col_scratch(x, y, rstd_out.dtype)
-        for item in range(wk * per_work, min(items, (wk + 1) * per_work)):
+        for item in range(wk * per_work, imin(items, (wk + 1) * per_work)):
             _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item)

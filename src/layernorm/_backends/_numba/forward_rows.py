@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._scalars import cast, narrow, widen
+from ._scalars import cast, imax, imin, narrow, widen
 from ._simd import (
     affine,
     alive,
@@ -129,7 +129,7 @@ def ln_row_out_streamed(xr, yr, r, n, shift, mean, rstd, w, b):
     mv = splat(mean)
     rv = splat(rstd)
     # Streaming stores need aligned addresses: peel elements up to the boundary.
-    align = min(64, LANES * itemsize(yr))
+    align = imin(64, LANES * itemsize(yr))
     i = 0
     while i < n and vaddress(yr, r, i) % align != 0:
         v = ((widen(get(xr, r, i)) - shift) - mean) * rstd
@@ -259,9 +259,9 @@ def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
         if stop < r1:
             break
         for i in range(LANES):
-            row = min(first + i, last)
+            row = imin(first + i, last)
             if ahead:
-                soon = min(first + 2 * LANES + i, last)
+                soon = imin(first + 2 * LANES + i, last)
                 xpf, ypf = vaddress(xv, soon, 0), vaddress(yv, soon, 0)
                 for o in range(0, n * itemsize(xv), 64):
                     prefetch_at(xpf, o, False)
@@ -282,7 +282,7 @@ def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
         vstore(sv, mt, _S_MU, 0)
         vstore(sv, rounded(one / sqrt(m2 * inv_n + eps_vec), eps), _S_RSTD, 0)
         vstore(sv, vload(sv, _S_SHIFT, 0) + mt, _S_MEAN_OUT, 0)
-        for i in range(min(LANES, r1 - first)):
+        for i in range(imin(LANES, r1 - first)):
             shift = get(sv, _S_SHIFT, i)
             mean = get(sv, _S_MU, i)
             rstd = get(sv, _S_RSTD, i)
@@ -310,7 +310,7 @@ def _ln_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1):
     ys = np.empty((LANES, n), dtype=y.dtype)
     xv, yv, wv, bv, tv = raw(xs), raw(ys), raw(w), raw(b), raw(tab)
     for first in range(r0, r1, LANES):
-        count = min(LANES, r1 - first)
+        count = imin(LANES, r1 - first)
         for i in range(count):
             copy_row(xs, i, x, first + i)
         ln_raw_rows(xv, yv, wv, bv, tv, eps, n, PLAIN, mean_out, rstd_out,
@@ -323,7 +323,7 @@ def _ln_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1):
 
 @njit(inline="always", error_model="numpy")
 def _row_block(rows, n):
-    return max(1, min(rows, WORK_ELEMENTS // max(n, 1)))
+    return imax(1, imin(rows, WORK_ELEMENTS // imax(n, 1)))
 
 
 # Entry kernels, one per path, so that a call compiles only the path it takes: rows of
@@ -369,7 +369,7 @@ def _ln_rows_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, stream):
     pending = np.empty((blocks, 2), dtype=np.int64)
     for blk in prange(blocks):
         r0 = blk * rb
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         pending[blk, 0] = ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out,
                                        rstd_out, r0, r1, r0)
         pending[blk, 1] = r1
@@ -413,7 +413,7 @@ def ln_short_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     pending = np.empty((blocks, 2), dtype=np.int64)
     for blk in prange(blocks):
         r0 = blk * rb
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         pending[blk, 0] = ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0,
                                         r1, r0)
         pending[blk, 1] = r1
@@ -435,7 +435,7 @@ def ln_gathered_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     rb = _row_block(rows, x.shape[1])
     for blk in prange((rows + rb - 1) // rb):
         r0 = blk * rb
-        _ln_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, min(rows, r0 + rb))
+        _ln_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, imin(rows, r0 + rb))
 
 
 @njit(error_model="numpy")
@@ -489,7 +489,7 @@ def _rms_row_out(xr, yr, r, n, rstd, w):
 def _rms_row_out_streamed(xr, yr, r, n, rstd, w):
     """:func:`_rms_row_out` with streaming stores (the same values)."""
     rv = splat(rstd)
-    align = min(64, LANES * itemsize(yr))
+    align = imin(64, LANES * itemsize(yr))
     i = 0
     while i < n and vaddress(yr, r, i) % align != 0:
         put(yr, r, i, narrow(times_w(widen(get(xr, r, i)) * rstd, w, i), yr))
@@ -591,7 +591,7 @@ def _rms_rows_parallel(x, w, eps, y, rstd_out, stream):
     pending = np.empty((blocks, 2), dtype=np.int64)
     for blk in prange(blocks):
         r0 = blk * rb
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         pending[blk, 0] = rms_raw_rows(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, r0)
         pending[blk, 1] = r1
     alive(w)
@@ -624,4 +624,4 @@ def rms_gathered_forward_parallel(x, w, eps, y, rstd_out, nt):
     rb = _row_block(rows, x.shape[1])
     for blk in prange((rows + rb - 1) // rb):
         r0 = blk * rb
-        _rms_gathered(x, w, eps, y, rstd_out, r0, min(rows, r0 + rb))
+        _rms_gathered(x, w, eps, y, rstd_out, r0, imin(rows, r0 + rb))

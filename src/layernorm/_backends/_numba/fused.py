@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._scalars import narrow, widen
+from ._scalars import imax, imin, narrow, widen
 from ._simd import (
     get,
     put,
@@ -104,7 +104,7 @@ def _add_rms_block(x, res, w, eps, h, y, rstd_out, stream, r0, r1):
 def block_rows(rows, n, blocks, elements):
     """Rows per block: ``elements`` worth, fewer where that would leave fewer than
     ``blocks`` blocks (work for every thread), at least one."""
-    return max(1, min(elements // max(n, 1), -(-rows // blocks)))
+    return imax(1, imin(elements // imax(n, 1), -(-rows // blocks)))
 
 
 # Entry kernels, one per path (rows longer than SHORT_ROW_MAX, shorter ones): a call
@@ -123,7 +123,7 @@ def _add_ln_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, stream):
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     stopped = 0
     for r0 in range(0, rows, rb):
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         stopped += _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, stream,
                                  r0, r1) < r1
     return stopped
@@ -136,7 +136,7 @@ def _add_ln_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, stream):
     pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
     for blk in prange(pending.shape[0]):
         r0 = blk * rb
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         pending[blk, 0] = _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab,
                                         stream, r0, r1)
         pending[blk, 1] = r1
@@ -183,7 +183,7 @@ def add_ln_short_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     stopped = 0
     for r0 in range(0, rows, rb):
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         stopped += _add_ln_short_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, r0,
                                        r1) < r1
     return stopped
@@ -197,7 +197,7 @@ def add_ln_short_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, t
     pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
     for blk in prange(pending.shape[0]):
         r0 = blk * rb
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         pending[blk, 0] = _add_ln_short_block(x, res, w, b, eps, h, y, mean_out, rstd_out,
                                               tab, r0, r1)
         pending[blk, 1] = r1
@@ -210,7 +210,7 @@ def _add_rms_serial(x, res, w, eps, h, y, rstd_out, stream):
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     stopped = 0
     for r0 in range(0, rows, rb):
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         stopped += _add_rms_block(x, res, w, eps, h, y, rstd_out, stream, r0, r1) < r1
     return stopped
 
@@ -222,7 +222,7 @@ def _add_rms_parallel(x, res, w, eps, h, y, rstd_out, stream):
     pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
     for blk in prange(pending.shape[0]):
         r0 = blk * rb
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         pending[blk, 0] = _add_rms_block(x, res, w, eps, h, y, rstd_out, stream, r0, r1)
         pending[blk, 1] = r1
     return pending

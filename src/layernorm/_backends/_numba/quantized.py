@@ -55,7 +55,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._scalars import narrow, widen
+from ._scalars import imin, narrow, widen
 from ._simd import (
     affine,
     alive,
@@ -435,7 +435,7 @@ def ln_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fm
     bufs = _row_buffers(rb, n, dynamic)
     stopped = 0
     for r0 in range(0, rows, rb):
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         stopped += _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
                              dynamic, inv_rows, scale_out, bufs, r0, r1) < r1
     return stopped
@@ -451,7 +451,7 @@ def ln_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, 
     done = np.empty(blocks, dtype=np.bool_)
     for blk in prange(blocks):
         r0 = blk * rb
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         bufs = _row_buffers(rb, n, dynamic)
         done[blk] = _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
                               dynamic, inv_rows, scale_out, bufs, r0, r1) == r1
@@ -467,7 +467,7 @@ def ln_short_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, t
     y32 = _scratch(rb, n)
     stopped = 0
     for r0 in range(0, rows, rb):
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         stopped += _ln_short_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab,
                                    fmt, dynamic, inv_rows, scale_out, y32, r0, r1) < r1
     return stopped
@@ -483,7 +483,7 @@ def ln_short_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out,
     done = np.empty(blocks, dtype=np.bool_)
     for blk in prange(blocks):
         r0 = blk * rb
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         done[blk] = _ln_short_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab,
                                     fmt, dynamic, inv_rows, scale_out,
                                     _scratch(rb, n), r0, r1) == r1
@@ -500,7 +500,7 @@ def rms_quant_forward_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_r
     bufs = _row_buffers(rb, n, dynamic)
     stopped = 0
     for r0 in range(0, rows, rb):
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         stopped += _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
                               scale_out, bufs, r0, r1) < r1
     return stopped
@@ -516,7 +516,7 @@ def rms_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv
     done = np.empty(blocks, dtype=np.bool_)
     for blk in prange(blocks):
         r0 = blk * rb
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         done[blk] = _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
                                scale_out, _row_buffers(rb, n, dynamic), r0, r1) == r1
     return blocks - done.sum()
@@ -532,7 +532,7 @@ def ln_quant_rescued_serial(x, w, b, eps, q, mean_out, rstd_out, tab, fmt, dynam
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     y32 = _scratch(rb, n)
     for r0 in range(0, rows, rb):
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         ln_raw_rows(raw(x[r0:r1]), raw(y32), raw(w), raw(b), raw(tab), eps, n, PLAIN,
                     mean_out, rstd_out, runtime(0), r1 - r0, r0)
         _quantize_block(y32, q, r0, r1, fmt, dynamic, inv_rows, scale_out)
@@ -545,7 +545,7 @@ def rms_quant_rescued_serial(x, w, eps, q, rstd_out, fmt, dynamic, inv_rows, sca
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     y32 = _scratch(rb, n)
     for r0 in range(0, rows, rb):
-        r1 = min(rows, r0 + rb)
+        r1 = imin(rows, r0 + rb)
         rms_rows_rescued(raw(x[r0:r1]), raw(y32), raw(w), eps, n, PLAIN, rstd_out,
                          runtime(0), r1 - r0, r0)
         _quantize_block(y32, q, r0, r1, fmt, dynamic, inv_rows, scale_out)
