@@ -329,6 +329,14 @@ def _widen_vector(builder, raw, element):
     return raw
 
 
+def _load_widened(context, builder, ptr, element):
+    """The ``WIDTH`` elements of type ``element`` at ``ptr``, widened to a :class:`Vec`."""
+    raw_ty = ir.VectorType(_element_ir(context, element), WIDTH)
+    loaded = builder.load(builder.bitcast(ptr, raw_ty.as_pointer()),
+                          align=element.bitwidth // 8)
+    return _widen_vector(builder, loaded, element)
+
+
 def _splat_i32(value: int) -> ir.Constant:
     return ir.Constant(ir.VectorType(ir.IntType(32), WIDTH), [value] * WIDTH)
 
@@ -438,10 +446,7 @@ def _load_impl(ndim: int):
 
         def codegen(context, builder, sig, args):
             ptr = _element_pointer(context, builder, arr, args[0], args[1:])
-            raw_ty = ir.VectorType(_element_ir(context, arr.dtype), WIDTH)
-            vptr = builder.bitcast(ptr, raw_ty.as_pointer())
-            raw = builder.load(vptr, align=arr.dtype.bitwidth // 8)
-            return _widen_vector(builder, raw, arr.dtype)
+            return _load_widened(context, builder, ptr, arr.dtype)
 
         return vt(arr, *indices), codegen
 
@@ -550,10 +555,7 @@ def vload(typingctx, view, r, i):
     def codegen(context, builder, sig, args):
         ptr = _raw_pointer(context, builder, view, args[0], _as_i64(builder, args[1], r),
                            _as_i64(builder, args[2], i))
-        raw_ty = ir.VectorType(_element_ir(context, view.dtype), WIDTH)
-        loaded = builder.load(builder.bitcast(ptr, raw_ty.as_pointer()),
-                              align=view.dtype.bitwidth // 8)
-        return _widen_vector(builder, loaded, view.dtype)
+        return _load_widened(context, builder, ptr, view.dtype)
 
     return vt(view, r, i), codegen
 
@@ -716,10 +718,7 @@ def _param_ir(context, builder, view_ty, view, i_ty, i, vector):
                        _as_i64(builder, i, i_ty))
     if not vector:
         return widen_ir(builder, builder.load(ptr), view_ty.dtype)
-    raw_ty = ir.VectorType(_element_ir(context, view_ty.dtype), WIDTH)
-    loaded = builder.load(builder.bitcast(ptr, raw_ty.as_pointer()),
-                          align=view_ty.dtype.bitwidth // 8)
-    return _widen_vector(builder, loaded, view_ty.dtype)
+    return _load_widened(context, builder, ptr, view_ty.dtype)
 
 
 def _param_operand_ok(v, view) -> bool:
