@@ -359,8 +359,8 @@ ALIASES = ["out=x", "out=residual", "residual_out=x", "residual_out=residual",
 @pytest.mark.parametrize("case", ALIASES)
 def test_one_pass_kernel_in_place(case, rms, stream, n):
     # Rows of 1100 in several blocks (streaming stores peel to an aligned address, then
-    # a vector body and a tail) and pipelined rows of 200 (the next row's statistics
-    # before this row's output), every output either x or residual itself.
+    # a vector body and a tail) and rows of 200 (the next row's first pass overlaps this
+    # row's output), every output either x or residual itself.
     x0, r0 = data((40, n), "float32", 0), data((40, n), "float32", 1)
     w = data((n,), "float32", 2)
     y_ref, h_ref, _ = unfused(x0, r0, "float32", rms, weight=w)

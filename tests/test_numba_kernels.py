@@ -25,7 +25,9 @@ from layernorm._backends import _numba as backend
 from . import reference
 
 #: Row lengths covering: remainder only, one group, partial chunk, full chunks + tail
-#: (200: a pipelined row, see forward_rows.PIPELINE_MAX_BYTES).
+#: (the long-row loop overlaps a row's output with the next row's first pass chunk by
+#: chunk, see forward_rows.SUMS_PER_OUTPUT_CHUNK: 200 has one full chunk, 300 two, 1000
+#: seven and a tail).
 SIZES = [1, 5, 16, 64, 100, 128, 200, 300, 1000]
 #: Enough elements for the parallel kernels (PARALLEL_MIN_ELEMENTS) at every size.
 BATCH_ELEMENTS = 1 << 17

@@ -58,11 +58,14 @@ from .rowmath import (
     PER_LANE,
     WORK_ELEMENTS,
     cancelled,
+    checked_moments,
     copy_row,
     finish,
+    lane_sums,
+    lane_sums_from,
     lane_sums_inlined,
     redo,
-    row_moments,
+    row_chunk,
     row_shift,
     square_tree,
     tree_sum,
@@ -74,14 +77,14 @@ from .rowmath import (
 #: n = 160-256 faster from L2 but 10-45% slower from L3, so longer rows keep the row
 #: path. Such rows never take streaming stores (``STREAM_MIN_ROW`` is larger).
 SHORT_ROW_MAX = 128
-#: Rows of at most this many bytes are pipelined by :func:`ln_long_rows` (no effect on
-#: results). Measured, float32, 1 thread, kernel alone: 12% faster at (512, 256), 15% at
-#: (2048, 160), 20% slower at n = 4096 (the next row evicts the current one from L1
-#: before its output pass). Rows of 384-1024 gained nothing in cache on either machine
-#: measured, and from DRAM on a Zen 4 core pipelining them cost 20-45% (0.71 -> 0.91 of
-#: a copy at (8192, 512), 0.63 -> 1.15 at (4096, 768), 0.60 -> 0.91 at (8192, 1024)),
-#: so only rows of at most 256 float32 are pipelined.
-PIPELINE_MAX_BYTES = 1024
+#: In :func:`ln_long_rows`' pipelined loop (plain stores), the output pass of a row
+#: advances one chunk per this many chunks of the next row's first pass, so that the
+#: next row's statistics are ready halfway and their latency overlaps the rest of the
+#: output (no effect on results). Measured, float32, 1 thread, in cache, fraction of a
+#: copy, 1 / 2 / 3 / all chunks first: (1170, 160) 0.46 / 0.47 / 0.47 / 0.47,
+#: (724, 256) 0.51 / 0.56 / 0.55 / 0.56, (362, 512) 0.60 / 0.63 / 0.58 / 0.58,
+#: (90, 2048) 0.56 / 0.60 / 0.57 / 0.55, (46, 4096) 0.52 / 0.52 / 0.52 / 0.48.
+SUMS_PER_OUTPUT_CHUNK = 2
 #: The short-row path prefetches (a hint, no effect on results) the rows two blocks of
 #: ``LANES`` rows ahead, x for reading and y for writing, in runs of rows of at least
 #: this many bytes of x (beyond a core's L2, so read from L3 or DRAM: a serial call;
@@ -105,12 +108,13 @@ _S_ROWS = 2 * LANES + 4
 
 
 @njit(inline="always", error_model="numpy")
-def ln_row_out(xr, yr, r, n, shift, mean, rstd, w, b):
-    """Row ``r``'s output pass, ``y = fma(((x - K) - mean) * rstd, w, b)``, plain stores."""
+def ln_row_out_from(xr, yr, r, n, shift, mean, rstd, w, b, start):
+    """Row ``r``'s output pass from element ``start`` (a multiple of ``LANES``) on,
+    ``y = fma(((x - K) - mean) * rstd, w, b)``, plain stores."""
     kv = splat(shift)
     mv = splat(mean)
     rv = splat(rstd)
-    i = 0
+    i = start
     body = n // LANES * LANES
     while i < body:
         v = ((vload(xr, r, i) - kv) - mv) * rv
@@ -120,6 +124,42 @@ def ln_row_out(xr, yr, r, n, shift, mean, rstd, w, b):
         v = ((widen(get(xr, r, i)) - shift) - mean) * rstd
         put(yr, r, i, narrow(affine(v, w, b, i), yr))
         i += 1
+
+
+@njit(inline="always", error_model="numpy")
+def ln_row_out(xr, yr, r, n, shift, mean, rstd, w, b):
+    """Row ``r``'s output pass, ``y = fma(((x - K) - mean) * rstd, w, b)``, plain stores."""
+    ln_row_out_from(xr, yr, r, n, shift, mean, rstd, w, b, runtime(0))
+
+
+@njit(inline="always", error_model="numpy")
+def ln_row_out_and_sums(xr, yr, r, n, shift, mean, rstd, w, b, rn, nshift, write):
+    """The first pass over row ``rn`` for the shift ``nshift`` with, interleaved, the
+    output pass (:func:`ln_row_out`) of row ``r`` over one chunk per
+    ``SUMS_PER_OUTPUT_CHUNK`` chunks of ``rn`` (if ``write``).
+
+    Returns ``rn``'s lane sums (:func:`.rowmath.lane_sums`, the same operations on the
+    same values) and the element where row ``r``'s output pass stopped (the caller
+    finishes it with :func:`ln_row_out_from`)."""
+    kv = splat(shift)
+    mv = splat(mean)
+    rv = splat(rstd)
+    knv = splat(nshift)
+    a = q = splat(cast(0.0, nshift))
+    pad = splat(cast(-0.0, nshift))
+    full = n // CHUNK
+    done = 0
+    for c in range(full):
+        s, ss = row_chunk(xr, rn, c * CHUNK, runtime(PER_LANE), knv, pad)
+        a = a + s
+        q = q + ss
+        if write and c % SUMS_PER_OUTPUT_CHUNK == SUMS_PER_OUTPUT_CHUNK - 1:
+            for i in range(done, done + CHUNK, LANES):
+                v = ((vload(xr, r, i) - kv) - mv) * rv
+                vstore(yr, affine(v, w, b, i), r, i)
+            done += CHUNK
+    a, q = lane_sums_from(xr, rn, n, nshift, a, q, full)
+    return a, q, done
 
 
 @njit(inline="always", error_model="numpy")
@@ -156,38 +196,39 @@ def ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1,
     Returns ``r1``, or the first finite row whose squares overflow: that row is left
     unwritten and the rows after it are not done (see :mod:`.rescale`)."""
     stop = r1
-    # Rows of at most PIPELINE_MAX_BYTES are pipelined: the statistics of row r + 1 are
-    # computed before the output pass of row r, so that their latency overlaps it. One
-    # loop serves both orders (one inlined copy of the row arithmetic); iteration
-    # r0 - 1 only computes row r0's statistics.
     if r0 >= r1:
         return stop
-    ahead = n * itemsize(xv) <= PIPELINE_MAX_BYTES
-    start = r0 - 1 if ahead else r0
-    shift = pshift = cast(0.0, eps)
-    mu = m2 = pmu = pm2 = 0.0
-    for r in range(start, r1):
-        if ahead and r + 1 >= r1:
-            # The last row's statistics, computed in the previous iteration.
-            kshift, kmu, km2 = pshift, pmu, pm2
-        else:
-            kshift, kmu, km2 = row_moments(xv, r + 1 if ahead else r, n, tv)
-        if ahead:
-            shift, mu, m2, pshift, pmu, pm2 = pshift, pmu, pm2, kshift, kmu, km2
-        else:
-            shift, mu, m2 = kshift, kmu, km2
-        if r < r0:
-            continue
-        mean, mo, rstd = finish(shift, mu, m2, n, eps)
-        if not rstd > 0 and finite_row(xv, r, n):
+    # Software pipelined: iteration r reads row r + 1 (its first pass) while it writes
+    # row r, so that reading the next row from L2 or memory overlaps writing this one,
+    # and finishes the next row's statistics before the rest of row r's output pass,
+    # which hides their latency. Streaming stores (rows from memory) write row r whole,
+    # then read row r + 1. Iteration r0 - 1 only reads row r0, and the last row's next
+    # row is itself again (its sums discarded): one loop, one inlined copy of the row
+    # arithmetic (each copy costs a cold call compile time).
+    shift = mean = mo = rstd = cast(0.0, eps)
+    for r in range(r0 - 1, r1):
+        write = r >= r0
+        if write and not rstd > 0 and finite_row(xv, r, n):
             stop = r
             break
+        rn = imin(r + 1, r1 - 1)
+        nshift = row_shift(xv, rn, n)
         if stream is None:
-            ln_row_out(xv, yv, r, n, shift, mean, rstd, wv, bv)
+            a, q, done = ln_row_out_and_sums(xv, yv, r, n, shift, mean, rstd, wv, bv, rn,
+                                             nshift, write)
         else:
-            ln_row_out_streamed(xv, yv, r, n, shift, mean, rstd, wv, bv)
-        put_stat(mean_out, s0 + (r - r0), mo)
-        put_stat(rstd_out, s0 + (r - r0), rstd)
+            if write:
+                ln_row_out_streamed(xv, yv, r, n, shift, mean, rstd, wv, bv)
+            a, q = lane_sums(xv, rn, n, nshift)
+            done = n
+        nshift, mu, m2 = checked_moments(xv, rn, n, nshift, a, q, tv)
+        nmean, nmo, nrstd = finish(nshift, mu, m2, n, eps)
+        if write:
+            if stream is None:
+                ln_row_out_from(xv, yv, r, n, shift, mean, rstd, wv, bv, done)
+            put_stat(mean_out, s0 + (r - r0), mo)
+            put_stat(rstd_out, s0 + (r - r0), rstd)
+        shift, mean, mo, rstd = nshift, nmean, nmo, nrstd
     if stream is not None:
         store_fence()  # streaming stores done before another thread reads y
     return stop
@@ -454,12 +495,14 @@ def _row_square_chunk(xr, r, base, g, zero):
 
 
 @njit(inline="always", error_model="numpy")
-def _row_sum_squares(xr, r, n, like):
+def _row_sum_squares_from(xr, r, n, acc, first, like):
+    """The lane sums of squares of a row from chunk ``first`` on, continuing ``acc``
+    (the chunk sums before it), in the fixed order (``like``: a scalar of the
+    accumulation type)."""
     zero = splat(cast(0.0, like))
-    acc = zero
     groups = n // LANES
     full = groups // PER_LANE
-    for c in range(full):
+    for c in range(first, full):
         acc = acc + _row_square_chunk(xr, r, c * CHUNK, runtime(PER_LANE), zero)
     g = groups - full * PER_LANE
     if g > 0:
@@ -468,14 +511,23 @@ def _row_sum_squares(xr, r, n, like):
     if body < n:
         v = vload_tail(xr, r, body, n - body, cast(0.0, like))
         acc = acc + v * v
-    return tree_sum(acc)
+    return acc
 
 
 @njit(inline="always", error_model="numpy")
-def _rms_row_out(xr, yr, r, n, rstd, w):
-    """Row ``r``'s RMSNorm output pass, ``y = x * rstd * w``, plain stores."""
+def _rms_rstd_of(acc, n, eps):
+    """``rstd`` from a row's lane sums of squares: their fixed tree, then
+    ``1 / sqrt(ss / n + eps)``."""
+    ss = tree_sum(acc)
+    return cast(1.0, eps) / np.sqrt(ss / cast(n, eps) + eps)
+
+
+@njit(inline="always", error_model="numpy")
+def _rms_row_out(xr, yr, r, n, rstd, w, start):
+    """Row ``r``'s RMSNorm output pass from element ``start`` (a multiple of ``LANES``)
+    on, ``y = x * rstd * w``, plain stores."""
     rv = splat(rstd)
-    i = 0
+    i = start
     body = n // LANES * LANES
     while i < body:
         vstore(yr, times_w(vload(xr, r, i) * rv, w, i), r, i)
@@ -483,6 +535,25 @@ def _rms_row_out(xr, yr, r, n, rstd, w):
     while i < n:
         put(yr, r, i, narrow(times_w(widen(get(xr, r, i)) * rstd, w, i), yr))
         i += 1
+
+
+@njit(inline="always", error_model="numpy")
+def _rms_row_out_and_squares(xr, yr, r, n, rstd, w, rn, write):
+    """:func:`ln_row_out_and_sums` for RMSNorm: the lane sums of squares of row ``rn``
+    with row ``r``'s output pass interleaved (if ``write``); returns them and where the
+    output stopped."""
+    rv = splat(rstd)
+    zero = splat(cast(0.0, rstd))
+    acc = zero
+    full = n // CHUNK
+    done = 0
+    for c in range(full):
+        acc = acc + _row_square_chunk(xr, rn, c * CHUNK, runtime(PER_LANE), zero)
+        if write and c % SUMS_PER_OUTPUT_CHUNK == SUMS_PER_OUTPUT_CHUNK - 1:
+            for i in range(done, done + CHUNK, LANES):
+                vstore(yr, times_w(vload(xr, r, i) * rv, w, i), r, i)
+            done += CHUNK
+    return _row_sum_squares_from(xr, rn, n, acc, full, rstd), done
 
 
 @njit(inline="always", error_model="numpy")
@@ -509,16 +580,30 @@ def rms_raw_rows(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, s0):
     ``rstd`` goes to ``s0 ..`` (the RMSNorm twin of :func:`ln_long_rows`, stopping as
     it does)."""
     stop = r1
-    for r in range(r0, r1):
-        rstd = rms_rstd(xv, r, n, eps)
-        if not rstd > 0 and finite_row(xv, r, n):
+    if r0 >= r1:
+        return stop
+    # Pipelined as ln_long_rows is: row r + 1's sum of squares with row r's output
+    # (iteration r0 - 1 only reads row r0).
+    rstd = cast(0.0, eps)
+    for r in range(r0 - 1, r1):
+        write = r >= r0
+        if write and not rstd > 0 and finite_row(xv, r, n):
             stop = r
             break
+        rn = imin(r + 1, r1 - 1)
         if stream is None:
-            _rms_row_out(xv, yv, r, n, rstd, wv)
+            acc, done = _rms_row_out_and_squares(xv, yv, r, n, rstd, wv, rn, write)
         else:
-            _rms_row_out_streamed(xv, yv, r, n, rstd, wv)
-        put_stat(rstd_out, s0 + (r - r0), rstd)
+            if write:
+                _rms_row_out_streamed(xv, yv, r, n, rstd, wv)
+            acc = _row_sum_squares_from(xv, rn, n, splat(cast(0.0, eps)), runtime(0), eps)
+            done = n
+        nrstd = _rms_rstd_of(acc, n, eps)
+        if write:
+            if stream is None:
+                _rms_row_out(xv, yv, r, n, rstd, wv, done)
+            put_stat(rstd_out, s0 + (r - r0), rstd)
+        rstd = nrstd
     if stream is not None:
         store_fence()
     return stop
@@ -548,7 +633,7 @@ def _rms_gathered(x, w, eps, y, rstd_out, r0, r1):
         rstd = rms_rstd(xv, runtime(0), n, eps)
         # A finite row whose squares overflow is written by rms_row_rescaled instead.
         if rstd > 0 or not rms_row_rescaled(xv, yv, runtime(0), n, eps, wv, rstd_out, r):
-            _rms_row_out(xv, yv, runtime(0), n, rstd, wv)
+            _rms_row_out(xv, yv, runtime(0), n, rstd, wv, runtime(0))
             put_stat(rstd_out, r, rstd)
         copy_row(y, r, ys, 0)
     alive(xs)
@@ -559,8 +644,8 @@ def _rms_gathered(x, w, eps, y, rstd_out, r0, r1):
 def rms_rstd(xr, r, n, eps):
     """RMSNorm ``rstd`` of row ``r`` of a unit-stride view: the sum of squares in the row
     arithmetic's fixed trees (:mod:`.rowmath`), then ``1 / sqrt(ss / n + eps)``."""
-    ss = _row_sum_squares(xr, r, n, eps)
-    return cast(1.0, eps) / np.sqrt(ss / cast(n, eps) + eps)
+    return _rms_rstd_of(_row_sum_squares_from(xr, r, n, splat(cast(0.0, eps)), runtime(0),
+                                              eps), n, eps)
 
 
 @cached_njit(error_model="numpy")

@@ -222,7 +222,9 @@ def chunk_sums(v0, v1, v2, v3, v4, v5, v6, v7):
 
 
 @njit(error_model="numpy")
-def _row_chunk(xr, r, base, g, kv, pad):
+def row_chunk(xr, r, base, g, kv, pad):
+    """Sum and sum of squares of a row's chunk at ``base`` (``g`` groups, absent leaves
+    ``pad``), of ``v = x - kv``: :func:`chunk_sums` of its leaves."""
     # Leaves written out: a helper called with the constants 0 .. 7 would be compiled
     # once per constant.
     return chunk_sums(
@@ -236,20 +238,20 @@ def _row_chunk(xr, r, base, g, kv, pad):
         vload(xr, r, base + 7 * LANES) - kv if g > 7 else pad)
 
 
-def lane_sums(xr, r, n, shift):
-    """Per-lane sums of ``v = x - shift`` and of ``v * v`` of a unit-stride row (step 2)."""
+def lane_sums_from(xr, r, n, shift, a, q, first):
+    """:func:`lane_sums` from chunk ``first`` on, continuing the lane sums ``a`` and ``q``
+    of the chunks before it (the same additions in the same order)."""
     kv = splat(shift)
-    a = q = splat(cast(0.0, shift))
     pad = splat(cast(-0.0, shift))
     groups = n // LANES
     full = groups // PER_LANE
-    for c in range(full):
-        s, ss = _row_chunk(xr, r, c * CHUNK, runtime(PER_LANE), kv, pad)
+    for c in range(first, full):
+        s, ss = row_chunk(xr, r, c * CHUNK, runtime(PER_LANE), kv, pad)
         a = a + s
         q = q + ss
     g = groups - full * PER_LANE
     if g > 0:
-        s, ss = _row_chunk(xr, r, full * CHUNK, g, kv, pad)
+        s, ss = row_chunk(xr, r, full * CHUNK, g, kv, pad)
         a = a + s
         q = q + ss
     start = groups * LANES
@@ -263,8 +265,22 @@ def lane_sums(xr, r, n, shift):
 # Compiled twice: as a function (the row paths call it once per row; one compiled copy
 # serves them all), and inlined into the short-row loop, where the call and its return
 # through memory took a seventh of a row of 64 (measured: 12% less time per row).
-lane_sums_inlined = njit(inline="always", error_model="numpy")(lane_sums)
-lane_sums = njit(error_model="numpy")(lane_sums)
+_lane_sums_from_inlined = njit(inline="always", error_model="numpy")(lane_sums_from)
+lane_sums_from = njit(error_model="numpy")(lane_sums_from)
+
+
+@njit(inline="always", error_model="numpy")
+def lane_sums(xr, r, n, shift):
+    """Per-lane sums of ``v = x - shift`` and of ``v * v`` of a unit-stride row (step 2)."""
+    zero = splat(cast(0.0, shift))
+    return lane_sums_from(xr, r, n, shift, zero, zero, runtime(0))
+
+
+@njit(inline="always", error_model="numpy")
+def lane_sums_inlined(xr, r, n, shift):
+    """:func:`lane_sums`, its loop inlined into the caller."""
+    zero = splat(cast(0.0, shift))
+    return _lane_sums_from_inlined(xr, r, n, shift, zero, zero, runtime(0))
 
 
 @njit(inline="always", error_model="numpy")
@@ -295,17 +311,18 @@ def redo(xr, r, n, shift, mu, tab):
 
 
 @njit(inline="always", error_model="numpy")
-def row_moments(xr, r, n, tab):
-    """(shift, shifted mean, M2) of a unit-stride row: steps 1-4 of the row arithmetic
-    (the mean and ``M2`` in float64)."""
-    shift = row_shift(xr, r, n)
-    # One loop, so that the lane sums and moments are compiled once: the second
-    # iteration is the redo of step 4 (rare), with the shift moved by the mean. (With a
-    # separate redo function, a cold first call compiled it too: 0.1-0.3 s more of
-    # 2.8-3.3 s, measured by Numba's pipeline times.) A first pass that is not
-    # cancelled has M2 >= CANCEL * SS >= 0 or NaN, so the clamp changes only a redo.
+def checked_moments(xr, r, n, shift, a, q, tab):
+    """(shift, shifted mean, M2) of a unit-stride row from its first pass's lane sums
+    ``a``, ``q`` (for ``shift``): steps 3-4 of the row arithmetic, the row redone when
+    the first pass cancelled."""
+    # One loop, so that the moments are compiled once: the second iteration is the redo
+    # of step 4 (rare), with the shift moved by the mean. (With a separate redo
+    # function, a cold first call compiled it too: 0.1-0.3 s more of 2.8-3.3 s,
+    # measured by Numba's pipeline times.) A first pass that is not cancelled has
+    # M2 >= CANCEL * SS >= 0 or NaN, so the clamp changes only a redo.
     for attempt in range(2):
-        a, q = lane_sums(xr, r, n, shift)
+        if attempt == 1:
+            a, q = lane_sums(xr, r, n, shift)
         mu, m2, ss = moments(a, q, n)
         if attempt == 1 or not cancelled(m2, ss, tab):
             break
@@ -313,9 +330,17 @@ def row_moments(xr, r, n, tab):
     return shift, mu, (m2 if not m2 < 0.0 else 0.0)
 
 
+@njit(inline="always", error_model="numpy")
+def row_moments(xr, r, n, tab):
+    """(shift, shifted mean, M2) of a unit-stride row: steps 1-4 of the row arithmetic
+    (the mean and ``M2`` in float64)."""
+    shift = row_shift(xr, r, n)
+    a, q = lane_sums(xr, r, n, shift)
+    return checked_moments(xr, r, n, shift, a, q, tab)
+
+
 @njit(error_model="numpy")
 def copy_row(dst, rd, src, rs):
     # An explicit loop: slice assignment compiles a large generic implementation.
     for i in range(src.shape[1]):
         dst[rd, i] = src[rs, i]
-
