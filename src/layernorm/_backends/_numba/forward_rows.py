@@ -6,7 +6,9 @@
   ``LANES`` at a time: each row's lane sums are computed alone, then the lane trees of
   step 3 and the ``rstd`` of step 5 are evaluated for all of them at once on folded
   vectors (row ``i`` in lane ``i``, the same additions in the same tree), which removes
-  most of a short row's latency;
+  most of a short row's latency. Longer rows, and RMSNorm's, are software pipelined
+  (:func:`ln_long_rows`, :func:`rms_raw_rows`): the first pass over the next row runs
+  chunk by chunk with this row's output pass;
 * **gather path** (any other 2-D row): rows are copied into contiguous scratch rows,
   run through the row path, and the results copied out.
 

@@ -10,7 +10,9 @@ of threads, so each row's result is bitwise reproducible. Three code paths perfo
   each row's lane sums are computed alone, then the lane trees of step 3 and the
   ``rstd`` of step 5 are evaluated for all of them at once on folded vectors (row ``i``
   in lane ``i``, the same additions in the same tree), which removes most of a short
-  row's latency; the rare row that step 4 redoes is redone alone;
+  row's latency; the rare row that step 4 redoes is redone alone. Longer rows (and
+  RMSNorm's) are software pipelined: the first pass over row ``r + 1`` runs chunk by
+  chunk with the output pass of row ``r``;
 * **gather path** (any other 2-D row): rows are copied into contiguous scratch rows,
   run through the row path, and the results copied out;
 * **column path** (3-D, ``inner > 1``, the channels-first case): ``WIDTH`` neighbouring
