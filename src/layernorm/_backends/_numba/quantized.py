@@ -5,9 +5,10 @@ block of rows (``BLOCK_ELEMENTS``; with a residual, the block's ``h = x + res`` 
 computed and stored first, exactly as in :mod:`.fused`). Per row the statistics are
 computed as the plain forward computes them (:func:`.rowmath.row_moments` and
 :func:`.rowmath.finish`, as :func:`.forward_rows.ln_long_rows` does;
-:func:`.forward_rows.rms_rstd` for RMSNorm), then one output pass forms each vector of
-``y32`` (the output in the accumulation precision before any rounding) with the plain
-forward's operations (:func:`ln_row_y32`, :func:`rms_row_y32`: those of
+:func:`.forward_rows.rms_rstd` for RMSNorm; the next row's before a row's output pass,
+so that their latency and the next row's reads overlap it), then one output pass forms
+each vector of ``y32`` (the output in the accumulation precision before any rounding)
+with the plain forward's operations (:func:`ln_row_y32`, :func:`rms_row_y32`: those of
 :func:`.forward_rows.ln_row_out` and of the RMSNorm output pass), so ``y32`` is bit for
 bit what the plain forward of the float32-widened input writes:
 
@@ -55,7 +56,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._scalars import imin, narrow, widen
+from ._scalars import cast, imin, narrow, widen
 from ._simd import (
     affine,
     alive,
@@ -283,20 +284,27 @@ def ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, i
     y32, fbuf, bbuf, invs = bufs
     yv, fv, bv8 = raw(y32), raw(fbuf), raw(bbuf)
     stop = rows
-    for k in range(rows):
-        shift, mu, m2 = row_moments(xv, k, n, tv)
-        mean, mo, rstd = finish(shift, mu, m2, n, eps)
-        if not rstd > 0 and finite_row(xv, k, n):
+    # Row k + 1's statistics before row k's output pass (iteration -1 only computes
+    # row 0's; the last row's next row is itself, recomputed): their latency and the
+    # reading of the next row overlap the output pass. One inlined copy of each.
+    shift = mean = mo = rstd = cast(0.0, eps)
+    for k in range(-1 if rows > 0 else 0, rows):
+        if k >= 0 and not rstd > 0 and finite_row(xv, k, n):
             stop = k
             break
-        r = r0 + k
-        if dynamic is not None:
-            top = ln_row_y32(xv, k, yv, k, n, shift, mean, rstd, wv, bv)
-            invs[k] = inverse_of(top, r, fmt, scale_out)
-        else:
-            ln_row_codes(xv, k, qv, r, fv, bv8, n, shift, mean, rstd, wv, bv, fmt, inv_rows[r])
-        put_stat(mean_out, r, mo)
-        put_stat(rstd_out, r, rstd)
+        nshift, mu, m2 = row_moments(xv, imin(k + 1, rows - 1), n, tv)
+        nmean, nmo, nrstd = finish(nshift, mu, m2, n, eps)
+        if k >= 0:
+            r = r0 + k
+            if dynamic is not None:
+                top = ln_row_y32(xv, k, yv, k, n, shift, mean, rstd, wv, bv)
+                invs[k] = inverse_of(top, r, fmt, scale_out)
+            else:
+                ln_row_codes(xv, k, qv, r, fv, bv8, n, shift, mean, rstd, wv, bv, fmt,
+                             inv_rows[r])
+            put_stat(mean_out, r, mo)
+            put_stat(rstd_out, r, rstd)
+        shift, mean, mo, rstd = nshift, nmean, nmo, nrstd
     if dynamic is not None:
         for k in range(stop):
             quantize_row(yv, qv, bv8, k, r0 + k, n, fmt, invs[k])
@@ -316,18 +324,21 @@ def rms_rows_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_ou
     y32, fbuf, bbuf, invs = bufs
     yv, fv, bv8 = raw(y32), raw(fbuf), raw(bbuf)
     stop = rows
-    for k in range(rows):
-        rstd = rms_rstd(xv, k, n, eps)
-        if not rstd > 0 and finite_row(xv, k, n):
+    rstd = cast(0.0, eps)
+    for k in range(-1 if rows > 0 else 0, rows):  # the next row's rstd first, as ln_rows_quant does
+        if k >= 0 and not rstd > 0 and finite_row(xv, k, n):
             stop = k
             break
-        r = r0 + k
-        if dynamic is not None:
-            top = rms_row_y32(xv, k, yv, k, n, rstd, wv)
-            invs[k] = inverse_of(top, r, fmt, scale_out)
-        else:
-            rms_row_codes(xv, k, qv, r, fv, bv8, n, rstd, wv, fmt, inv_rows[r])
-        put_stat(rstd_out, r, rstd)
+        nrstd = rms_rstd(xv, imin(k + 1, rows - 1), n, eps)
+        if k >= 0:
+            r = r0 + k
+            if dynamic is not None:
+                top = rms_row_y32(xv, k, yv, k, n, rstd, wv)
+                invs[k] = inverse_of(top, r, fmt, scale_out)
+            else:
+                rms_row_codes(xv, k, qv, r, fv, bv8, n, rstd, wv, fmt, inv_rows[r])
+            put_stat(rstd_out, r, rstd)
+        rstd = nrstd
     if dynamic is not None:
         for k in range(stop):
             quantize_row(yv, qv, bv8, k, r0 + k, n, fmt, invs[k])
