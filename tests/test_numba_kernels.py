@@ -185,6 +185,9 @@ def test_every_row_entry_kernel_gives_the_same_bits_at_any_length(n):
         if fn in (k.ln_forward_serial, k.ln_stream_forward_serial) and n > 1:
             # (one element has no deviation)
             assert done == 11 and np.isnan(y[11:]).all()  # stopped, rows after it not done
+        if fn in (k.ln_forward_parallel, k.ln_stream_forward_parallel) and n > 1:
+            # (stop, end) of the blocks that stopped, and only those: row 11's block
+            assert len(done) >= 1 and done[0, 0] == 11 and (done[:, 0] < done[:, 1]).all()
         backend.complete_layer_norm_rows(done, args)
         results.append((y, mean, rstd))
     for other in results[1:]:
@@ -206,6 +209,8 @@ def test_every_row_entry_kernel_gives_the_same_bits_at_any_length(n):
         done = backend.entry.call(fn, backend.RMS_FORWARD_WRITES, *args)
         if fn in (k.rms_forward_serial, k.rms_stream_forward_serial):
             assert done == 11
+        if fn in (k.rms_forward_parallel, k.rms_stream_forward_parallel):
+            assert len(done) >= 1 and done[0, 0] == 11 and (done[:, 0] < done[:, 1]).all()
         backend.complete_rms_norm_rows(done, args)
         rms.append((y, rstd))
     for other in rms[1:]:
@@ -291,8 +296,10 @@ def test_serial_and_parallel_kernels_agree():
         rstd = np.empty(rows, np.float32)
         # Through the library's entry points: the specializations every other call uses
         # (calling the dispatcher directly would compile C-layout ones just for this test).
-        backend.entry.call(fn, backend.LN_FORWARD_WRITES, x, w, b, eps, y, mean, rstd, tab,
-                           False)
+        done = backend.entry.call(fn, backend.LN_FORWARD_WRITES, x, w, b, eps, y, mean,
+                                  rstd, tab, False)
+        # every row done: the row count, or no stopped blocks (an empty array)
+        assert done == rows if fn is k.ln_forward_serial else done.shape == (0, 2)
         results.append((y, mean, rstd))
     for a, e in zip(*results, strict=False):
         _same_bits(a, e)

@@ -196,6 +196,32 @@ def test_the_backend_measures_only_calls_that_did_not_compile(monkeypatch):
     assert c.serial is not None and c.serial > 0
 
 
+def test_the_backend_reads_the_calling_threads_numba_thread_count():
+    """Every large call asks the thread count (a cheaper route than Numba's function
+    after the first): it must follow ``numba.set_num_threads`` per thread as Numba's
+    own function does."""
+    numba = pytest.importorskip("numba")
+    import threading
+
+    from layernorm._backends import _numba as backend
+
+    threads = numba.get_num_threads()
+    try:
+        assert backend._num_threads() == threads
+        numba.set_num_threads(1)
+        assert backend._num_threads() == 1 == numba.get_num_threads()
+        seen = []
+        other = threading.Thread(target=lambda: seen.append(
+            (backend._num_threads(), numba.get_num_threads())))
+        other.start()
+        other.join()
+        assert seen[0][0] == seen[0][1]  # another thread keeps its own count
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        assert backend._num_threads() == numba.config.NUMBA_NUM_THREADS
+    finally:
+        numba.set_num_threads(threads)
+
+
 def test_every_policy_gives_the_same_bits():
     script = (
         "import numpy as np, layernorm as ln\n"

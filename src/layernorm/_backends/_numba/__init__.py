@@ -174,10 +174,33 @@ class PlannedRows:
         return self._parallel
 
 
-def _num_threads() -> int:
-    import numba
+#: What ``numba.get_num_threads`` returns, minus its cost (set by :func:`_num_threads`).
+_thread_count: Any = None
 
-    return numba.get_num_threads()
+
+def _num_threads() -> int:
+    """``numba.get_num_threads()`` (the calling thread's count), asked on every call
+    large enough to go parallel.
+
+    Numba's function takes two locks per call (to start the threading layer once), about
+    2 us, a tenth of a cache-resident call's overhead, and more once its kernel has
+    evicted the interpreter's data from L2. Once the layer is up, the function it reads
+    the count from (``numba.np.ufunc.parallel._get_num_threads``, the same per-thread
+    value) takes 0.3 us; it is used when it gives the same answer, else Numba's own."""
+    global _thread_count
+    if _thread_count is not None:
+        return _thread_count()
+    import numba
+    from numba.np.ufunc import parallel
+
+    count = numba.get_num_threads()  # starts the threading layer
+    read = getattr(parallel, "_get_num_threads", None)
+    try:
+        usable = callable(read) and read() == count
+    except Exception:  # another Numba's internals: its public function is right
+        usable = False
+    _thread_count = read if usable else numba.get_num_threads
+    return count
 
 
 def _grad_partials(blocks: int, n: int, acc: Any, count: int) -> Any:
@@ -338,11 +361,11 @@ def _rows_of(args: tuple[Any, ...], positions: tuple[int, ...], start: int,
 
 
 def _pending(result: Any, rows: int) -> list[tuple[int, int]]:
-    # A serial kernel returns the rows it did, a parallel one (stop, end) per block.
+    # A serial kernel returns the rows it did, a parallel one the (stop, end) rows of its
+    # blocks that stopped (.forward_rows.stopped_blocks).
     if isinstance(result, int):
         return [(result, rows)] if result < rows else []
-    stopped = result[result[:, 0] < result[:, 1]]
-    return [(int(stop), int(end)) for stop, end in stopped]
+    return [(stop, end) for stop, end in result.tolist()]
 
 
 def _complete(result: Any, rescue: Any, writes: tuple[int, ...], positions: tuple[int, ...],
@@ -362,7 +385,8 @@ def _complete(result: Any, rescue: Any, writes: tuple[int, ...], positions: tupl
 def complete_layer_norm_rows(result: Any, args: tuple[Any, ...]) -> None:
     """Finish a LayerNorm row kernel's call (``args`` as the kernel took them) that
     returned ``result`` (see :func:`_complete`); nothing to do if it did every row."""
-    if result is None or (isinstance(result, int) and result == args[0].shape[0]):
+    if result is None or (result == args[0].shape[0] if type(result) is int
+                          else len(result) == 0):
         return  # every row done (the gathered kernels rescale in the loop: None)
     _complete(result, load_kernels().ln_gathered_forward_serial, LN_FORWARD_WRITES,
               LN_FORWARD_ROWS, args)
@@ -370,7 +394,8 @@ def complete_layer_norm_rows(result: Any, args: tuple[Any, ...]) -> None:
 
 def complete_rms_norm_rows(result: Any, args: tuple[Any, ...]) -> None:
     """:func:`complete_layer_norm_rows` for the RMSNorm row kernels."""
-    if result is None or (isinstance(result, int) and result == args[0].shape[0]):
+    if result is None or (result == args[0].shape[0] if type(result) is int
+                          else len(result) == 0):
         return  # every row done (the gathered kernels rescale in the loop: None)
     _complete(result, load_kernels().rms_gathered_forward_serial, RMS_FORWARD_WRITES,
               RMS_FORWARD_ROWS, args)
@@ -530,11 +555,9 @@ def _add_arrays(x3, r3, h3, y3, dtypes):
 
 
 def _all_done(pending: Any) -> bool:
-    # A serial kernel's count of stopped blocks, or one (stop, end) pair per block of a
-    # parallel one (a list of Python ints is the cheapest test).
-    if type(pending) is int:
-        return pending == 0
-    return all(stop == end for stop, end in pending.tolist())
+    # A serial kernel's count of stopped blocks, or a parallel one's (stop, end) rows of
+    # its blocks that stopped.
+    return pending == 0 if type(pending) is int else len(pending) == 0
 
 
 def _stopped_ranges(pending: Any, rows: int) -> Any:
@@ -546,7 +569,8 @@ def _stopped_ranges(pending: Any, rows: int) -> Any:
 def complete_add_layer_norm_rows(pending: Any, args: tuple[Any, ...]) -> None:
     """Finish a fused add-and-LayerNorm kernel's call (``args`` as the kernel took them:
     ``x, res, w, b, eps, h, y, mean, rstd, tab, nt``) that returned ``pending`` (a
-    serial kernel's count of stopped blocks, a parallel one's (stop, end) per block).
+    serial kernel's count of stopped blocks, a parallel one's (stop, end) rows of each
+    block that stopped).
 
     Blocks stopped before a finite row whose squares overflow: their ``h`` is complete,
     and the rest of each such block is normalized from it by the gathered kernel, which

@@ -399,6 +399,20 @@ def ln_stream_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     return stop
 
 
+@njit(inline="always", error_model="numpy")
+def stopped_blocks(pending):
+    """The ``(stop, end)`` rows of the blocks in ``pending`` that stopped before an
+    overflowing row (``stop < end``), in order, moved to its front: a view of them
+    (empty when every block is done, which the caller tests with ``len``)."""
+    k = 0
+    for blk in range(pending.shape[0]):
+        if pending[blk, 0] < pending[blk, 1]:
+            pending[k, 0] = pending[blk, 0]
+            pending[k, 1] = pending[blk, 1]
+            k += 1
+    return pending[:k]
+
+
 # The parallel block loops are inlined into their entry kernels (each level of jitted
 # calls costs a cold call about 0.3 s, see .fused).
 
@@ -418,14 +432,14 @@ def _ln_rows_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, stream):
         pending[blk, 1] = r1
     alive(w)
     alive(b)
-    return pending
+    return stopped_blocks(pending)
 
 
 @cached_njit(parallel=True, error_model="numpy")
 def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     """:func:`ln_forward_serial`, blocks of rows spread over Numba's threads. Returns
-    each block's ``(stop, end)`` rows (``stop < end``: the block stopped before an
-    overflowing row, as the serial kernel does)."""
+    the ``(stop, end)`` rows of each block that stopped before an overflowing row (as
+    the serial kernel does), an empty array when none did."""
     return _ln_rows_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, PLAIN)
 
 
@@ -462,7 +476,7 @@ def ln_short_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
         pending[blk, 1] = r1
     alive(w)
     alive(b)
-    return pending
+    return stopped_blocks(pending)
 
 
 @cached_njit(error_model="numpy")
@@ -682,7 +696,7 @@ def _rms_rows_parallel(x, w, eps, y, rstd_out, stream):
         pending[blk, 0] = rms_raw_rows(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, r0)
         pending[blk, 1] = r1
     alive(w)
-    return pending
+    return stopped_blocks(pending)
 
 
 @cached_njit(parallel=True, error_model="numpy")

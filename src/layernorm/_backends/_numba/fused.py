@@ -44,7 +44,14 @@ from ._simd import (
     vstore,
 )
 from .diskcache import cached_njit
-from .forward_rows import PLAIN, STREAM, ln_long_rows, ln_short_rows, rms_raw_rows
+from .forward_rows import (
+    PLAIN,
+    STREAM,
+    ln_long_rows,
+    ln_short_rows,
+    rms_raw_rows,
+    stopped_blocks,
+)
 from .rowmath import LANES
 
 #: Elements per block of rows (no effect on results): the block's ``h`` stays in L2
@@ -111,7 +118,8 @@ def block_rows(rows, n, blocks, elements):
 # compiles only its own. A block whose norm stopped before a finite row whose squares
 # overflow has h written for the whole block and y from that row on not; the driver
 # finishes it through the gathered rows kernel on h, which rescales such rows (see
-# .rescale). A parallel kernel returns its blocks' (stop, end) rows; a serial one, the
+# .rescale). A parallel kernel returns the (stop, end) rows of its blocks that stopped
+# (:func:`.forward_rows.stopped_blocks`: none, an empty array); a serial one, the
 # number of blocks that stopped (its h is then complete, and the driver redoes all of
 # y from it: such rows are rare, and a serial call with nothing to report allocates
 # and returns no array, which was a third of a one-row call's time in the kernel).
@@ -140,7 +148,7 @@ def _add_ln_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, stream):
         pending[blk, 0] = _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab,
                                         stream, r0, r1)
         pending[blk, 1] = r1
-    return pending
+    return stopped_blocks(pending)
 
 
 # Plain and streaming stores of y are separate entry kernels (``nt`` unused): a call
@@ -201,7 +209,7 @@ def add_ln_short_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, t
         pending[blk, 0] = _add_ln_short_block(x, res, w, b, eps, h, y, mean_out, rstd_out,
                                               tab, r0, r1)
         pending[blk, 1] = r1
-    return pending
+    return stopped_blocks(pending)
 
 
 @njit(inline="always", error_model="numpy")
@@ -225,7 +233,7 @@ def _add_rms_parallel(x, res, w, eps, h, y, rstd_out, stream):
         r1 = imin(rows, r0 + rb)
         pending[blk, 0] = _add_rms_block(x, res, w, eps, h, y, rstd_out, stream, r0, r1)
         pending[blk, 1] = r1
-    return pending
+    return stopped_blocks(pending)
 
 
 @cached_njit(error_model="numpy")
