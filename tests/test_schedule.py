@@ -90,7 +90,8 @@ def test_a_collapsed_probe_turns_the_class_serial_until_the_next_probe():
     assert chooser.parallel(key) is False
     # The next probe waits PROBE_COST_FACTOR times what the collapsed probe cost.
     clock.now += schedule.PROBE_COST_FACTOR * 0.250 - 0.01
-    chooser.record(key, False, 0.010, ELEMENTS)  # serial calls in the meantime
+    for _ in range(schedule.RECENT + 1):  # serial calls in the meantime
+        chooser.record(key, False, 0.010, ELEMENTS)
     assert chooser.parallel(key) is False
     clock.now += 0.02
     probe(chooser, key, 0.004, 0.004, 0.004)  # the machine is quiet again
@@ -112,10 +113,40 @@ def test_a_parallel_class_refreshes_its_serial_time():
     chooser.record(key, False, 0.010, ELEMENTS)
     probe(chooser, key, 0.005, 0.005, 0.005)
     clock.now += schedule.SERIAL_REFRESH_S + 0.1
-    assert chooser.parallel(key) is False  # one serial call...
-    chooser.record(key, False, 0.010, ELEMENTS)
+    refresh(chooser, key, 0.010, 0.010, 0.010)
     assert chooser.parallel(key) is True  # ...then parallel again, a probe first
     probe(chooser, key, 0.005, 0.005, 0.005)
+    assert chooser.parallel(key) is True
+
+
+def refresh(chooser, key, *seconds):
+    """A serial refresh: the call that moves the data back, then RECENT measured calls."""
+    assert len(seconds) == schedule.RECENT
+    assert chooser.parallel(key) is False
+    chooser.record(key, False, 1.0, ELEMENTS)  # after parallel calls: never measured
+    for s in seconds:
+        assert chooser.parallel(key) is False  # a refresh runs all its calls
+        chooser.record(key, False, s, ELEMENTS)
+
+
+def test_the_serial_call_after_parallel_ones_does_not_count():
+    # Parallel calls leave a cache-resident input in the other cores' caches; the serial
+    # call after them moves it back. Measured as a refresh's only call, serial looked
+    # slow for good and kept a class parallel that had become slower than serial.
+    chooser, clock, key = make()
+    chooser.record(key, False, 0.010, ELEMENTS)
+    probe(chooser, key, 0.005, 0.005, 0.005)
+    clock.now += schedule.SERIAL_REFRESH_S + 0.1
+    chooser.record(key, True, 0.005, ELEMENTS)  # the latest parallel call
+    assert chooser.parallel(key) is False
+    chooser.record(key, False, 0.050, ELEMENTS)  # moving the data back
+    assert chooser.classes[key].serial == pytest.approx(0.010 / ELEMENTS)
+    for seconds in (0.004, 0.004, 0.004):  # serial is now faster than parallel
+        assert chooser.parallel(key) is False
+        chooser.record(key, False, seconds, ELEMENTS)
+    assert chooser.classes[key].serial == pytest.approx(0.004 / ELEMENTS)
+    assert chooser.parallel(key) is False  # until the next probe
+    clock.now += 1.0
     assert chooser.parallel(key) is True
 
 
@@ -137,7 +168,8 @@ def test_a_probe_does_not_count_the_parallel_calls_before_it():
     chooser.record(key, True, 0.030, ELEMENTS)  # the machine got busy
     assert chooser.parallel(key) is False
     clock.now += 10.0
-    chooser.record(key, False, 0.010, ELEMENTS)
+    for _ in range(schedule.RECENT + 1):
+        chooser.record(key, False, 0.010, ELEMENTS)
     probe(chooser, key, 0.005, 0.005, 0.030)  # quiet again: 0.004 and 0.030s forgotten
     assert chooser.classes[key].parallel == pytest.approx(0.005 / ELEMENTS)
     assert chooser.parallel(key) is True

@@ -14,8 +14,9 @@ stand for the class. A call runs parallel unless the parallel median is above th
 one; while serial, the class probes parallel again after a pause of at least
 ``PROBE_PAUSE_S`` and ``PROBE_COST_FACTOR`` times what the last probe cost, so probing
 costs at most a few percent of the time even when every probe collapses; while
-parallel, a serial call refreshes the serial times every ``SERIAL_REFRESH_S``. A class
-starts with one serial call. Calls that compiled or loaded a kernel are not measured.
+parallel, ``RECENT`` serial calls refresh the serial times every ``SERIAL_REFRESH_S``. A
+class starts with one serial call. Calls that compiled or loaded a kernel are not
+measured.
 
 A probe is a parallel call that follows a serial one of its class (the first parallel
 call of a class is one) and ``RECENT`` parallel calls after it. Its first call is not
@@ -29,6 +30,15 @@ wake-up made a class look 3.5x slower parallel than serial, and with a running m
 single 270 us call among 37 us ones turned the class serial for the next pause; either
 way half the calls ran serial, 55-70 us against 35-40 us parallel. A busy machine slows
 most calls, and two slow ones in a row move the median.
+
+Likewise the first serial call after parallel ones is not measured: the parallel calls
+left part of a cache-resident input and output in the other cores' caches, and moving
+them back costs that call 2-6x a serial call's time. A serial refresh of a parallel
+class is therefore that call and ``RECENT`` measured ones. Measured, (242, 768)
+float32, 2 threads, a torch call before every ten calls: with the refresh's one call
+measured, the serial times were all such first calls (99-309 us against 55 us), and a
+class whose parallel calls had slowed to 120-170 us beside torch's threads stayed
+parallel.
 
 ``LAYERNORM_PARALLEL`` (environment, read at import) sets the policy: ``auto`` (the
 default, as above), ``always`` (parallel whenever the call is large enough: what the
@@ -66,8 +76,8 @@ def policy_from_environment() -> str:
 class _Class:
     """What is known about one (kernel, dtype, size class)."""
 
-    __slots__ = ("left", "parallel", "parallel_at", "parallel_times", "probe_s", "serial",
-                 "serial_at", "serial_times", "slept")
+    __slots__ = ("last_parallel", "left", "parallel", "parallel_at", "parallel_times",
+                 "probe_s", "serial", "serial_at", "serial_left", "serial_times", "slept")
 
     def __init__(self) -> None:
         self.serial_times: list[float] = []  # latest RECENT, seconds per element
@@ -79,6 +89,8 @@ class _Class:
         self.probe_s = 0.0  # seconds the measured calls of the latest probe took
         self.slept = False  # the latest call was serial: the next parallel one wakes the pool
         self.left = 0  # measured calls left in the current probe
+        self.last_parallel = False  # the latest call was parallel: the next serial one moves
+        self.serial_left = 0  # measured calls left in the current serial refresh
 
 
 def _push(times: list[float], rate: float) -> float:
@@ -130,8 +142,8 @@ class Chooser:
         if c.parallel is None or c.left > 0:
             return True
         now = self.clock()
-        if c.parallel < c.serial:
-            return now - c.serial_at < SERIAL_REFRESH_S
+        if c.parallel < c.serial:  # parallel, but a serial refresh runs all its calls
+            return c.serial_left == 0 and now - c.serial_at < SERIAL_REFRESH_S
         pause = max(PROBE_PAUSE_S, PROBE_COST_FACTOR * c.probe_s)
         return now - c.parallel_at >= pause
 
@@ -147,10 +159,18 @@ class Chooser:
         rate = seconds / max(elements, 1)
         now = self.clock()
         if not parallel:
+            c.slept = True
+            if c.last_parallel:  # moving the data back from the other cores: not measured
+                c.last_parallel = False
+                c.serial_left = RECENT
+                return
             c.serial = _push(c.serial_times, rate)
             c.serial_at = now
-            c.slept = True
-        elif c.slept:  # a probe's first call, waking the pool: not measured
+            if c.serial_left > 0:
+                c.serial_left -= 1
+            return
+        c.last_parallel = True
+        if c.slept:  # a probe's first call, waking the pool: not measured
             c.slept = False
             c.left, c.probe_s = RECENT, 0.0
             c.parallel_times.clear()
