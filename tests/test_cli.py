@@ -276,8 +276,10 @@ def test_time_interleaved_round_robin():
     calls: list[str] = []
     fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
     timings = timing.time_interleaved(fns, repeats=4, target_s=0.0)
-    # With target 0 every sample is one call; warm-up and calibration are 2 calls each.
-    timed = calls[6:]
+    # With target 0 every sample is one call; warm-up and calibration are 3 calls each
+    # (after a warm-up, one long calibration call is not the last).
+    assert calls[:9] == ["a"] * 3 + ["b"] * 3 + ["c"] * 3
+    timed = calls[9:]
     assert timed == ["a", "b", "c", "c", "b", "a", "a", "b", "c", "c", "b", "a"]
     for name in "abc":
         t = timings[name]
@@ -347,6 +349,13 @@ def test_time_interleaved_calibrates_from_the_fastest_of_several_calls():
     t = timing.time_interleaved({"slow": slow}, repeats=1, target_s=0.01, clock=clock,
                                 warmup=0)
     assert t["slow"]["number"] == 1 and len(calls) == 2
+    # After a warm-up, one slow first call (a kernel loading) is not enough.
+    durations = iter([1e-3, 0.05] + [1e-3] * 1000)
+    t = timing.time_interleaved({"call": call}, repeats=2, target_s=0.01, clock=clock)
+    assert t["call"]["number"] == 10
+    calls.clear()
+    t = timing.time_interleaved({"slow": slow}, repeats=1, target_s=0.01, clock=clock)
+    assert t["slow"]["number"] == 1 and len(calls) == 1 + 2 + 1  # warm-up, 2, the round
 
 
 def test_cuda_event_clock_reads_the_events_elapsed_milliseconds():
