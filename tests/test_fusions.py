@@ -453,6 +453,39 @@ def test_one_pass_kernel_rows_whose_squares_overflow(shape):
         assert_bitwise(ri, h_ref)
 
 
+@pytest.mark.parametrize("shape", [(3000, 48), (400, 300)])
+def test_parallel_kernels_report_and_complete_overflowing_rows(monkeypatch, shape):
+    # The parallel kernels return the (stop, end) rows of only the blocks that stopped
+    # before a row whose squares overflow; the driver finishes those from there. Forced
+    # parallel (the default chooser runs a size's first calls serially), the plain and
+    # fused norms give the serial calls' bits.
+    numba = pytest.importorskip("numba")
+    from layernorm._backends import _numba as backend
+    from layernorm._backends._numba import schedule
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one Numba thread: no parallel kernels run")
+    x = data(shape, "float32", 3)
+    x[7::97] *= np.float32(1e19)  # a few overflowing rows, most blocks without one
+    r = data(shape, "float32", 4)
+    calls = {}
+    for policy in ("never", "always"):
+        monkeypatch.setattr(backend, "chooser", schedule.Chooser(policy))
+        threads = numba.get_num_threads()
+        numba.set_num_threads(2)
+        try:
+            calls[policy] = (ln.layer_norm(x, return_stats=True),
+                             ln.rms_norm(x, return_stats=True),
+                             ln.add_layer_norm(x, r, return_stats=True),
+                             ln.add_rms_norm(x, r, return_stats=True))
+        finally:
+            numba.set_num_threads(threads)
+    for got, want in zip(calls["always"], calls["never"], strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert np.isfinite(a).all()
+            assert_bitwise(a, b)
+
+
 def test_torch_cpu_takes_the_one_pass_kernel():
     torch = pytest.importorskip("torch")
     x = data((33, 300), "bfloat16", 0)
