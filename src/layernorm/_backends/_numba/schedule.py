@@ -76,8 +76,8 @@ def policy_from_environment() -> str:
 class _Class:
     """What is known about one (kernel, dtype, size class)."""
 
-    __slots__ = ("last_parallel", "left", "parallel", "parallel_at", "parallel_times",
-                 "probe_s", "serial", "serial_at", "serial_left", "serial_times", "slept")
+    __slots__ = ("left", "parallel", "parallel_at", "parallel_times", "probe_s", "serial",
+                 "serial_at", "serial_left", "serial_times", "slept")
 
     def __init__(self) -> None:
         self.serial_times: list[float] = []  # latest RECENT, seconds per element
@@ -87,9 +87,11 @@ class _Class:
         self.serial_at = -1e300  # clock of the latest serial measurement
         self.parallel_at = -1e300  # clock of the latest measured parallel call
         self.probe_s = 0.0  # seconds the measured calls of the latest probe took
-        self.slept = False  # the latest call was serial: the next parallel one wakes the pool
+        # The latest call was serial (or none was parallel yet): the next parallel one
+        # wakes the pool. Otherwise the latest was parallel: the next serial one moves
+        # the data back.
+        self.slept = True
         self.left = 0  # measured calls left in the current probe
-        self.last_parallel = False  # the latest call was parallel: the next serial one moves
         self.serial_left = 0  # measured calls left in the current serial refresh
 
 
@@ -159,9 +161,9 @@ class Chooser:
         rate = seconds / max(elements, 1)
         now = self.clock()
         if not parallel:
+            moved = not c.slept  # moving the data back from the other cores: not measured
             c.slept = True
-            if c.last_parallel:  # moving the data back from the other cores: not measured
-                c.last_parallel = False
+            if moved:
                 c.serial_left = RECENT
                 return
             c.serial = _push(c.serial_times, rate)
@@ -169,7 +171,6 @@ class Chooser:
             if c.serial_left > 0:
                 c.serial_left -= 1
             return
-        c.last_parallel = True
         if c.slept:  # a probe's first call, waking the pool: not measured
             c.slept = False
             c.left, c.probe_s = RECENT, 0.0
