@@ -34,14 +34,26 @@ def make(policy="auto"):
     return chooser, clock, chooser.key("kernel", np.dtype(np.float32), ELEMENTS)
 
 
-def probe(chooser, key, *seconds):
-    """A probe: the call that wakes the pool, then PROBE_CALLS measured calls."""
+def run_calls(chooser, key, parallel, *seconds):
+    """The calls of a probe (parallel) or of a serial refresh: one that is never
+    measured (it wakes the pool, or moves the data back from the other core), then
+    RECENT measured ones; the chooser runs all of them the same way."""
     assert len(seconds) == schedule.RECENT
-    assert chooser.parallel(key) is True
-    chooser.record(key, True, 1.0, ELEMENTS)  # waking the pool: never measured
+    assert chooser.parallel(key) is parallel
+    chooser.record(key, parallel, 1.0, ELEMENTS)
     for s in seconds:
-        assert chooser.parallel(key) is True  # a probe runs all its calls
-        chooser.record(key, True, s, ELEMENTS)
+        assert chooser.parallel(key) is parallel
+        chooser.record(key, parallel, s, ELEMENTS)
+
+
+def probe(chooser, key, *seconds):
+    """A probe: the call that wakes the pool, then RECENT measured parallel calls."""
+    run_calls(chooser, key, True, *seconds)
+
+
+def refresh(chooser, key, *seconds):
+    """A serial refresh: the call that moves the data back, then RECENT measured calls."""
+    run_calls(chooser, key, False, *seconds)
 
 
 def test_a_new_class_measures_serial_first_then_goes_parallel():
@@ -117,16 +129,6 @@ def test_a_parallel_class_refreshes_its_serial_time():
     assert chooser.parallel(key) is True  # ...then parallel again, a probe first
     probe(chooser, key, 0.005, 0.005, 0.005)
     assert chooser.parallel(key) is True
-
-
-def refresh(chooser, key, *seconds):
-    """A serial refresh: the call that moves the data back, then RECENT measured calls."""
-    assert len(seconds) == schedule.RECENT
-    assert chooser.parallel(key) is False
-    chooser.record(key, False, 1.0, ELEMENTS)  # after parallel calls: never measured
-    for s in seconds:
-        assert chooser.parallel(key) is False  # a refresh runs all its calls
-        chooser.record(key, False, s, ELEMENTS)
 
 
 def test_the_serial_call_after_parallel_ones_does_not_count():
