@@ -161,10 +161,11 @@ def _apart(out: Any, arr: Any, out_owns: bool | None = None) -> bool:
             or not np.may_share_memory(out, arr))
 
 
-def _usable_out(out: Any, x: Any, weight: Any, bias: Any) -> bool:
-    """``out`` fits (type, shape, dtype, contiguous, writeable) and overlaps no input but
-    possibly ``x`` itself (in place)."""
-    if type(out) is not np.ndarray or out.shape != x.shape or out.dtype != x.dtype:
+def _usable_out(out: Any, x: Any, weight: Any, bias: Any, dtype: Any = None) -> bool:
+    """``out`` fits (type, shape, dtype: ``x``'s unless given, contiguous, writeable) and
+    overlaps no input but possibly ``x`` itself (in place)."""
+    if (type(out) is not np.ndarray or out.shape != x.shape
+            or out.dtype != (x.dtype if dtype is None else dtype)):
         return False
     flags = out.flags  # kernel_ready's flags, read once
     if not (flags.c_contiguous and flags.aligned and flags.writeable):
@@ -438,9 +439,7 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
         scale_rows = plan.no_stats
     if out is None:
         q = np.empty(x.shape, plan.qdtype)
-    elif (type(out) is np.ndarray and out.shape == x.shape and out.dtype == plan.qdtype
-          and kernel_ready(out) and out.flags.writeable and _apart(out, x)
-          and _apart(out, weight) and _apart(out, bias)):
+    elif _usable_out(out, x, weight, bias, plan.qdtype):  # 8-bit codes: never x itself
         q = out
     else:
         return None

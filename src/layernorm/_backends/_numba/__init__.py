@@ -382,21 +382,25 @@ def _complete(result: Any, rescue: Any, writes: tuple[int, ...], positions: tupl
         entry.call(rescue, writes, *_rows_of(args, positions, stop, end))
 
 
+def _every_row_done(result: Any, rows: int) -> bool:
+    # A serial row kernel's count of rows done, a parallel one's stopped blocks, or None
+    # (the gathered kernels rescale in their loop).
+    return result is None or (result == rows if type(result) is int else len(result) == 0)
+
+
 def complete_layer_norm_rows(result: Any, args: tuple[Any, ...]) -> None:
     """Finish a LayerNorm row kernel's call (``args`` as the kernel took them) that
     returned ``result`` (see :func:`_complete`); nothing to do if it did every row."""
-    if result is None or (result == args[0].shape[0] if type(result) is int
-                          else len(result) == 0):
-        return  # every row done (the gathered kernels rescale in the loop: None)
+    if _every_row_done(result, args[0].shape[0]):
+        return
     _complete(result, load_kernels().ln_gathered_forward_serial, LN_FORWARD_WRITES,
               LN_FORWARD_ROWS, args)
 
 
 def complete_rms_norm_rows(result: Any, args: tuple[Any, ...]) -> None:
     """:func:`complete_layer_norm_rows` for the RMSNorm row kernels."""
-    if result is None or (result == args[0].shape[0] if type(result) is int
-                          else len(result) == 0):
-        return  # every row done (the gathered kernels rescale in the loop: None)
+    if _every_row_done(result, args[0].shape[0]):
+        return
     _complete(result, load_kernels().rms_gathered_forward_serial, RMS_FORWARD_WRITES,
               RMS_FORWARD_ROWS, args)
 
