@@ -904,6 +904,14 @@ def test_quantize_errors():
         ln.rms_norm(x, quantize="int8", scale=np.ones(4))
     with pytest.raises(ValueError, match="out must have the quantized dtype int8"):
         ln.layer_norm(x, quantize="int8", out=np.empty((2, 4), np.float32))
+    read_only = np.zeros((2, 4), np.int8)
+    read_only.flags.writeable = False
+    for call in (lambda: ln.layer_norm(x, quantize="int8", out=read_only),
+                 lambda: ln.rms_norm(x, quantize="int8", out=read_only),
+                 lambda: ln.add_layer_norm(x, x, quantize="int8", out=read_only)):
+        with pytest.raises(ValueError, match="out must be a writeable array, got a read-only"):
+            call()
+        assert not read_only.any()  # nothing written
     with pytest.raises(ValueError, match="scale= is only used with quantize="):
         ln.layer_norm(x, scale=1.0)
     with pytest.raises(ValueError, match="out must have the quantized dtype float8_e5m2"):

@@ -40,6 +40,7 @@ from ._validate import (
     check_residual_dtype,
     check_same_shape,
     check_weight_offset,
+    check_writeable,
     memo_axes,
     resolve_axes,
     shape_of,
@@ -723,6 +724,7 @@ def check_fused_out(out: Any, req: Request, quantize: Any, name: str = "out") ->
         if got != quantize:
             raise ValueError(f"{name} must have the quantized dtype {quantize} "
                              f"(quantize={quantize!r}), got dtype {got}")
+        check_writeable(out, name)
     if hasattr(out, "strides"):  # torch checks its own outputs when it copies into them
         check_no_internal_overlap(out, name)
 
@@ -775,8 +777,7 @@ def check_residual_out(residual_out: Any, req: Request, h_name: str) -> None:
         raise ValueError(f"residual_out must have the dtype of h ({h_name}), got dtype {got}")
     if hasattr(residual_out, "strides"):
         check_no_internal_overlap(residual_out, "residual_out")
-    if not getattr(getattr(residual_out, "flags", None), "writeable", True):
-        raise ValueError("residual_out must be a writeable array, got a read-only one")
+    check_writeable(residual_out, "residual_out")
 
 
 def check_distinct_outputs(xp_may_share: Any, out: Any, residual_out: Any) -> None:

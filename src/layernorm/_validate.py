@@ -192,8 +192,13 @@ def check_out(out: Any, x_shape: tuple[int, ...], x_dtype: str) -> None:
     if got != x_dtype:
         raise ValueError(f"out must have the dtype of x ({x_dtype}), got dtype {got}")
     check_float_dtype(out, "out")  # byte order
-    if not getattr(getattr(out, "flags", None), "writeable", True):
-        raise ValueError("out must be a writeable array, got a read-only one")
+    check_writeable(out, "out")
+
+
+def check_writeable(arr: Any, name: str) -> None:
+    """``ValueError`` if ``arr`` is a read-only array (one without flags passes)."""
+    if not getattr(getattr(arr, "flags", None), "writeable", True):
+        raise ValueError(f"{name} must be a writeable array, got a read-only one")
 
 
 def check_no_internal_overlap(arr: Any, name: str) -> None:
