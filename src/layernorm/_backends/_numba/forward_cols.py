@@ -24,7 +24,9 @@ from .rowmath import (
     PER_LANE,
     TAB_CANCEL,
     WORK_ELEMENTS,
+    blocked,
     chunk_sums,
+    close_block,
     finish,
     redo,
     square_tree,
@@ -59,16 +61,18 @@ def _col_chunk(x2, row0, c0, g, kv, pad):
 
 @njit(inline="always", error_model="numpy")
 def _col_lane_sums(x2, c0, j, kv, zero, pad):
-    """Lane ``j``'s sums of ``v = x - K`` and ``v * v`` for columns ``c0 ..``: the row
-    path's :func:`.rowmath.lane_sums`, lane ``j`` of every vector there."""
+    """Lane ``j``'s sums of ``v = x - K`` and ``v * v`` for columns ``c0 ..`` and their
+    float64 totals: the row path's :func:`.rowmath.lane_sums`, lane ``j`` of every
+    vector there."""
     n = x2.shape[0]
     a = q = zero
+    ta = tq = wide(zero)
     groups = n // LANES
     full = groups // PER_LANE
     for c in range(full):
         s, ss = _col_chunk(x2, c * CHUNK + j, c0, runtime(PER_LANE), kv, pad)
-        a = a + s
-        q = q + ss
+        a, ta = close_block(c, full, a + s, ta, zero)
+        q, tq = close_block(c, full, q + ss, tq, zero)
     g = groups - full * PER_LANE
     if g > 0:
         s, ss = _col_chunk(x2, full * CHUNK + j, c0, g, kv, pad)
@@ -79,7 +83,7 @@ def _col_lane_sums(x2, c0, j, kv, zero, pad):
         v = (load2(x2, start + j, c0) - kv) if start + j < n else (kv - kv)
         a = a + v
         q = fma(v, v, q)
-    return a, q
+    return a, q, ta, tq
 
 
 @njit(error_model="numpy")
@@ -108,14 +112,19 @@ def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out, r0
     for k in range(WIDTH):
         cs[2, k] = widen(x2[0, c0 + k])  # the shift K = x[0]
     kv = load2(cs, 2, 0)
-    # Lanes to columns: the row path's wide_tree_sum, lane j of a vector being row j of
-    # the lane-sum tiles here (its first level in the accumulation type).
+    # Lanes to columns: the row path's lane_total, lane j of a vector being row j of
+    # the lane-sum tiles here (its first level in the accumulation type, or with closed
+    # blocks in float64).
     half = LANES // 2
     for j in range(half):
-        a, q = _col_lane_sums(x2, c0, j, kv, zero, pad)
-        a2, q2 = _col_lane_sums(x2, c0, j + half, kv, zero, pad)
-        store2(lm, wide(a + a2), j, 0)
-        store2(lm2, wide(q + q2), j, 0)
+        a, q, ta, tq = _col_lane_sums(x2, c0, j, kv, zero, pad)
+        a2, q2, ta2, tq2 = _col_lane_sums(x2, c0, j + half, kv, zero, pad)
+        if blocked(n):
+            store2(lm, (ta + wide(a)) + (ta2 + wide(a2)), j, 0)
+            store2(lm2, (tq + wide(q)) + (tq2 + wide(q2)), j, 0)
+        else:
+            store2(lm, wide(a + a2), j, 0)
+            store2(lm2, wide(q + q2), j, 0)
     _lane_tree_sum(lm, half // 2)
     _lane_tree_sum(lm2, half // 2)
     for k in range(WIDTH):
@@ -199,7 +208,8 @@ def _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item)
 def _col_scratch(x, y, acc):
     n = x.shape[1]
     tw = _tile_columns(n)
-    # float64 lane-sum tiles (LayerNorm), an accumulation-type tile, column statistics
+    # float64 lane-sum tiles (LayerNorm; RMSNorm's float64 totals in the first), an
+    # accumulation-type tile, column statistics
     scratch = (np.empty((LANES, WIDTH), dtype=np.float64),
                np.empty((LANES, WIDTH), dtype=np.float64),
                np.empty((LANES, WIDTH), dtype=acc), np.empty((3, WIDTH), dtype=acc))
@@ -248,17 +258,24 @@ def _col_square_chunk(x2, row0, c0, g, zero):
 
 
 @njit(inline="always", error_model="numpy")
-def _rms_cols(x2, y2, c0, w, eps, lanes, cs, rstd_out, r0, valid):
+def _rms_cols(x2, y2, c0, w, eps, lanes, totals, cs, rstd_out, r0, valid):
+    """The RMSNorm row arithmetic for columns ``c0 .. c0+WIDTH`` of ``x2``: lane ``j``'s
+    sums of squares in row ``j`` of ``lanes`` (accumulation type), their float64 totals
+    of closed blocks in row ``j`` of ``totals``."""
     n = x2.shape[0]
     zero = splat(cast(0.0, eps))
     for j in range(LANES):
         store2(lanes, zero, j, 0)
+        store2(totals, wide(zero), j, 0)
     groups = n // LANES
     full = groups // PER_LANE
     for c in range(full):
         for j in range(LANES):
             sq = _col_square_chunk(x2, c * CHUNK + j, c0, PER_LANE, zero)
-            store2(lanes, load2(lanes, j, 0) + sq, j, 0)
+            acc, total = close_block(c, full, load2(lanes, j, 0) + sq, load2(totals, j, 0),
+                                     zero)
+            store2(lanes, acc, j, 0)
+            store2(totals, total, j, 0)
     g = groups - full * PER_LANE
     if g > 0:
         for j in range(LANES):
@@ -269,7 +286,14 @@ def _rms_cols(x2, y2, c0, w, eps, lanes, cs, rstd_out, r0, valid):
         for j in range(LANES):
             v = load2(x2, body + j, c0) if body + j < n else zero
             store2(lanes, load2(lanes, j, 0) + v * v, j, 0)
-    _lane_tree_sum(lanes, LANES // 2)
+    if blocked(n):  # the row path's total_tree_sum, rounded once
+        for j in range(LANES):
+            store2(totals, load2(totals, j, 0) + wide(load2(lanes, j, 0)), j, 0)
+        _lane_tree_sum(totals, LANES // 2)
+        for k in range(WIDTH):
+            lanes[0, k] = cast(totals[0, k], eps)
+    else:
+        _lane_tree_sum(lanes, LANES // 2)
     one = cast(1.0, eps)
     for k in range(WIDTH):
         rstd = one / np.sqrt(lanes[0, k] / cast(n, eps) + eps)
@@ -288,7 +312,7 @@ def _rms_cols(x2, y2, c0, w, eps, lanes, cs, rstd_out, r0, valid):
 
 @njit(error_model="numpy")
 def _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item):
-    _, _, lanes, cs = scratch
+    totals, _, lanes, cs = scratch
     xt, yt = tiles
     inner = x.shape[2]
     tw = xt.shape[1]
@@ -299,7 +323,7 @@ def _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item):
     unit = x.strides[2] == x.itemsize and y.strides[2] == y.itemsize
     _load_tile(x[o], xt, c0, valid, unit)
     for s in range(0, valid, WIDTH):
-        _rms_cols(xt, yt, s, w, eps, lanes, cs, rstd_out, o * inner + c0 + s,
+        _rms_cols(xt, yt, s, w, eps, lanes, totals, cs, rstd_out, o * inner + c0 + s,
                   imin(WIDTH, valid - s))
     _store_tile(yt, y[o], c0, valid, unit)
 

@@ -59,8 +59,10 @@ from .rowmath import (
     LANES,
     PER_LANE,
     WORK_ELEMENTS,
+    blocked,
     cancelled,
     checked_moments,
+    close_block,
     copy_row,
     finish,
     lane_sums,
@@ -70,6 +72,7 @@ from .rowmath import (
     row_chunk,
     row_shift,
     square_tree,
+    total_tree_sum,
     tree_sum,
 )
 
@@ -140,28 +143,29 @@ def ln_row_out_and_sums(xr, yr, r, n, shift, mean, rstd, w, b, rn, nshift, write
     output pass (:func:`ln_row_out`) of row ``r`` over one chunk per
     ``SUMS_PER_OUTPUT_CHUNK`` chunks of ``rn`` (if ``write``).
 
-    Returns ``rn``'s lane sums (:func:`.rowmath.lane_sums`, the same operations on the
-    same values) and the element where row ``r``'s output pass stopped (the caller
+    Returns ``rn``'s lane sums and their totals (:func:`.rowmath.lane_sums`, the same
+    operations on the same values) and the element where row ``r``'s output pass stopped (the caller
     finishes it with :func:`ln_row_out_from`)."""
     kv = splat(shift)
     mv = splat(mean)
     rv = splat(rstd)
     knv = splat(nshift)
-    a = q = splat(cast(0.0, nshift))
+    a = q = zero = splat(cast(0.0, nshift))
+    ta = tq = wide(zero)
     pad = splat(cast(-0.0, nshift))
     full = n // CHUNK
     done = 0
     for c in range(full):
         s, ss = row_chunk(xr, rn, c * CHUNK, runtime(PER_LANE), knv, pad)
-        a = a + s
-        q = q + ss
+        a, ta = close_block(c, full, a + s, ta, zero)
+        q, tq = close_block(c, full, q + ss, tq, zero)
         if write and c % SUMS_PER_OUTPUT_CHUNK == SUMS_PER_OUTPUT_CHUNK - 1:
             for i in range(done, done + CHUNK, LANES):
                 v = ((vload(xr, r, i) - kv) - mv) * rv
                 vstore(yr, affine(v, w, b, i), r, i)
             done += CHUNK
-    a, q = lane_sums_from(xr, rn, n, nshift, a, q, full)
-    return a, q, done
+    a, q, ta, tq = lane_sums_from(xr, rn, n, nshift, a, q, ta, tq, full)
+    return a, q, ta, tq, done
 
 
 @njit(inline="always", error_model="numpy")
@@ -216,14 +220,14 @@ def ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1,
         rn = imin(r + 1, r1 - 1)
         nshift = row_shift(xv, rn, n)
         if stream is None:
-            a, q, done = ln_row_out_and_sums(xv, yv, r, n, shift, mean, rstd, wv, bv, rn,
-                                             nshift, write)
+            a, q, ta, tq, done = ln_row_out_and_sums(xv, yv, r, n, shift, mean, rstd, wv,
+                                                     bv, rn, nshift, write)
         else:
             if write:
                 ln_row_out_streamed(xv, yv, r, n, shift, mean, rstd, wv, bv)
-            a, q = lane_sums(xv, rn, n, nshift)
+            a, q, ta, tq = lane_sums(xv, rn, n, nshift)
             done = n
-        nshift, mu, m2 = checked_moments(xv, rn, n, nshift, a, q, tv)
+        nshift, mu, m2 = checked_moments(xv, rn, n, nshift, a, q, ta, tq, tv)
         nmean, nmo, nrstd = finish(nshift, mu, m2, n, eps)
         if write:
             if stream is None:
@@ -312,7 +316,7 @@ def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
                     prefetch_at(ypf, o, True)
             shift = row_shift(xv, row, n)
             put(sv, _S_SHIFT, i, shift)
-            a, q = lane_sums_inlined(xv, row, n, shift)
+            a, q, _, _ = lane_sums_inlined(xv, row, n, shift)  # never a closed block
             vstore(sv, a, _S_A + i, 0)
             vstore(sv, q, _S_Q + i, 0)
         s = _folded_tree_sums(sv, _S_A)
@@ -511,15 +515,17 @@ def _row_square_chunk(xr, r, base, g, zero):
 
 
 @njit(inline="always", error_model="numpy")
-def _row_sum_squares_from(xr, r, n, acc, first, like):
+def _row_sum_squares_from(xr, r, n, acc, total, first, like):
     """The lane sums of squares of a row from chunk ``first`` on, continuing ``acc``
-    (the chunk sums before it), in the fixed order (``like``: a scalar of the
-    accumulation type)."""
+    (the chunk sums before it) and their float64 ``total`` of closed blocks, in the
+    fixed order (``like``: a scalar of the accumulation type)."""
     zero = splat(cast(0.0, like))
     groups = n // LANES
     full = groups // PER_LANE
     for c in range(first, full):
-        acc = acc + _row_square_chunk(xr, r, c * CHUNK, runtime(PER_LANE), zero)
+        acc, total = close_block(
+            c, full, acc + _row_square_chunk(xr, r, c * CHUNK, runtime(PER_LANE), zero),
+            total, zero)
     g = groups - full * PER_LANE
     if g > 0:
         acc = acc + _row_square_chunk(xr, r, full * CHUNK, g, zero)
@@ -527,14 +533,17 @@ def _row_sum_squares_from(xr, r, n, acc, first, like):
     if body < n:
         v = vload_tail(xr, r, body, n - body, cast(0.0, like))
         acc = acc + v * v
-    return acc
+    return acc, total
 
 
 @njit(inline="always", error_model="numpy")
-def _rms_rstd_of(acc, n, eps):
-    """``rstd`` from a row's lane sums of squares: their fixed tree, then
-    ``1 / sqrt(ss / n + eps)``."""
-    ss = tree_sum(acc)
+def _rms_rstd_of(acc, total, n, eps):
+    """``rstd`` from a row's lane sums of squares (and their float64 ``total`` of closed
+    blocks): their fixed tree, then ``1 / sqrt(ss / n + eps)``."""
+    if blocked(n):
+        ss = cast(total_tree_sum(total, acc), eps)
+    else:
+        ss = tree_sum(acc)
     return cast(1.0, eps) / np.sqrt(ss / cast(n, eps) + eps)
 
 
@@ -561,15 +570,19 @@ def _rms_row_out_and_squares(xr, yr, r, n, rstd, w, rn, write):
     rv = splat(rstd)
     zero = splat(cast(0.0, rstd))
     acc = zero
+    total = wide(zero)
     full = n // CHUNK
     done = 0
     for c in range(full):
-        acc = acc + _row_square_chunk(xr, rn, c * CHUNK, runtime(PER_LANE), zero)
+        acc, total = close_block(
+            c, full, acc + _row_square_chunk(xr, rn, c * CHUNK, runtime(PER_LANE), zero),
+            total, zero)
         if write and c % SUMS_PER_OUTPUT_CHUNK == SUMS_PER_OUTPUT_CHUNK - 1:
             for i in range(done, done + CHUNK, LANES):
                 vstore(yr, times_w(vload(xr, r, i) * rv, w, i), r, i)
             done += CHUNK
-    return _row_sum_squares_from(xr, rn, n, acc, full, rstd), done
+    acc, total = _row_sum_squares_from(xr, rn, n, acc, total, full, rstd)
+    return acc, total, done
 
 
 @njit(inline="always", error_model="numpy")
@@ -608,13 +621,14 @@ def rms_raw_rows(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, s0):
             break
         rn = imin(r + 1, r1 - 1)
         if stream is None:
-            acc, done = _rms_row_out_and_squares(xv, yv, r, n, rstd, wv, rn, write)
+            acc, total, done = _rms_row_out_and_squares(xv, yv, r, n, rstd, wv, rn, write)
         else:
             if write:
                 _rms_row_out_streamed(xv, yv, r, n, rstd, wv)
-            acc = _row_sum_squares_from(xv, rn, n, splat(cast(0.0, eps)), runtime(0), eps)
+            zero = splat(cast(0.0, eps))
+            acc, total = _row_sum_squares_from(xv, rn, n, zero, wide(zero), runtime(0), eps)
             done = n
-        nrstd = _rms_rstd_of(acc, n, eps)
+        nrstd = _rms_rstd_of(acc, total, n, eps)
         if write:
             if stream is None:
                 _rms_row_out(xv, yv, r, n, rstd, wv, done)
@@ -660,8 +674,9 @@ def _rms_gathered(x, w, eps, y, rstd_out, r0, r1):
 def rms_rstd(xr, r, n, eps):
     """RMSNorm ``rstd`` of row ``r`` of a unit-stride view: the sum of squares in the row
     arithmetic's fixed trees (:mod:`.rowmath`), then ``1 / sqrt(ss / n + eps)``."""
-    return _rms_rstd_of(_row_sum_squares_from(xr, r, n, splat(cast(0.0, eps)), runtime(0),
-                                              eps), n, eps)
+    zero = splat(cast(0.0, eps))
+    acc, total = _row_sum_squares_from(xr, r, n, zero, wide(zero), runtime(0), eps)
+    return _rms_rstd_of(acc, total, n, eps)
 
 
 @cached_njit(error_model="numpy")

@@ -21,17 +21,24 @@ lane ``j + h`` for ``h = 8, 4, 2, 1``).
    exactly nothing). Per chunk and lane ``s = ((v_0 + v_1) + (v_2 + v_3)) + ((v_4 + v_5)
    + (v_6 + v_7))`` and ``q = (fma(v_0, v_0, v_1 * v_1) + fma(v_2, v_2, v_3 * v_3)) +
    (fma(v_4, v_4, v_5 * v_5) + fma(v_6, v_6, v_7 * v_7))``, added in chunk order to the
-   lane's sums ``a = a + s`` and ``q_lane = q_lane + q`` (both start at +0.0). The
-   remainder element ``v`` of a lane (lanes ``>= r``: ``v = K - K``) then adds
-   ``a = a + v`` and ``q_lane = fma(v, v, q_lane)``. The fixed trees keep the dependency
-   chains short, and summing whole chunks keeps partial sums small: a running sum of
-   squares per element was measurably biased on data of a coarse grid (``1e4 + randn``
-   in float32: squares of multiples of ``2**-10`` round one way).
-3. Lanes are combined in the fixed tree, its first level (lane ``j`` plus lane
-   ``j + 8``) in ``T``, the others exactly widened to ``D``: ``S = T(a)``, ``SS = T(q)``;
-   then the shifted mean ``mu = S * (1/n)`` and ``M2 = fma(S, mu * -1, SS)`` (in ``D``,
-   ``1/n`` rounded in ``D``). The top levels of the tree, where a rounding costs most,
-   are float64.
+   lane's sums ``a = a + s`` and ``q_lane = q_lane + q`` (both start at +0.0). After
+   every ``BLOCK_CHUNKS`` full chunks that another full chunk follows (rows longer than
+   ``BLOCK_CHUNKS * CHUNK`` elements only), the lane's sums are closed: added, exactly
+   widened, to its float64 totals ``ta = ta + D(a)``, ``tq = tq + D(q_lane)`` (both start
+   at +0.0), and restarted at +0.0. The remainder element ``v`` of a lane (lanes
+   ``>= r``: ``v = K - K``) then adds ``a = a + v`` and ``q_lane = fma(v, v, q_lane)``.
+   The fixed trees keep the dependency chains short, summing whole chunks keeps partial
+   sums small (a running sum of squares per element was measurably biased on data of a
+   coarse grid: ``1e4 + randn`` in float32, squares of multiples of ``2**-10`` round one
+   way), and closing blocks bounds the additions of a ``T`` sum (``D/CHUNK`` running
+   additions lost accuracy in proportion to ``D``: a relative error of 2e-4 in the
+   ``rstd`` of a constant float32 row of ``2**22``).
+3. Lanes are combined in the fixed tree: without a closed block, its first level
+   (lane ``j`` plus lane ``j + 8``) in ``T``, the others exactly widened to ``D``:
+   ``S = T(a)``, ``SS = T(q)``; with closed blocks, the tree of ``ta + D(a)`` (and of
+   ``tq + D(q_lane)``) all in ``D``. Then the shifted mean ``mu = S * (1/n)`` and
+   ``M2 = fma(S, mu * -1, SS)`` (in ``D``, ``1/n`` rounded in ``D``). The top levels of
+   the tree, where a rounding costs most, are float64.
 4. Cancellation check: if ``M2 < CANCEL * SS`` (more than five sixths of ``SS``
    cancelled: ``K`` lies more than ``sqrt(1/CANCEL - 1)`` deviations from the mean, an
    outlying first element or a far offset; :data:`CANCEL` is row 0 of the table
@@ -57,8 +64,9 @@ every machine. The compiler is never allowed to contract or reorder anything its
 
 RMSNorm: per chunk and lane, the squares of the chunk's elements are summed in the same
 fixed tree as ``q`` above (absent elements are 0), the chunk sums are added to the lane's
-sum in order, then the remainder's squares; lanes are summed in the fixed tree,
-``rstd = 1 / sqrt(ss / n + eps)``, ``y = x * rstd * w``.
+sum in order (blocks closed into float64 totals as above), then the remainder's squares;
+lanes are summed in the fixed tree (in ``T``; with closed blocks, of ``total + D(sum)``
+in ``D``, rounded once to ``T``), ``rstd = 1 / sqrt(ss / n + eps)``, ``y = x * rstd * w``.
 """
 
 from __future__ import annotations
@@ -93,6 +101,9 @@ from .diskcache import cached_njit
 LANES = WIDTH
 PER_LANE = 8
 CHUNK = LANES * PER_LANE
+#: Full chunks summed in ``T`` before a long row's lane sums are closed into float64
+#: totals (step 2; rows of up to ``BLOCK_CHUNKS * CHUNK`` elements never close one).
+BLOCK_CHUNKS = 64
 #: Elements per parallel work item (no effect on results).
 WORK_ELEMENTS = 1 << 15
 #: Columns of row 0 of the table of ``n``-dependent constants (:func:`merge_table`):
@@ -193,6 +204,35 @@ def wide_tree_sum(v):
 
 
 @njit(inline="always", error_model="numpy")
+def total_tree_sum(total, v):
+    """:func:`tree_sum` of the float64 lane totals ``total`` plus ``v`` (exactly widened),
+    every level in float64 (step 3 with closed blocks)."""
+    w = total + wide(v)
+    w = w + down8(w)
+    w = w + down4(w)
+    w = w + down2(w)
+    w = w + down1(w)
+    return lane(w, 0)
+
+
+@njit(inline="always", error_model="numpy")
+def blocked(n):
+    """Whether a row of ``n`` elements closes blocks of lane sums (step 2)."""
+    return n // CHUNK > BLOCK_CHUNKS
+
+
+@njit(inline="always", error_model="numpy")
+def close_block(c, full, a, total, zero):
+    """The lane sums ``a`` and their float64 ``total`` after full chunk ``c`` of ``full``:
+    at the end of a block of ``BLOCK_CHUNKS`` chunks that another full chunk follows,
+    ``a`` is added to ``total`` and restarts at ``zero`` (+0.0, step 2); else both
+    unchanged."""
+    if (c + 1) % BLOCK_CHUNKS == 0 and c + 1 < full:
+        return zero, total + wide(a)
+    return a, total
+
+
+@njit(inline="always", error_model="numpy")
 def tree8(a0, a1, a2, a3, a4, a5, a6, a7):
     """The fixed tree of ``PER_LANE`` accumulators."""
     return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
@@ -238,17 +278,19 @@ def row_chunk(xr, r, base, g, kv, pad):
         vload(xr, r, base + 7 * LANES) - kv if g > 7 else pad)
 
 
-def lane_sums_from(xr, r, n, shift, a, q, first):
-    """:func:`lane_sums` from chunk ``first`` on, continuing the lane sums ``a`` and ``q``
-    of the chunks before it (the same additions in the same order)."""
+def lane_sums_from(xr, r, n, shift, a, q, ta, tq, first):
+    """:func:`lane_sums` from chunk ``first`` on, continuing the lane sums ``a``, ``q``
+    and their float64 totals ``ta``, ``tq`` of the chunks before it (the same additions
+    in the same order)."""
     kv = splat(shift)
     pad = splat(cast(-0.0, shift))
+    zero = splat(cast(0.0, shift))
     groups = n // LANES
     full = groups // PER_LANE
     for c in range(first, full):
         s, ss = row_chunk(xr, r, c * CHUNK, runtime(PER_LANE), kv, pad)
-        a = a + s
-        q = q + ss
+        a, ta = close_block(c, full, a + s, ta, zero)
+        q, tq = close_block(c, full, q + ss, tq, zero)
     g = groups - full * PER_LANE
     if g > 0:
         s, ss = row_chunk(xr, r, full * CHUNK, g, kv, pad)
@@ -259,7 +301,7 @@ def lane_sums_from(xr, r, n, shift, a, q, first):
         v = vload_tail(xr, r, start, n - start, shift) - kv
         a = a + v
         q = fma(v, v, q)
-    return a, q
+    return a, q, ta, tq
 
 
 # Compiled twice: as a function (the row paths call it once per row; one compiled copy
@@ -271,23 +313,34 @@ lane_sums_from = njit(error_model="numpy")(lane_sums_from)
 
 @njit(inline="always", error_model="numpy")
 def lane_sums(xr, r, n, shift):
-    """Per-lane sums of ``v = x - shift`` and of ``v * v`` of a unit-stride row (step 2)."""
+    """Per-lane sums of ``v = x - shift`` and of ``v * v`` of a unit-stride row, and
+    their float64 totals of closed blocks (step 2): ``(a, q, ta, tq)``."""
     zero = splat(cast(0.0, shift))
-    return lane_sums_from(xr, r, n, shift, zero, zero, runtime(0))
+    return lane_sums_from(xr, r, n, shift, zero, zero, wide(zero), wide(zero), runtime(0))
 
 
 @njit(inline="always", error_model="numpy")
 def lane_sums_inlined(xr, r, n, shift):
     """:func:`lane_sums`, its loop inlined into the caller."""
     zero = splat(cast(0.0, shift))
-    return _lane_sums_from_inlined(xr, r, n, shift, zero, zero, runtime(0))
+    return _lane_sums_from_inlined(xr, r, n, shift, zero, zero, wide(zero), wide(zero),
+                                   runtime(0))
 
 
 @njit(inline="always", error_model="numpy")
-def moments(a, q, n):
+def lane_total(total, v, n):
+    """The fixed tree of a row's lane sums ``v`` (and of their float64 ``total`` of
+    closed blocks, if ``n`` closes any), float64 (step 3)."""
+    if blocked(n):
+        return total_tree_sum(total, v)
+    return wide_tree_sum(v)
+
+
+@njit(inline="always", error_model="numpy")
+def moments(a, q, ta, tq, n):
     """(shifted mean, M2, sum of squares), float64, from a row's lane sums (step 3)."""
-    s = wide_tree_sum(a)
-    ss = wide_tree_sum(q)
+    s = lane_total(ta, a, n)
+    ss = lane_total(tq, q, n)
     mu = s * (1.0 / np.float64(n))
     return mu, fma(s, mu * -1.0, ss), ss
 
@@ -305,16 +358,16 @@ def redo(xr, r, n, shift, mu, tab):
     compute the first pass themselves (short rows, columns); :func:`row_moments`
     redoes in its own loop."""
     shift = shift + mu
-    a, q = lane_sums(xr, r, n, shift)
-    mu2, m2, _ = moments(a, q, n)
+    a, q, ta, tq = lane_sums(xr, r, n, shift)
+    mu2, m2, _ = moments(a, q, ta, tq, n)
     return shift, mu2, (m2 if not m2 < 0.0 else 0.0)
 
 
 @njit(inline="always", error_model="numpy")
-def checked_moments(xr, r, n, shift, a, q, tab):
+def checked_moments(xr, r, n, shift, a, q, ta, tq, tab):
     """(shift, shifted mean, M2) of a unit-stride row from its first pass's lane sums
-    ``a``, ``q`` (for ``shift``): steps 3-4 of the row arithmetic, the row redone when
-    the first pass cancelled."""
+    ``a``, ``q`` and totals ``ta``, ``tq`` (for ``shift``): steps 3-4 of the row
+    arithmetic, the row redone when the first pass cancelled."""
     # One loop, so that the moments are compiled once: the second iteration is the redo
     # of step 4 (rare), with the shift moved by the mean. (With a separate redo
     # function, a cold first call compiled it too: 0.1-0.3 s more of 2.8-3.3 s,
@@ -322,8 +375,8 @@ def checked_moments(xr, r, n, shift, a, q, tab):
     # M2 >= CANCEL * SS >= 0 or NaN, so the clamp changes only a redo.
     for attempt in range(2):
         if attempt == 1:
-            a, q = lane_sums(xr, r, n, shift)
-        mu, m2, ss = moments(a, q, n)
+            a, q, ta, tq = lane_sums(xr, r, n, shift)
+        mu, m2, ss = moments(a, q, ta, tq, n)
         if attempt == 1 or not cancelled(m2, ss, tab):
             break
         shift = shift + cast(mu, shift)
@@ -335,8 +388,8 @@ def row_moments(xr, r, n, tab):
     """(shift, shifted mean, M2) of a unit-stride row: steps 1-4 of the row arithmetic
     (the mean and ``M2`` in float64)."""
     shift = row_shift(xr, r, n)
-    a, q = lane_sums(xr, r, n, shift)
-    return checked_moments(xr, r, n, shift, a, q, tab)
+    a, q, ta, tq = lane_sums(xr, r, n, shift)
+    return checked_moments(xr, r, n, shift, a, q, ta, tq, tab)
 
 
 @njit(error_model="numpy")
