@@ -80,6 +80,68 @@ def test_load_torch_state_dict():
     np.testing.assert_allclose(rms(x), tr(torch.from_numpy(x)).detach().numpy(), atol=2e-6)
 
 
+@pytest.mark.parametrize("cls", [ln.LayerNorm, ln.RMSNorm])
+def test_load_state_dict_copies_and_state_dict_shares(cls):
+    rng = np.random.default_rng(5)
+    source = cls(6)
+    source.load_state_dict({k: rng.standard_normal(6) for k in source.state_dict()})
+    before = {k: v.copy() for k, v in source.state_dict().items()}
+    layer = cls(6)
+    layer.load_state_dict(source.state_dict())
+    source.weight *= 3.0  # in place, as an optimizer step is
+    for name, value in layer.state_dict().items():
+        np.testing.assert_array_equal(value, before[name])
+        assert not np.shares_memory(value, getattr(source, name))
+    # state_dict() gives the layer's own arrays, as torch's gives tensors sharing storage.
+    layer.state_dict()["weight"][0] = 7.0
+    assert layer.weight[0] == 7.0
+
+
+def test_load_torch_state_dict_copies_the_tensors():
+    torch = pytest.importorskip("torch")
+    tl = torch.nn.LayerNorm(6)
+    with torch.no_grad():
+        tl.weight.normal_()
+        tl.bias.normal_()
+    before = {k: v.clone() for k, v in tl.state_dict().items()}
+    layers = [ln.LayerNorm(6), ln.LayerNorm(6, xp=torch)]
+    for layer in layers:
+        layer.load_state_dict(tl.state_dict())
+    with torch.no_grad():
+        tl.weight.mul_(3.0)
+        tl.bias.add_(1.0)
+    for layer in layers:
+        for name, value in layer.state_dict().items():
+            got = value.numpy() if isinstance(value, torch.Tensor) else value
+            np.testing.assert_array_equal(got, before[name].numpy())
+
+
+def test_load_bfloat16_torch_state_dict():
+    torch = pytest.importorskip("torch")
+    tl = torch.nn.LayerNorm(8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        tl.weight.copy_(torch.linspace(0.5, 2.0, 8))
+        tl.bias.copy_(torch.linspace(-1.0, 1.0, 8))
+    expected = {k: v.float().numpy() for k, v in tl.state_dict().items()}
+    torch_layer = ln.LayerNorm(8, xp=torch, dtype="bfloat16")
+    torch_layer.load_state_dict(tl.state_dict())
+    assert torch_layer.weight.dtype == torch.bfloat16
+    numpy_layers = [ln.LayerNorm(8, dtype=dtype) for dtype in ("bfloat16", "float32")]
+    for layer, dtype in zip(numpy_layers, ("bfloat16", "float32"), strict=True):
+        layer.load_state_dict(tl.state_dict())
+        assert layer.weight.dtype.name == dtype
+    with torch.no_grad():
+        tl.weight.mul_(3.0)
+    for name, want in expected.items():
+        np.testing.assert_array_equal(getattr(torch_layer, name).float().numpy(), want)
+        for layer in numpy_layers:
+            np.testing.assert_array_equal(getattr(layer, name).astype(np.float32), want)
+    # And back: a bfloat16 NumPy state dict into a torch layer.
+    again = ln.LayerNorm(8, xp=torch, dtype="bfloat16")
+    again.load_state_dict(numpy_layers[0].state_dict())
+    assert torch.equal(again.weight, torch_layer.weight)
+
+
 def test_layer_dtype_and_namespace():
     layer = ln.LayerNorm(4, dtype="bfloat16")
     assert layer.weight.dtype.name == "bfloat16"

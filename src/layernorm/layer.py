@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._api import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
+from ._dtypes import dtype_name
 from ._validate import as_int_tuple, check_eps, check_weight_offset
 
 
@@ -25,11 +26,39 @@ def _resolve_dtype(xp: Any, dtype: Any) -> Any:
         raise TypeError(f"dtype {dtype!r} is not a dtype of {xp.__name__}") from None
 
 
-def _to_host_array(value: Any) -> Any:
-    # torch tensors (e.g. a torch.nn.LayerNorm state dict) are accepted directly.
-    if hasattr(value, "detach") and hasattr(value, "cpu"):
-        return value.detach().cpu().numpy()
-    return value
+def _is_torch_tensor(value: Any) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "detach")
+
+
+def _tensor_to_numpy(value: Any) -> Any:
+    """A torch tensor's values as a NumPy array; a dtype NumPy lacks (bfloat16) goes
+    through float32, which holds it exactly (the caller casts to the layer's dtype)."""
+    value = value.detach().cpu()
+    try:
+        return value.numpy()
+    except TypeError:
+        return value.float().numpy()
+
+
+def _copied_as(xp: Any, value: Any, dtype: Any, device: Any) -> Any:
+    """``value`` as a new array of ``xp`` and ``dtype`` that shares no memory with it.
+
+    ``torch.nn.Module.load_state_dict`` copies into the parameters: a layer that kept a
+    view of the source would change with it. Torch tensors stay tensors for a torch
+    layer (any dtype, bfloat16 included); for other namespaces they go through NumPy.
+    """
+    from array_api_compat import array_namespace
+
+    to_torch = getattr(xp, "__name__", "") == "torch"
+    if _is_torch_tensor(value):
+        value = value.detach() if to_torch else _tensor_to_numpy(value)
+    elif to_torch and hasattr(value, "dtype") and dtype_name(value.dtype) == "bfloat16":
+        value = value.astype("float32")  # torch takes no ml_dtypes arrays; this is exact
+    kwargs = {} if device is None else {"device": device}
+    converted = xp.asarray(value, dtype=dtype, **kwargs)
+    # asarray may return the source or a view of it (same namespace and dtype, or a
+    # NumPy view of a CPU tensor): copy once more, in the namespace's own terms.
+    return array_namespace(converted).asarray(converted, copy=True)
 
 
 class _Norm:
@@ -68,14 +97,24 @@ class _Norm:
             self.bias = self._full(0.0) if self._has_bias else None
 
     def state_dict(self) -> dict[str, Any]:
-        """The parameters under torch's names (``weight``, ``bias``) that exist."""
+        """The parameters under torch's names (``weight``, ``bias``) that exist.
+
+        The values are the layer's own arrays, not copies, as torch's ``state_dict``
+        returns tensors that share storage with the parameters: updating one in place
+        updates the layer. :meth:`load_state_dict` copies.
+        """
         return {name: getattr(self, name) for name in self._names()}
 
     def _names(self) -> tuple[str, ...]:
         return tuple(n for n in self._param_names if getattr(self, n) is not None)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load ``weight``/``bias`` (NumPy arrays, or torch tensors, of the right shape)."""
+        """Load ``weight``/``bias`` (arrays or torch tensors of the right shape).
+
+        The values are copied (cast to the layer's dtype, on its namespace and device),
+        as torch's ``load_state_dict`` does: later changes to the source do not reach
+        the layer.
+        """
         expected = set(self._names())
         missing = sorted(expected - set(state))
         unexpected = sorted(set(state) - expected)
@@ -86,14 +125,13 @@ class _Norm:
             )
         values = {}
         for name in expected:
-            value = _to_host_array(state[name])
+            value = state[name]
             shape = tuple(int(s) for s in getattr(value, "shape", ()))
             if shape != self.normalized_shape:
                 raise ValueError(
                     f"state_dict[{name!r}] must have shape {self.normalized_shape}, got {shape}"
                 )
-            kwargs = {} if self._device is None else {"device": self._device}
-            values[name] = self._xp.asarray(value, dtype=self._dtype, **kwargs)
+            values[name] = _copied_as(self._xp, value, self._dtype, self._device)
         for name, value in values.items():
             setattr(self, name, value)
 
