@@ -68,6 +68,13 @@ def test_info_never_imports_optional_libraries_it_only_versions(monkeypatch):
         assert module not in sys.modules
 
 
+@pytest.mark.parametrize("lib", ["torch", "dask"])
+def test_info_reports_the_adapter_of_an_installed_library_as_available(lib):
+    if not machine.installed(lib):
+        pytest.skip(f"{lib} is not installed")
+    assert machine.backends_info()[lib].startswith("available"), machine.backends_info()
+
+
 def test_installed_and_distribution_version():
     assert machine.installed("numpy")
     assert not machine.installed("layernorm_no_such_module")

@@ -164,7 +164,7 @@ def backends_info() -> dict[str, str]:
         out["cupy"] = "CuPy installed: CuPy arrays on the GPU (if one is usable, see gpu)"
     for lib, what in (("torch", "torch tensors via DLPack"),
                       ("dask", "Dask arrays via map_blocks")):
-        glue = installed(f"layernorm._backends._{lib}")
+        glue = installed(f"layernorm._adapters.{lib}")
         if not installed(lib):
             out[lib] = f"{lib} not installed"
         elif not glue:
