@@ -160,6 +160,28 @@ def test_rms_backward_channels_first_and_numpy_stats():
     assert gw.compute().shape == (8,)
 
 
+@pytest.mark.parametrize(("shape", "kw"), [((7, 0), {}), ((5, 0, 3), {"axis": (1, 2)})],
+                         ids=["last", "two-axes"])
+def test_backward_with_a_normalized_size_of_zero_matches_numpy(shape, kw):
+    rng = np.random.default_rng(6)
+    xn = random_rows(rng, shape, "float32")
+    gyn = random_rows(rng, shape, "float32")
+    pshape = tuple(shape[a] for a in kw.get("axis", (1,)))
+    w = random_rows(rng, pshape, "float32")
+    chunks = (2, *shape[1:])  # several row blocks: partials of size 0 are added
+    x, gy = da.from_array(xn, chunks=chunks), da.from_array(gyn, chunks=chunks)
+    _, mean, rstd = ln.layer_norm(xn, weight=w, return_stats=True, **kw)
+    got = dask.compute(*ln.layer_norm_backward(gy, x, mean, rstd, w, **kw))
+    expected = ln.layer_norm_backward(gyn, xn, mean, rstd, w, **kw)
+    _, rstd = ln.rms_norm(xn, weight=w, return_stats=True, **kw)
+    got += dask.compute(*ln.rms_norm_backward(gy, x, rstd, w, **kw))
+    expected += ln.rms_norm_backward(gyn, xn, rstd, w, **kw)
+    for a, b in zip(got, expected, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    assert got[1].shape == pshape
+
+
 def test_dask_and_numpy_weights_and_dask_only_errors():
     rng = np.random.default_rng(4)
     xn = random_rows(rng, (12, 10), "float32")

@@ -90,7 +90,9 @@ def _sum_in_block_order(parts: Any, *, axes: tuple[int, ...], out_dtype: Any) ->
     """Add per-block partials (one per block along the non-normalized axes) in C order."""
     other = tuple(i for i in range(parts.ndim) if i not in axes)
     pshape = tuple(parts.shape[a] for a in axes)
-    stacked = parts.transpose(other + axes).reshape((-1, *pshape))
+    # The block count is spelled out: -1 cannot be inferred when a normalized size is 0.
+    blocks = math.prod(parts.shape[i] for i in other)
+    stacked = parts.transpose(other + axes).reshape((blocks, *pshape))
     total = stacked[0].copy()
     for part in stacked[1:]:
         total += part
