@@ -98,6 +98,44 @@ def test_out_is_refused_on_the_generic_path():
         ln.layer_norm(x, out=x)
 
 
+# --------------------------------------------------------------------------- huge rows
+
+#: Finite rows whose spread (not only whose squares) overflows the dtype, and a plain row.
+HUGE_ROWS = {
+    "float32": [[3e38, -3e38, 1e38, 0.0], [3e38, -3e38, -3e38, -3e38], [1.0, 2.5, -0.5, 4.0]],
+    "float64": [[1.5e308, -1.5e308, 5e307, 0.0], [1.5e308, -1.5e308, -1.5e308, -1.5e308],
+                [1.0, 2.5, -0.5, 4.0]],
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("lib", ["numpy", "jax", "array_api_strict"])
+def test_generic_path_normalizes_finite_rows_whose_spread_overflows(lib, dtype):
+    if lib == "jax" and dtype == "float64" and not jax.config.read("jax_enable_x64"):
+        pytest.skip("JAX without x64 mode has no float64")
+    xn = np.array(HUGE_ROWS[dtype], dtype)
+    w = np.linspace(0.5, 2.0, 4).astype(dtype)
+    b = np.linspace(-1.0, 1.0, 4).astype(dtype)
+    convert = {"numpy": np.asarray, "jax": jnp.asarray, "array_api_strict": xps.asarray}[lib]
+    x, wx, bx = convert(xn), convert(w), convert(b)
+    kw = {"backend": "array_api"} if lib == "numpy" else {}
+    ry = reference.layer_norm(xn, (1,), w, b)[0]
+    rr = reference.rms_norm(xn, (1,), w)[0]
+    tol = {"rtol": 2e-6, "atol": 2e-6} if dtype == "float32" else {"rtol": 1e-13, "atol": 1e-13}
+    results = [
+        (ln.layer_norm(x, weight=wx, bias=bx, **kw), ry),
+        (ln.add_layer_norm(x, convert(np.zeros_like(xn)), weight=wx, bias=bx, **kw)[0], ry),
+        (ln.rms_norm(x, weight=wx, **kw), rr),
+    ]
+    for got, expected in results:
+        got = np.from_dlpack(got)
+        assert got.dtype == xn.dtype and np.isfinite(got).all()
+        np.testing.assert_allclose(got.astype(np.float64), expected.astype(np.float64), **tol)
+    # The same values as the native kernels, which never lose these rows.
+    np.testing.assert_allclose(np.from_dlpack(results[0][0]), ln.layer_norm(xn, weight=w, bias=b),
+                               **tol)
+
+
 # --------------------------------------------------------------------------- array_api_strict
 
 

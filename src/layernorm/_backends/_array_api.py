@@ -12,7 +12,9 @@ Two guards keep it as accurate as the native kernels:
   and small, so neither the mean nor ``x - mean`` loses the digits a float32 mean of
   1e4 cannot hold (1.0e-3 error without the shift, ~6e-7 with it).
 * **Overflowing rows.** A finite row whose squares would overflow the accumulation
-  dtype is scaled by a power of two (exact) before its statistics; the normalized row
+  dtype is scaled by a power of two (exact) before its statistics, and before the
+  shift is subtracted (the difference of two huge values may itself overflow; the
+  spread that picks the scale is measured on halves); the normalized row
   is scale invariant, so ``y`` is the same as with infinite range. Other rows are
   multiplied by 1, which changes no bit.
 """
@@ -34,14 +36,26 @@ def _param(xp: Any, param: Any, shape: tuple[int, ...], acc: Any) -> Any:
 #: over up to 2**47 (float32) or 2**500 (float64) elements stay finite.
 _RESCALE_FROM = {"float32": 2.0**40, "float64": 2.0**250}
 
+#: Exponent of the smallest normal number: a smaller scale would be subnormal, which
+#: XLA (JAX) flushes to zero. Rows in the top binade are then brought to [2, 4).
+_MIN_EXPONENT = {"float32": -126.0, "float64": -1022.0}
 
-def _row_scale(xp: Any, d: Any, axes: tuple[int, ...], acc_name: str) -> Any:
-    """Per-row power of two that brings a huge finite row's magnitude to [1, 2), else 1."""
+
+def _row_scale(xp: Any, d: Any, axes: tuple[int, ...], acc_name: str, *,
+               halved: bool = False) -> Any:
+    """Per-row power of two that brings a huge finite row's magnitude to [1, 2), else 1.
+
+    With ``halved``, ``d`` holds half of the values measured (whose full size may
+    overflow); the scale returned is still the one for the full values.
+    """
     amax = xp.max(xp.abs(d), axis=axes, keepdims=True)
-    huge = (amax >= _RESCALE_FROM[acc_name]) & xp.isfinite(amax)
+    threshold = _RESCALE_FROM[acc_name] / 2 if halved else _RESCALE_FROM[acc_name]
+    huge = (amax >= threshold) & xp.isfinite(amax)
     # Only huge rows reach log2 (others see 1.0): no -inf from zero rows, under jax.grad too.
     safe = xp.where(huge, amax, xp.ones_like(amax))
-    return xp.where(huge, xp.pow(2.0, -xp.floor(xp.log2(safe))), xp.ones_like(amax))
+    exponent = xp.maximum(-xp.floor(xp.log2(safe)) - (1.0 if halved else 0.0),
+                          _MIN_EXPONENT[acc_name])
+    return xp.where(huge, xp.pow(2.0, exponent), xp.ones_like(amax))
 
 
 def _empty_rows(xp: Any, x: Any, axes: tuple[int, ...], acc: Any) -> tuple[Any, Any]:
@@ -72,15 +86,18 @@ def layer_norm(
         return xp.astype(x, x.dtype, copy=True), mean, rstd
     xa = xp.astype(x, acc)
     shift = _first_of_rows(xa, axes)
-    scale = _row_scale(xp, xa - shift, axes, acc_name)
-    d = (xa - shift) * scale
+    # The difference of two huge finite values (3e38 - -3e38 in float32) overflows: the
+    # scale is measured on halves, and both terms are scaled (exactly) before subtracting.
+    scale = _row_scale(xp, xa * 0.5 - shift * 0.5, axes, acc_name, halved=True)
+    shift_scaled = shift * scale
+    d = xa * scale - shift_scaled
     mean_d = xp.mean(d, axis=axes, keepdims=True)
     centred = d - mean_d
     var = xp.mean(centred * centred, axis=axes, keepdims=True)
     # In the scaled units eps is eps * scale**2 (scale is 1 on every ordinary row).
     rstd_scaled = 1.0 / xp.sqrt(var + eps * (scale * scale))
     y = centred * rstd_scaled
-    mean = shift + mean_d / scale
+    mean = (shift_scaled + mean_d) / scale
     rstd = rstd_scaled * scale
     if weight is not None:
         y = y * _param(xp, weight, bshape, acc)
