@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
@@ -48,3 +50,42 @@ def test_zero_dim_input():
         ln.layer_norm(np.array(1.0, np.float32))
 
 
+
+
+@pytest.mark.parametrize("eps", [10**400, -(10**400), Fraction(10**400, 3)],
+                         ids=["int", "negative-int", "Fraction"])
+def test_eps_beyond_the_float_range_is_a_value_error(eps):
+    x = X.reshape(6, 4)
+    calls = [
+        lambda: ln.layer_norm(x, eps=eps),
+        lambda: ln.rms_norm(x, eps=eps),
+        lambda: ln.add_layer_norm(x, x, eps=eps),
+        lambda: ln.add_rms_norm(x, x, eps=eps),
+        lambda: ln.LayerNorm(4, eps=eps),
+        lambda: ln.RMSNorm(4, eps=eps),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="eps must be a finite float"):
+            call()
+
+
+# The backward's statistics: None is a clear TypeError on every route (NumPy here, and the
+# torch and Dask adapters, which check before anything reads them).
+@pytest.mark.parametrize("lib", ["numpy", "torch", "dask"])
+def test_backward_statistics_given_as_none_are_a_type_error_naming_them(lib):
+    x = X.reshape(6, 4)
+    _, mean, rstd = ln.layer_norm(x, return_stats=True)
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        x, mean, rstd = (torch.from_numpy(a) for a in (x, mean, rstd))
+    elif lib == "dask":
+        da = pytest.importorskip("dask.array")
+        x, mean, rstd = (da.from_array(a, chunks=2) for a in (x, mean, rstd))
+    cases = [
+        ("mean", lambda: ln.layer_norm_backward(x, x, None, rstd)),
+        ("rstd", lambda: ln.layer_norm_backward(x, x, mean, None)),
+        ("rstd", lambda: ln.rms_norm_backward(x, x, None)),
+    ]
+    for name, call in cases:
+        with pytest.raises(TypeError, match=rf"^{name} must be .*return_stats=True.*got None"):
+            call()

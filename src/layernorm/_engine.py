@@ -161,6 +161,11 @@ def check_backward(grad_y: Any, req: Request, **stats: Any) -> None:
     if gdtype != req.dtype:
         raise TypeError(f"grad_y must have the dtype of x ({req.dtype}), got dtype {gdtype}")
     for name, stat in stats.items():
+        if stat is None:
+            raise TypeError(
+                f"{name} must be the {name} array returned by the forward call with "
+                f"return_stats=True (shape {layout.stats_shape}), got None"
+            )
         check_same_shape(stat, name, layout.stats_shape,
                          "x's shape with the normalized axes kept as 1")
         check_float_dtype(stat, name)

@@ -43,7 +43,11 @@ def check_eps(eps: Any, name: str = "eps") -> float:
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise ValueError(f"{name} must be a finite float >= 0, got {eps!r} of type "
                          f"{type(eps).__name__}")
-    value = float(eps)
+    try:
+        value = float(eps)
+    except OverflowError:  # an int or Fraction beyond the float range, e.g. 10**400
+        raise ValueError(f"{name} must be a finite float >= 0, got a value of type "
+                         f"{type(eps).__name__} too large to convert to a float") from None
     if not math.isfinite(value) or value < 0.0:
         raise ValueError(f"{name} must be a finite float >= 0, got {eps!r}")
     return value
