@@ -727,6 +727,10 @@ def test_add_errors():
     buf = np.ones((2, 4), np.float32)
     with pytest.raises(ValueError, match="out and residual_out share memory"):
         ln.add_rms_norm(x, x.copy(), out=buf, residual_out=buf)
+    for add in (ln.add_layer_norm, ln.add_rms_norm):
+        with pytest.raises(TypeError, match=r"residual must be an array of x's shape \(2, 4\), "
+                                            "got None"):
+            add(x, None)
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match="residual comes from torch"):
         ln.add_layer_norm(x, torch.ones(2, 4))
@@ -864,6 +868,37 @@ def test_quantize_nan():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_quantize_rows_of_no_elements(fmt, dtype):
+    # A dynamic scale of an empty row is that of an all-zero row, 1.0 (was: a NumPy
+    # error, a maximum over no elements).
+    x = np.empty((4, 0), dtype)
+    for call in (lambda: ln.layer_norm(x, quantize=fmt),
+                 lambda: ln.rms_norm(x, quantize=fmt),
+                 lambda: ln.add_layer_norm(x, x.copy(), quantize=fmt)[::2],
+                 lambda: ln.add_rms_norm(x, x.copy(), quantize=fmt)[::2]):
+        q, s = call()
+        assert q.shape == (4, 0) and q.dtype == (np.int8 if fmt == "int8" else FP8[fmt])
+        assert s.shape == (4, 1) and (s == 1.0).all()
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_quantized_nan_row_codes_are_batch_invariant(fmt, dtype):
+    # A NaN row's float8 codes are one NaN code, alone or in a batch (float64 input is
+    # composed with NumPy, whose multiply loop kept the sign of one NaN or the other
+    # depending on the batch's shape).
+    x = data((3, 16), dtype, 5)
+    x[1, 1] = np.inf  # row 1: NaN after the normalization
+    batch, _ = ln.layer_norm(x, quantize=fmt)
+    alone, _ = ln.layer_norm(x[1:2], quantize=fmt)
+    assert np.isnan(alone.astype(np.float32)).all()
+    assert_bitwise(batch[1:2], alone)
+    y, _h, _s = ln.add_rms_norm(x, x.copy(), quantize=fmt)
+    assert_bitwise(y[1:2], ln.add_rms_norm(x[1:2], x[1:2].copy(), quantize=fmt)[0])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_quantize_float64_matches_nearest_value(fmt):
     x = data((4, 50), "float64", 0, 5.0)
     q, _s = ln.rms_norm(x, quantize=fmt, return_stats=False)
@@ -895,7 +930,7 @@ def test_quantize_errors():
         ln.layer_norm(x, quantize="int4")
     with pytest.raises(ValueError, match="quantize must be"):
         ln.add_rms_norm(x, x, quantize=np.int8)
-    for bad in (0.0, -1.0, float("inf"), float("nan")):
+    for bad in (0.0, -1.0, float("inf"), float("nan"), 10**400, -(10**400)):
         with pytest.raises(ValueError, match="scale must be positive and finite"):
             ln.rms_norm(x, quantize="int8", scale=bad)
     with pytest.raises(ValueError, match="scale must be positive and finite in every"):

@@ -611,7 +611,11 @@ def check_scale(xp: Any, scale: Any, stats_shape: tuple[int, ...]) -> None:
     import numbers
 
     if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
-        if not (math.isfinite(scale) and scale > 0):
+        try:
+            finite = math.isfinite(scale)
+        except OverflowError:  # an int or Fraction beyond the float range, e.g. 10**400
+            finite = False
+        if not (finite and scale > 0):
             raise ValueError(f"scale must be positive and finite, got {scale!r}")
         return
     shape = getattr(scale, "shape", None)
@@ -645,7 +649,11 @@ def quantize_rows(xp: Any, y32: Any, axes: tuple[int, ...], fmt: str, scale: Any
     qmax = QUANTIZE_QMAX[fmt]
     target = dtype_of(xp, fmt)  # TypeError early for libraries without the format
     if scale is None:
-        amax = xp.max(xp.abs(y32), axis=axes, keepdims=True)
+        if math.prod(y32.shape[a] for a in axes) == 0:  # rows of no elements: amax 0
+            kept = tuple(1 if i in axes else d for i, d in enumerate(y32.shape))
+            amax = xp.zeros(kept, dtype=y32.dtype)
+        else:
+            amax = xp.max(xp.abs(y32), axis=axes, keepdims=True)
         s = amax / qmax
         s = xp.where(amax == 0, xp.ones_like(s), s)
         returned = s
@@ -662,6 +670,9 @@ def quantize_rows(xp: Any, y32: Any, axes: tuple[int, ...], fmt: str, scale: Any
         v = _saturate(xp, v, -qmax, qmax)
         if acc == "float64":
             v = _float32_round_to_odd(xp, v)
+        # One NaN code, as the kernels write: the sign of y32 * (1 / scale) for a NaN
+        # row would depend on the library's multiply loop (so on the batch's shape).
+        v = xp.where(xp.isnan(v), xp.full_like(v, math.nan), v)
     if _is_native_namespace(xp):
         return v.astype(target), returned
     return xp.astype(v, target), returned
@@ -770,6 +781,8 @@ def normalize_ex(x: Any, route: Route, normalized_shape: Any, weight: Any, bias:
 
 def check_residual(residual: Any, req: Request) -> str:
     """``residual`` has x's shape and a supported float dtype; returns the dtype's name."""
+    if residual is None:
+        raise TypeError(f"residual must be an array of x's shape {req.layout.shape}, got None")
     check_same_shape(residual, "residual", req.layout.shape, "the shape of x")
     return check_float_dtype(residual, "residual")
 
