@@ -157,6 +157,83 @@ def test_out_writes_into_tensor_and_in_place():
         ln.layer_norm(x.clone().requires_grad_(), out=out)
 
 
+def _saved_by_exp(*shape: int, seed: int) -> torch.Tensor:
+    a = (0.3 * _randn(*shape, seed=seed)).requires_grad_()
+    return a.exp()  # exp saves its output for the backward
+
+
+@pytest.mark.parametrize("call", ["layer_norm", "rms_norm", "add_out", "add_residual_out",
+                                  "generic"])
+def test_out_bumps_the_version_counter(call):
+    # A tensor saved for backward and then overwritten by out= must make backward
+    # raise, as torch's own in-place ops do, not give wrong gradients silently.
+    x = _saved_by_exp(2, 6, seed=120)
+    r = _randn(2, 6, seed=121)
+    with torch.no_grad():
+        if call == "layer_norm":
+            ln.layer_norm(x, out=x)
+        elif call == "rms_norm":
+            ln.rms_norm(x, out=x)
+        elif call == "add_out":
+            ln.add_layer_norm(r, r.clone(), out=x)
+        elif call == "add_residual_out":
+            ln.add_rms_norm(r, r.clone(), residual_out=x)
+        else:
+            ln.layer_norm(r, out=x, backend="array_api")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        x.sum().backward()
+
+
+def test_quantized_out_bumps_the_version_counter():
+    a = _randn(2, 6, seed=122).requires_grad_()
+    q = torch.zeros(2, 6, dtype=torch.int8)
+    z = a * q  # saves q for a's gradient
+    with torch.no_grad():
+        ln.layer_norm(_randn(2, 6, seed=123, dtype=torch.float32), quantize="int8", out=q)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+
+
+def _neg_view(values: torch.Tensor) -> torch.Tensor:
+    """A float tensor with the lazy negation bit set, holding ``values``."""
+    z = torch.complex(torch.zeros_like(values), -values)
+    t = z.conj().imag
+    assert t.is_neg()
+    torch.testing.assert_close(t, values, rtol=0, atol=0)
+    return t
+
+
+def test_out_with_the_negative_bit_is_written():
+    x = _randn(3, 7, seed=124, dtype=torch.float32)
+    w, b = _randn(7, seed=125, dtype=torch.float32), _randn(7, seed=126, dtype=torch.float32)
+    expected = F.layer_norm(x, (7,), w, b)
+    out = _neg_view(torch.zeros(3, 7))
+    assert ln.layer_norm(x, 7, w, b, out=out) is out
+    np.testing.assert_allclose(out.resolve_neg().numpy(), expected.numpy(), atol=1e-6)
+    xn = _neg_view(x)  # in place, x itself a negated view
+    assert ln.layer_norm(xn, 7, w, b, out=xn) is xn
+    np.testing.assert_allclose(xn.resolve_neg().numpy(), expected.numpy(), atol=1e-6)
+    xn = _neg_view(x)
+    ln.rms_norm(xn, out=xn)
+    np.testing.assert_allclose(xn.resolve_neg().numpy(), F.rms_norm(x, (7,)).numpy(), atol=1e-6)
+
+
+def test_add_norm_outputs_with_the_negative_bit_are_written():
+    x, r = _randn(3, 7, seed=127, dtype=torch.float32), _randn(3, 7, seed=128)
+    r = r.to(torch.float32)
+    h = x + r
+    expected = F.layer_norm(h, (7,))
+    out, h_out = _neg_view(torch.zeros(3, 7)), _neg_view(torch.zeros(3, 7))
+    y, hh = ln.add_layer_norm(x, r, out=out, residual_out=h_out)
+    assert y is out and hh is h_out
+    np.testing.assert_allclose(out.resolve_neg().numpy(), expected.numpy(), atol=1e-6)
+    np.testing.assert_allclose(h_out.resolve_neg().numpy(), h.numpy(), atol=1e-6)
+    xn, rn = _neg_view(x), _neg_view(r)  # in place: y into x, h into the residual
+    ln.add_layer_norm(xn, rn, out=xn, residual_out=rn)
+    np.testing.assert_allclose(xn.resolve_neg().numpy(), expected.numpy(), atol=1e-6)
+    np.testing.assert_allclose(rn.resolve_neg().numpy(), h.numpy(), atol=1e-6)
+
+
 # --------------------------------------------------------------------------- autograd
 
 
@@ -262,6 +339,124 @@ def test_no_grad_mode_gives_plain_tensor():
     with torch.no_grad():
         y = ln.layer_norm(x)
     assert y.grad_fn is None and not y.requires_grad
+
+
+def _hessians(fn, *inputs):
+    return torch.autograd.functional.hessian(fn, tuple(inputs))
+
+
+def _assert_hessians_close(got, expected):
+    for got_row, exp_row in zip(got, expected, strict=True):
+        for g, e in zip(got_row, exp_row, strict=True):
+            np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_second_derivatives_match_torch(rms):
+    x = _randn(2, 5, seed=100, loc=0.4)
+    w = 1 + 0.3 * _randn(5, seed=101)
+    b = _randn(5, seed=102)
+    c = _randn(2, 5, seed=103)
+    x.requires_grad_()
+    assert ln.layer_norm(x).grad_fn.name() == "_NormFunctionBackward"
+    if rms:
+        def ours(a, ww):
+            return (ln.rms_norm(a, 5, ww, eps=1e-5) ** 3 * c).sum()
+
+        def theirs(a, ww):
+            return (F.rms_norm(a, (5,), ww, eps=1e-5) ** 3 * c).sum()
+
+        inputs = (x.detach(), w)
+    else:
+        def ours(a, ww, bb):
+            return (ln.layer_norm(a, 5, ww, bb) ** 3 * c).sum()
+
+        def theirs(a, ww, bb):
+            return (F.layer_norm(a, (5,), ww, bb) ** 3 * c).sum()
+
+        inputs = (x.detach(), w, b)
+    got, expected = _hessians(ours, *inputs), _hessians(theirs, *inputs)
+    assert got[0][0].abs().max() > 0.1  # not silently zero
+    _assert_hessians_close(got, expected)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_add_norm_second_derivatives_match_torch(rms):
+    x, r = _randn(3, 4, seed=104), _randn(3, 4, seed=105, loc=0.5)
+    w, b = 0.2 * _randn(4, seed=106), _randn(4, seed=107)
+    c, d = _randn(3, 4, seed=108), _randn(3, 4, seed=109)
+    offset = 1.0 if rms else 0.0  # a zero-centred gain: the node sees w + 1
+
+    def ours(xx, rr, ww, bb):
+        add = ln.add_rms_norm if rms else ln.add_layer_norm
+        extra = {} if rms else {"bias": bb}
+        y, h = add(xx, rr, 4, ww, eps=1e-5, weight_offset=offset, **extra)
+        assert y.grad_fn.name() == "_AddNormFunctionBackward"
+        return (y ** 3 * c).sum() + (h ** 3 * d).sum() + (bb ** 2).sum()
+
+    def theirs(xx, rr, ww, bb):
+        h = xx + rr
+        if rms:
+            y = F.rms_norm(h, (4,), ww + offset, eps=1e-5)
+        else:
+            y = F.layer_norm(h, (4,), ww, bb, eps=1e-5)
+        return (y ** 3 * c).sum() + (h ** 3 * d).sum() + (bb ** 2).sum()
+
+    got, expected = _hessians(ours, x, r, w, b), _hessians(theirs, x, r, w, b)
+    assert got[0][0].abs().max() > 0.1
+    _assert_hessians_close(got, expected)
+
+
+def test_second_derivatives_with_shared_parameters():
+    # The weight reaches the nodes directly and through their inputs (nested nodes): each
+    # node's backward must give its partial derivatives only, or paths are counted twice.
+    x, r = _randn(2, 5, seed=114), _randn(2, 5, seed=115)
+    w, b = 1 + 0.3 * _randn(5, seed=116), _randn(5, seed=117)
+    c = _randn(2, 5, seed=118)
+
+    def ours(xx, ww, bb):
+        y = ln.layer_norm(ln.rms_norm(xx, 5, ww, eps=1e-5) * ww, 5, ww, bb)
+        y, h = ln.add_layer_norm(y, r * bb, 5, ww, bb)
+        return (y ** 3 * c).sum() + (h ** 3).sum()
+
+    def theirs(xx, ww, bb):
+        y = F.layer_norm(F.rms_norm(xx, (5,), ww, eps=1e-5) * ww, (5,), ww, bb)
+        h = y + r * bb
+        return (F.layer_norm(h, (5,), ww, bb) ** 3 * c).sum() + (h ** 3).sum()
+
+    _assert_hessians_close(_hessians(ours, x, w, b), _hessians(theirs, x, w, b))
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("where", ["last", "channels-first"])
+def test_gradgradcheck(rms, where):
+    shape, kw, pshape = {"last": ((3, 5), {"normalized_shape": 5}, (5,)),
+                         "channels-first": ((2, 4, 3), {"axis": 1}, (4,))}[where]
+    x = _randn(*shape, seed=110, loc=0.3).requires_grad_()
+    w = (1 + 0.3 * _randn(*pshape, seed=111)).requires_grad_()
+    b = _randn(*pshape, seed=112).requires_grad_()
+    if rms:
+        inputs = (x, w)
+
+        def fn(a, ww):
+            return ln.rms_norm(a, weight=ww, eps=1e-5, **kw)
+    else:
+        inputs = (x, w, b)
+
+        def fn(a, ww, bb):
+            return ln.layer_norm(a, weight=ww, bias=bb, **kw)
+    assert fn(*inputs).grad_fn.name() == "_NormFunctionBackward"
+    assert torch.autograd.gradgradcheck(fn, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_first_order_backward_still_runs_the_kernels(monkeypatch):
+    x = _randn(3, 8, seed=113).requires_grad_()
+    calls = []
+    native = _torch.backward_with
+    monkeypatch.setattr(_torch, "backward_with",
+                        lambda *args, **kw: calls.append(1) or native(*args, **kw))
+    ln.layer_norm(x).sum().backward()
+    assert calls == [1]
 
 
 # --------------------------------------------------------------------------- routes

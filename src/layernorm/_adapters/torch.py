@@ -19,8 +19,11 @@ Both native routes validate the tensors (:func:`layernorm._engine.request`) and 
 :func:`layernorm._engine.forward` / :func:`~layernorm._engine.backward` on the views: one
 driver for every library. A result that needs gradients (``x``, ``weight`` or ``bias``
 requires grad and grad mode is on) is produced by a :class:`torch.autograd.Function`
-whose backward runs our backward kernels; the statistics returned by
-``return_stats=True`` are marked non-differentiable.
+whose backward runs our backward kernels (or, when a graph of the backward is asked
+for, ``create_graph=True``, torch's autograd through the generic implementation, so
+higher derivatives follow torch); the statistics returned by ``return_stats=True`` are
+marked non-differentiable. Outputs written in place (``out=``, ``residual_out=``) have
+their autograd version counter bumped, as torch's own in-place ops do.
 """
 
 from __future__ import annotations
@@ -73,6 +76,22 @@ def _no_out_with_grad(out: Any, *tensors: Any) -> None:
             "out= does not support automatic differentiation (an input requires grad); "
             "call without out= or under torch.no_grad()"
         )
+
+
+def _written(*tensors: Any) -> None:
+    """Bump the autograd version counters of caller tensors our kernels wrote in place.
+
+    The kernels write through zero-copy views, which torch does not see: without this a
+    tensor saved for a backward and then overwritten would give wrong gradients silently
+    instead of the error torch raises for its own in-place ops.
+    """
+    torch.autograd.graph.increment_version([t for t in tensors if t is not None])
+
+
+def _is_neg(t: Any) -> bool:
+    # A tensor with the lazy negation bit (``c.conj().imag``) cannot be written through a
+    # view (:func:`_plain` resolves it into a copy); such an output is written by copy_.
+    return t is not None and t.is_neg()
 
 
 # --------------------------------------------------------------------------- views
@@ -205,14 +224,22 @@ def forward_with(bridge: Bridge, route: Route, rms: bool, x: Any, ns: Any, weigh
     eps = _engine.resolve_eps(eps, req, rms)
     if out is not None:
         check_out(out, req.layout.shape, req.dtype)
+    direct = out is not None and not _is_neg(out)  # else computed fresh, then copied
     xa = bridge.array(x)
-    outa = xa if out is x else bridge.array(out)
-    if outa is not None:
+    outa = None
+    if direct:
+        outa = xa if out is x else bridge.array(out)
         check_no_internal_overlap(outa, "out")
     y, mean, rstd = _engine.forward(
         bridge.xp, xa, req, bridge.param(weight, req.acc),
         None if rms else bridge.param(bias, req.acc), eps, outa, rms)
-    y = out if out is not None else bridge.tensor(y, x.dtype)
+    if direct:
+        _written(out)
+        y = out
+    else:
+        y = bridge.tensor(y, x.dtype)
+        if out is not None:
+            y = out.copy_(y)
     acc = _ACC_TORCH[req.acc]
     return y, bridge.tensor(mean, acc), bridge.tensor(rstd, acc)
 
@@ -297,15 +324,55 @@ def _backward_plus(route: Route, rms: bool, req: Any, gy: Any, x: Any, mean: Any
     return _engine.with_grad_residual(_namespace(x), gy, x, req, run, grad_residual)
 
 
+def _graph_grads(fn: Any, inputs: tuple[Any, ...], need: tuple[bool, ...],
+                 grad_y: Any) -> tuple[Any, ...]:
+    """The gradients of ``fn(*inputs)`` (for ``grad_y``) by torch, themselves
+    differentiable: the backward of our nodes under ``create_graph=True``.
+
+    ``fn`` recomputes the node's output with the generic implementation on torch tensors
+    from the saved ``inputs``, which unpack with their autograd history, so the graph of
+    the gradients reaches them. :func:`torch.func.vjp` differentiates with respect to the
+    inputs themselves (:func:`torch.autograd.grad` would add any path between them, such
+    as an ``x`` computed from the weight). One gradient per input, None where ``need``
+    is false.
+    """
+    wanted = [i for i, n in enumerate(need) if n]
+
+    def partial(*args: Any) -> Any:
+        full = list(inputs)
+        for i, arg in zip(wanted, args, strict=True):
+            full[i] = arg
+        return fn(*full)
+
+    _, vjp = torch.func.vjp(partial, *(inputs[i] for i in wanted))
+    grads = iter(vjp(grad_y))
+    return tuple(next(grads) if n else None for n in need)
+
+
+def _generic_norm(route: Route, rms: bool, ns: Any, eps: Any, axis: Any) -> Any:
+    """``f(x, weight, bias) -> y`` on the generic route, which torch differentiates."""
+    generic = Route(route.library, "array_api")
+
+    def norm(x: Any, weight: Any, bias: Any) -> Any:
+        return _generic_forward(generic, rms, x, ns, weight, bias, eps, axis, None)[0]
+
+    return norm
+
+
 class _NormFunction(torch.autograd.Function):
-    """Autograd node for the native routes: our forward, our backward kernels."""
+    """Autograd node for the native routes: our forward, our backward kernels.
+
+    Under ``create_graph=True`` (grad mode on inside the backward) the gradients come
+    from torch's autograd through the generic implementation instead, so that second
+    derivatives exist, as they do for :func:`torch.nn.functional.layer_norm`.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: Any, weight: Any, bias: Any, spec: tuple[Any, ...]) -> Any:
         route, rms, ns, eps, axis = spec
         y, mean, rstd = _forward(route, rms, x, ns, weight, bias, eps, axis, None)
         ctx.spec = spec
-        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
         if rms:
             ctx.mark_non_differentiable(rstd)
             return y, rstd
@@ -313,12 +380,14 @@ class _NormFunction(torch.autograd.Function):
         return y, mean, rstd
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_y: Any, *_stats_grads: Any) -> tuple[Any, ...]:
-        route, rms, ns, _eps, axis = ctx.spec
-        x, weight, mean, rstd = ctx.saved_tensors
-        grads = _backward(route, rms, grad_y, x, mean, rstd, weight, ns, axis)
+        route, rms, ns, eps, axis = ctx.spec
+        x, weight, bias, mean, rstd = ctx.saved_tensors
         need = ctx.needs_input_grad
+        if torch.is_grad_enabled():  # create_graph=True
+            norm = _generic_norm(route, rms, ns, eps, axis)
+            return (*_graph_grads(norm, (x, weight, bias), need[:3], grad_y), None)
+        grads = _backward(route, rms, grad_y, x, mean, rstd, weight, ns, axis)
         gx = grads[0] if need[0] else None
         gw = grads[1] if need[1] else None
         gb = grads[2] if (not rms and need[2]) else None
@@ -452,6 +521,8 @@ def _fused_rows(route: Route, rms: bool, x: Any, residual: Any, ns: Any, gain: A
     req = _engine.request(x, route, ns, axis, weight=gain, bias=bias)
     if residual is not None and accumulation_name(h_name) != req.acc:
         return None
+    if _is_neg(out) or _is_neg(residual_out):  # the composition writes them by copy_
+        return None
     if residual is None:  # fused_rows resolves eps for h itself
         eps = _engine.resolve_eps(eps, req, rms)
     bridge, scope = _bridge_and_scope(route, x)
@@ -479,6 +550,7 @@ def _fused_rows(route: Route, rms: bool, x: Any, residual: Any, ns: Any, gain: A
             None if rms else bridge.param(bias, req.acc), eps, rms, ya, ha, quantize, s)
     if fused is None:
         return None
+    _written(out, residual_out)
     ya, h, s, mean, rstd = fused
     acc = _ACC_TORCH[req.acc]
     if y is None:
@@ -525,7 +597,10 @@ class _AddNormFunction(torch.autograd.Function):
     """Autograd node of ``add_layer_norm``/``add_rms_norm`` on the native routes.
 
     The gradient reaching ``h`` from the residual stream goes to the backward as
-    ``grad_residual``; their sum is the gradient of both ``x`` and ``residual``.
+    ``grad_residual``; their sum is the gradient of both ``x`` and ``residual``. Under
+    ``create_graph=True`` the gradient of ``y`` with respect to ``h`` comes from torch's
+    autograd through the generic implementation, as in :class:`_NormFunction`; the saved
+    ``h`` unpacks as this node's output, so its own derivatives come back through here.
     """
 
     @staticmethod
@@ -536,7 +611,7 @@ class _AddNormFunction(torch.autograd.Function):
                                            add, h_name, None, None, None, None)
         ctx.spec = spec
         ctx.dtypes = (x.dtype, residual.dtype)
-        ctx.save_for_backward(h, gain, mean, rstd)
+        ctx.save_for_backward(h, gain, bias, mean, rstd)
         if rms:
             ctx.mark_non_differentiable(rstd)
             return y, h, rstd
@@ -544,14 +619,21 @@ class _AddNormFunction(torch.autograd.Function):
         return y, h, mean, rstd
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_y: Any, grad_h: Any, *_stats_grads: Any) -> tuple[Any, ...]:
-        route, rms, ns, _eps, axis, _add, _h_name = ctx.spec
-        h, gain, mean, rstd = ctx.saved_tensors
+        route, rms, ns, eps, axis, _add, _h_name = ctx.spec
+        h, gain, bias, mean, rstd = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        if torch.is_grad_enabled():  # create_graph=True
+            norm = _generic_norm(route, rms, ns, eps, axis)
+            g_h, g_gain, g_bias = _graph_grads(
+                lambda h_, w_, b_: norm(h_, w_, b_).to(ctx.dtypes[0]), (h, gain, bias),
+                (need[0] or need[1], need[2], not rms and need[3]), grad_y)
+            total = grad_h.to(h.dtype) if g_h is None else g_h + grad_h.to(h.dtype)
+            return (total.to(ctx.dtypes[0]) if need[0] else None,
+                    total.to(ctx.dtypes[1]) if need[1] else None, g_gain, g_bias, None)
         req = _engine.request(h, route, ns, axis, weight=gain)
         grads = _backward_plus(route, rms, req, grad_y.to(h.dtype), h, mean, rstd, gain, ns,
                                axis, grad_h.to(h.dtype))
-        need = ctx.needs_input_grad
         total = grads[0]
         return (total.to(ctx.dtypes[0]) if need[0] else None,
                 total.to(ctx.dtypes[1]) if need[1] else None,
