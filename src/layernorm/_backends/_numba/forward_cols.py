@@ -24,9 +24,9 @@ from .rowmath import (
     PER_LANE,
     TAB_CANCEL,
     WORK_ELEMENTS,
+    block_end,
     blocked,
     chunk_sums,
-    close_block,
     finish,
     redo,
     square_tree,
@@ -69,10 +69,18 @@ def _col_lane_sums(x2, c0, j, kv, zero, pad):
     ta = tq = wide(zero)
     groups = n // LANES
     full = groups // PER_LANE
-    for c in range(full):
-        s, ss = _col_chunk(x2, c * CHUNK + j, c0, runtime(PER_LANE), kv, pad)
-        a, ta = close_block(c, full, a + s, ta, zero)
-        q, tq = close_block(c, full, q + ss, tq, zero)
+    c = 0
+    while c < full:
+        end = block_end(c, full)
+        for k in range(c, end):
+            s, ss = _col_chunk(x2, k * CHUNK + j, c0, runtime(PER_LANE), kv, pad)
+            a = a + s
+            q = q + ss
+        c = end
+        if c < full:  # close the block (.rowmath.lane_sums_from)
+            ta = ta + wide(a)
+            tq = tq + wide(q)
+            a = q = zero
     g = groups - full * PER_LANE
     if g > 0:
         s, ss = _col_chunk(x2, full * CHUNK + j, c0, g, kv, pad)
@@ -269,13 +277,18 @@ def _rms_cols(x2, y2, c0, w, eps, lanes, totals, cs, rstd_out, r0, valid):
         store2(totals, wide(zero), j, 0)
     groups = n // LANES
     full = groups // PER_LANE
-    for c in range(full):
-        for j in range(LANES):
-            sq = _col_square_chunk(x2, c * CHUNK + j, c0, PER_LANE, zero)
-            acc, total = close_block(c, full, load2(lanes, j, 0) + sq, load2(totals, j, 0),
-                                     zero)
-            store2(lanes, acc, j, 0)
-            store2(totals, total, j, 0)
+    c = 0
+    while c < full:
+        end = block_end(c, full)
+        for k in range(c, end):
+            for j in range(LANES):
+                sq = _col_square_chunk(x2, k * CHUNK + j, c0, PER_LANE, zero)
+                store2(lanes, load2(lanes, j, 0) + sq, j, 0)
+        c = end
+        if c < full:  # close the block
+            for j in range(LANES):
+                store2(totals, load2(totals, j, 0) + wide(load2(lanes, j, 0)), j, 0)
+                store2(lanes, zero, j, 0)
     g = groups - full * PER_LANE
     if g > 0:
         for j in range(LANES):

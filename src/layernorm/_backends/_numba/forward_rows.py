@@ -55,19 +55,20 @@ from ._simd import (
 from .diskcache import cached_njit
 from .rescale import finite_row, ln_row_rescaled, rms_row_rescaled
 from .rowmath import (
+    BLOCK_CHUNKS,
     CHUNK,
     LANES,
     PER_LANE,
     WORK_ELEMENTS,
+    block_end,
     blocked,
     cancelled,
     checked_moments,
-    close_block,
     copy_row,
     finish,
     lane_sums,
-    lane_sums_from,
     lane_sums_inlined,
+    lane_sums_tail,
     redo,
     row_chunk,
     row_shift,
@@ -144,8 +145,8 @@ def ln_row_out_and_sums(xr, yr, r, n, shift, mean, rstd, w, b, rn, nshift, write
     ``SUMS_PER_OUTPUT_CHUNK`` chunks of ``rn`` (if ``write``).
 
     Returns ``rn``'s lane sums and their totals (:func:`.rowmath.lane_sums`, the same
-    operations on the same values) and the element where row ``r``'s output pass stopped (the caller
-    finishes it with :func:`ln_row_out_from`)."""
+    operations on the same values) and the element where row ``r``'s output pass
+    stopped (the caller finishes it with :func:`ln_row_out_from`)."""
     kv = splat(shift)
     mv = splat(mean)
     rv = splat(rstd)
@@ -155,16 +156,24 @@ def ln_row_out_and_sums(xr, yr, r, n, shift, mean, rstd, w, b, rn, nshift, write
     pad = splat(cast(-0.0, nshift))
     full = n // CHUNK
     done = 0
-    for c in range(full):
-        s, ss = row_chunk(xr, rn, c * CHUNK, runtime(PER_LANE), knv, pad)
-        a, ta = close_block(c, full, a + s, ta, zero)
-        q, tq = close_block(c, full, q + ss, tq, zero)
-        if write and c % SUMS_PER_OUTPUT_CHUNK == SUMS_PER_OUTPUT_CHUNK - 1:
-            for i in range(done, done + CHUNK, LANES):
-                v = ((vload(xr, r, i) - kv) - mv) * rv
-                vstore(yr, affine(v, w, b, i), r, i)
-            done += CHUNK
-    a, q, ta, tq = lane_sums_from(xr, rn, n, nshift, a, q, ta, tq, full)
+    c = 0
+    while c < full:
+        end = block_end(c, full)
+        for k in range(c, end):
+            s, ss = row_chunk(xr, rn, k * CHUNK, runtime(PER_LANE), knv, pad)
+            a = a + s
+            q = q + ss
+            if write and k % SUMS_PER_OUTPUT_CHUNK == SUMS_PER_OUTPUT_CHUNK - 1:
+                for i in range(done, done + CHUNK, LANES):
+                    v = ((vload(xr, r, i) - kv) - mv) * rv
+                    vstore(yr, affine(v, w, b, i), r, i)
+                done += CHUNK
+        c = end
+        if c < full:  # close the block (.rowmath.lane_sums_from)
+            ta = ta + wide(a)
+            tq = tq + wide(q)
+            a = q = zero
+    a, q = lane_sums_tail(xr, rn, n, nshift, a, q)
     return a, q, ta, tq, done
 
 
@@ -514,7 +523,6 @@ def _row_square_chunk(xr, r, base, g, zero):
         vload(xr, r, base + 7 * LANES) if g > 7 else zero)
 
 
-@njit(inline="always", error_model="numpy")
 def _row_sum_squares_from(xr, r, n, acc, total, first, like):
     """The lane sums of squares of a row from chunk ``first`` on, continuing ``acc``
     (the chunk sums before it) and their float64 ``total`` of closed blocks, in the
@@ -522,10 +530,15 @@ def _row_sum_squares_from(xr, r, n, acc, total, first, like):
     zero = splat(cast(0.0, like))
     groups = n // LANES
     full = groups // PER_LANE
-    for c in range(first, full):
-        acc, total = close_block(
-            c, full, acc + _row_square_chunk(xr, r, c * CHUNK, runtime(PER_LANE), zero),
-            total, zero)
+    c = first
+    while c < full:
+        end = block_end(c, full)
+        for k in range(c, end):
+            acc = acc + _row_square_chunk(xr, r, k * CHUNK, runtime(PER_LANE), zero)
+        c = end
+        if c < full:  # close the block
+            total = total + wide(acc)
+            acc = zero
     g = groups - full * PER_LANE
     if g > 0:
         acc = acc + _row_square_chunk(xr, r, full * CHUNK, g, zero)
@@ -536,14 +549,40 @@ def _row_sum_squares_from(xr, r, n, acc, total, first, like):
     return acc, total
 
 
+# Inlined into the pipelined loop for rows of one block, where it closes none; a
+# function for longer rows (rare, and long), so that their float64 totals and closing
+# stay out of the loop of the short ones (which they slowed by 5-9% at n = 128-256).
+_row_sum_squares_inlined = njit(inline="always", error_model="numpy")(_row_sum_squares_from)
+_row_sum_squares_from = njit(error_model="numpy")(_row_sum_squares_from)
+
+
+@njit(error_model="numpy")
+def _blocked_sum_of_squares(xr, r, n, acc, first, like):
+    """:func:`row_sum_of_squares` of a row of several blocks (``like``'s type)."""
+    zero = splat(cast(0.0, like))
+    total = wide(zero)
+    if first == BLOCK_CHUNKS:  # the caller summed the first block: close it
+        total = total + wide(acc)
+        acc = zero
+    acc, total = _row_sum_squares_from(xr, r, n, acc, total, first, like)
+    return cast(total_tree_sum(total, acc), like)
+
+
 @njit(inline="always", error_model="numpy")
-def _rms_rstd_of(acc, total, n, eps):
-    """``rstd`` from a row's lane sums of squares (and their float64 ``total`` of closed
-    blocks): their fixed tree, then ``1 / sqrt(ss / n + eps)``."""
+def row_sum_of_squares(xr, r, n, acc, first, like):
+    """A row's sum of squares (``like``'s type): its lane sums from chunk ``first`` on,
+    continuing ``acc`` (the lane sums of the chunks before it, which close no block),
+    then their fixed tree (in float64 over closed blocks, rounded once)."""
     if blocked(n):
-        ss = cast(total_tree_sum(total, acc), eps)
-    else:
-        ss = tree_sum(acc)
+        return _blocked_sum_of_squares(xr, r, n, acc, first, like)
+    zero = splat(cast(0.0, like))
+    acc, _ = _row_sum_squares_inlined(xr, r, n, acc, wide(zero), first, like)
+    return tree_sum(acc)
+
+
+@njit(inline="always", error_model="numpy")
+def _rms_rstd_of(ss, n, eps):
+    """``rstd`` from a row's sum of squares: ``1 / sqrt(ss / n + eps)``."""
     return cast(1.0, eps) / np.sqrt(ss / cast(n, eps) + eps)
 
 
@@ -564,25 +603,21 @@ def _rms_row_out(xr, yr, r, n, rstd, w, start):
 
 @njit(inline="always", error_model="numpy")
 def _rms_row_out_and_squares(xr, yr, r, n, rstd, w, rn, write):
-    """:func:`ln_row_out_and_sums` for RMSNorm: the lane sums of squares of row ``rn``
-    with row ``r``'s output pass interleaved (if ``write``); returns them and where the
-    output stopped."""
+    """:func:`ln_row_out_and_sums` for RMSNorm: the sum of squares of row ``rn``
+    (:func:`row_sum_of_squares`) with row ``r``'s output pass interleaved over its first
+    block (if ``write``); returns it and where the output stopped."""
     rv = splat(rstd)
     zero = splat(cast(0.0, rstd))
     acc = zero
-    total = wide(zero)
-    full = n // CHUNK
+    first = imin(n // CHUNK, BLOCK_CHUNKS)  # the chunks of the first block
     done = 0
-    for c in range(full):
-        acc, total = close_block(
-            c, full, acc + _row_square_chunk(xr, rn, c * CHUNK, runtime(PER_LANE), zero),
-            total, zero)
+    for c in range(first):
+        acc = acc + _row_square_chunk(xr, rn, c * CHUNK, runtime(PER_LANE), zero)
         if write and c % SUMS_PER_OUTPUT_CHUNK == SUMS_PER_OUTPUT_CHUNK - 1:
             for i in range(done, done + CHUNK, LANES):
                 vstore(yr, times_w(vload(xr, r, i) * rv, w, i), r, i)
             done += CHUNK
-    acc, total = _row_sum_squares_from(xr, rn, n, acc, total, full, rstd)
-    return acc, total, done
+    return row_sum_of_squares(xr, rn, n, acc, first, rstd), done
 
 
 @njit(inline="always", error_model="numpy")
@@ -621,14 +656,14 @@ def rms_raw_rows(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, s0):
             break
         rn = imin(r + 1, r1 - 1)
         if stream is None:
-            acc, total, done = _rms_row_out_and_squares(xv, yv, r, n, rstd, wv, rn, write)
+            ss, done = _rms_row_out_and_squares(xv, yv, r, n, rstd, wv, rn, write)
         else:
             if write:
                 _rms_row_out_streamed(xv, yv, r, n, rstd, wv)
             zero = splat(cast(0.0, eps))
-            acc, total = _row_sum_squares_from(xv, rn, n, zero, wide(zero), runtime(0), eps)
+            ss = row_sum_of_squares(xv, rn, n, zero, runtime(0), eps)
             done = n
-        nrstd = _rms_rstd_of(acc, total, n, eps)
+        nrstd = _rms_rstd_of(ss, n, eps)
         if write:
             if stream is None:
                 _rms_row_out(xv, yv, r, n, rstd, wv, done)
@@ -675,8 +710,7 @@ def rms_rstd(xr, r, n, eps):
     """RMSNorm ``rstd`` of row ``r`` of a unit-stride view: the sum of squares in the row
     arithmetic's fixed trees (:mod:`.rowmath`), then ``1 / sqrt(ss / n + eps)``."""
     zero = splat(cast(0.0, eps))
-    acc, total = _row_sum_squares_from(xr, r, n, zero, wide(zero), runtime(0), eps)
-    return _rms_rstd_of(acc, total, n, eps)
+    return _rms_rstd_of(row_sum_of_squares(xr, r, n, zero, runtime(0), eps), n, eps)
 
 
 @cached_njit(error_model="numpy")
