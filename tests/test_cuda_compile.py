@@ -1693,6 +1693,116 @@ def test_emulation_backward_grad_residual(emulator, monkeypatch, dtype):
             _same_bits(cf[0].T, fused[:, :, 0], f"{tag} channels-first (cols)")
 
 
+# ------------------------------------ long float32-accumulated rows: no drift over tiles
+#
+# A row longer than one tile (the largest configuration) gives each lane one term per
+# element of a tile, tile after tile: a float32 running sum of thousands of like terms
+# drifts by a rounding error proportional to their count when every addition rounds the
+# same way (RMSNorm of a constant row of 2^20 elements was off by 7.8e-6, 2^22 by 1.4e-5;
+# the backward's sums of g and g * xhat the same). The kernels close each tile's float
+# partial into a double running state (layernorm.cu, Running).
+
+_LONG_N = 2 ** 20
+
+
+def _biased_row(rms, n, dtype="float32"):
+    """RMSNorm: a constant row (1.1); LayerNorm: +1.1, -1.1, ... (the deviations alike)."""
+    x = np.full(n, 1.1).astype(_NP[dtype])
+    if not rms:
+        x[1::2] = -x[1::2]
+    return x
+
+
+def test_only_the_largest_configuration_spans_tiles():
+    """The row kernels close their running sums into double only in the largest
+    configuration (layernorm.cu, Running: CLOSE): every other one holds its rows in one
+    tile, where both sums give the same bits."""
+    for dtype in DTYPES:
+        vec = launch.vector_width(dtype)
+        for n in [*range(1, 2048 * vec + 2), 2**20, 2**31 + 5]:
+            g, maxc, _ = launch.row_config(n, dtype)
+            if (g, maxc) != launch.CONFIGS[-1]:
+                assert n <= g * maxc * vec, (dtype, n, g, maxc)
+    assert launch.CONFIGS[-1][0] == launch.DEFINES["LNK_MAX_G"]
+
+
+@pytest.fixture(scope="module")
+def long_row_emulator(emulator, tmp_path_factory):
+    """The emulator, with the fused float32 kernels of the largest configuration too."""
+    cfg = launch.CONFIGS[-1]
+    exprs = [launch.add_expression(("float32",) * 3, cfg, rms) for rms in (False, True)]
+    exprs += [launch.quant_expression("float32", cfg, rms) for rms in (False, True)]
+    return _emulate_too(emulator, exprs, tmp_path_factory, "emulation-long")
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms_norm", "layer_norm"])
+def test_emulation_long_rows_do_not_drift(long_row_emulator, monkeypatch, rms):
+    """Float32 rows of 2^20 elements whose terms all round alike (128 tiles a row): y
+    within 1e-6 of float64 (it was 7.8e-6 for RMSNorm), through fwd_rows, fwd_cols
+    (channels-first), add_fwd_rows and quant_fwd_rows (the same statistics, bit for bit),
+    and grad_x within 2e-7 (torch 2.13's CPU error on the same data: 1.8e-7 for RMSNorm,
+    3.5e-4 for LayerNorm; it was 1.1e-5 and 3.2e-6) through bwd_rows and bwd_cols."""
+    from . import reference
+
+    emu = long_row_emulator
+    emu.install(monkeypatch)
+    emu.cap = 1
+    n, tag = _LONG_N, "rms_norm" if rms else "layer_norm"
+    assert launch.row_config(n, "float32")[:2] == launch.CONFIGS[-1]
+    x = _biased_row(rms, n)
+    x2 = np.stack([x, x[::-1]])  # the second row for the cols kernels' layout
+    if rms:
+        y_ref, rstd_ref = reference.rms_norm(x2, (1,), eps=1e-5)
+    else:
+        y_ref, _, rstd_ref = reference.layer_norm(x2, (1,), eps=1e-5)
+    y, mean, rstd = _emu_forward(x2.reshape(2, n, 1), "float32", rms, None, None)
+    err = np.abs(y[:, :, 0].astype(np.float64) - y_ref).max()
+    assert err <= 1e-6, f"{tag}: y off by {err:.3g}"
+    np.testing.assert_allclose(rstd, rstd_ref.ravel(), rtol=1e-6, err_msg=tag)
+    yc, mc, sc = _emu_forward(np.ascontiguousarray(x2.T)[None], "float32", rms, None, None)
+    _same_bits(yc[0].T, y[:, :, 0], f"{tag} y, channels-first")
+    _same_bits(sc, rstd, f"{tag} rstd, channels-first")
+    zero = np.zeros((2, n, 1), np.float32)
+    ya, _, ma, sa = _emu_add(x2.reshape(2, n, 1), zero, ("float32",) * 3, rms, None, None)
+    _same_bits(ya, y, f"{tag} y, add_fwd_rows (x + 0)")
+    _same_bits(sa, rstd, f"{tag} rstd, add_fwd_rows")
+    _, _, mq, sq, _ = _emu_quant(x2.reshape(2, n, 1), "int8", rms, None, None,
+                                 ("float32",) * 3)
+    _same_bits(sq, rstd, f"{tag} rstd, quant_fwd_rows")
+    if not rms:
+        for other, what in ((mc, "channels-first"), (ma, "add_fwd_rows"),
+                            (mq, "quant_fwd_rows")):
+            _same_bits(other, mean, f"{tag} mean, {what}")
+
+    # grad_y alike too: ones (RMSNorm: g * xhat all alike), x / 1.1 (LayerNorm: +-1).
+    gy = np.ones_like(x2) if rms else np.sign(x2)
+    if rms:
+        gx_ref, _ = reference.rms_norm_backward(gy, x2, (1,), eps=1e-5)
+    else:
+        gx_ref, _, _ = reference.layer_norm_backward(gy, x2, (1,), eps=1e-5)
+    gx, _, _ = _emu_backward(gy.reshape(2, n, 1), x2.reshape(2, n, 1), mean, rstd, None,
+                             "float32", rms)
+    err = np.abs(gx[:, :, 0].astype(np.float64) - gx_ref).max()
+    assert err <= 2e-7, f"{tag}: grad_x off by {err:.3g}"
+    gc, _, _ = _emu_backward(np.ascontiguousarray(gy.T)[None], np.ascontiguousarray(x2.T)[None],
+                             mean, rstd, None, "float32", rms)
+    _same_bits(gc[0].T, gx[:, :, 0], f"{tag} grad_x, channels-first")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_emulation_long_16bit_rows_do_not_drift(emulator, monkeypatch, dtype):
+    """16-bit rows accumulate in float32 the same way (32 terms a lane and tile): a
+    constant row of 2^20 elements gets rstd within 1e-6 of float64 (it was 2.4e-6 for
+    float16, 1.5e-5 for bfloat16)."""
+    emulator.install(monkeypatch)
+    emulator.cap = 1
+    x = _biased_row(True, _LONG_N, dtype)
+    x64 = x.astype(np.float64)
+    rstd_ref = 1 / np.sqrt(np.mean(x64 * x64) + 1e-5)
+    _, _, rstd = _emu_forward(x.reshape(1, _LONG_N, 1), dtype, True, None, None)
+    np.testing.assert_allclose(rstd, [rstd_ref], rtol=1e-6, err_msg=dtype)
+
+
 # ------------------------------------------ the backend's own compile-and-load path
 
 

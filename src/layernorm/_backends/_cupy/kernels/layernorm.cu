@@ -17,10 +17,11 @@
 // into tiles of TILE = G * MAXC * VEC elements (VEC = 16 / sizeof(T), one 16-byte
 // vector). Virtual lane l (0 <= l < G) owns, in tile t, the vectors c * G + l for
 // c < MAXC, i.e. elements t * TILE + (c * G + l) * VEC + k, k < VEC. Each lane
-// accumulates its elements in the order (t, c, k); the G lane states are then merged
-// in a complete binary tree that pairs neighbours ((0,1), (2,3), ..., then (01, 23),
-// ...). The row kernels run one virtual lane per thread and do the tree with warp
-// shuffles (and shared memory across warps); the strided "cols" kernels (used when
+// accumulates its elements in the order (t, c, k), each tile's float partial closed
+// into a double running state (see Running: long rows do not drift); the G lane states
+// are then merged in a complete binary tree that pairs neighbours ((0,1), (2,3), ...,
+// then (01, 23), ...). The row kernels run one virtual lane per thread and do the tree
+// with warp shuffles (and shared memory across warps); the strided "cols" kernels (used when
 // the normalized axis is not contiguous, e.g. channels-first) run several virtual
 // lanes per thread and do the same tree with a register stack. Vector (16-byte) or
 // scalar loads change how values are fetched, never which lane owns them. So a row
@@ -439,6 +440,77 @@ __device__ __forceinline__ Mom<A> chunk_moments(int CNT, F get, B between) {
   return m;
 }
 
+// A lane's running sums over the tiles of a long row. With float accumulation, a running
+// float sum of thousands of like terms (a row of 2^20 elements gives each of 512 lanes
+// 2048 of them) gathers a rounding error proportional to their count when every addition
+// rounds the same way (RMSNorm of a constant row of 2^22 elements was off by 1.4e-5): so
+// each tile's terms are summed in float from zero (a few dozen at most) and that partial
+// is closed into a double total, one double addition per tile and lane, in the fixed
+// tile order (the bits still depend on the row alone). The total is narrowed back to A
+// once, before the lanes' tree. A row of one tile gets exactly the bits of a plain float
+// sum (0.0 + p and the narrowing are exact). Double accumulation keeps its one running
+// sum (open() continues the total), as before, and so does CLOSE = false: the row
+// kernels of the smaller configurations, whose rows always fit one tile (row_config),
+// where closing would change no bit and only cost registers.
+template <typename A, bool CLOSE = true> struct Running {
+  A total;
+  __device__ __forceinline__ Running() : total(A(0)) {}
+  __device__ __forceinline__ A open() const { return total; }
+  __device__ __forceinline__ void close(A part) { total = part; }
+  __device__ __forceinline__ A value() const { return total; }
+};
+template <> struct Running<float, true> {
+  double total;
+  __device__ __forceinline__ Running() : total(0.0) {}
+  __device__ __forceinline__ float open() const { return 0.0f; }
+  __device__ __forceinline__ void close(float part) { total = total + (double)part; }
+  __device__ __forceinline__ float value() const { return (float)total; }
+};
+
+// The same for LayerNorm's moments: each tile's chunk moments (float, from zero) are
+// merged with Chan's formula into a double running state, narrowed once at the end. (The
+// running mean and M2 kept in float drifted the same way: every tile's merge rounds.) For
+// double accumulation (or CLOSE = false) this is the running merge in A, as before; one
+// tile gives the chunk's bits either way.
+template <typename A, bool CLOSE = true> struct RunningMoments {
+  typedef typename Select<CLOSE, double, A>::type W;
+  Mom<W> total;
+  __device__ __forceinline__ RunningMoments() { total = MomOp<W>::identity(); }
+  // chan(total, part); for a double state from float parts, with a float weight part.n / n
+  // (within 2 ulp): it spares the double division's registers, and its error scales each
+  // merge's own terms, not growing with the number of tiles.
+  __device__ __forceinline__ void close(const Mom<A>& part) {
+    if constexpr (sizeof(W) == sizeof(A)) {
+      total = chan(total, part);
+    } else if (part.n != 0) {
+      if (total.n == 0) {
+        total.mean = (W)part.mean;
+        total.m2 = (W)part.m2;
+        total.n = part.n;
+      } else {
+        const u64 n = total.n + part.n;
+        const W fb = (W)ratio(A(part.n), n);
+        const W delta = (W)part.mean - total.mean;
+        total.mean = total.mean + delta * fb;
+        total.m2 = (total.m2 + (W)part.m2) + (delta * delta) * (W(total.n) * fb);
+        total.n = n;
+      }
+    }
+  }
+  __device__ __forceinline__ Mom<A> value() const {
+    Mom<A> m;
+    m.mean = (A)total.mean;
+    m.m2 = (A)total.m2;
+    m.n = total.n;
+    return m;
+  }
+};
+
+// The lane state of a forward kernel: RMSNorm's sum of squares or LayerNorm's moments.
+template <typename A, bool RMS, bool CLOSE = true> struct LaneState {
+  typedef typename Select<RMS, Running<A, CLOSE>, RunningMoments<A, CLOSE>>::type type;
+};
+
 // ====================================================================== quantized output
 //
 // quant_fwd_rows and quant_add_fwd_rows write y as 8-bit codes (the contract's
@@ -772,7 +844,10 @@ __device__ __forceinline__ void forward_rows(
     const A K = (RMS || !active) ? A(0) : first_value();
 
     typedef typename Select<RMS, SumOp<A>, MomOp<A>>::type Op;
-    typename Op::S st = Op::identity();
+    // The lane's running state over the tiles (see Running): only the largest
+    // configuration's rows span several tiles.
+    constexpr bool CLOSE = G == LNK_MAX_G;
+    typename LaneState<A, RMS, CLOSE>::type run;
     // Lane-relative view of tile t: element off (0 <= off < TILE, off = c * G * V + k)
     // of this lane is row element t * TILE + lane * V + off; `rem` counts the row
     // elements from the lane's first one on.
@@ -782,18 +857,20 @@ __device__ __forceinline__ void forward_rows(
         const i64 rem = n - first;
         load(first, rem);
         if constexpr (RMS) {
+          A tile_sq = run.open();
 #pragma unroll
           for (int c = 0; c < MAXC; ++c) {
 #pragma unroll
             for (int k = 0; k < V; ++k) {
               if (c * G * V + k < rem) {
                 const A v = to_acc(p[c].v[k]);
-                st = st + v * v;
+                tile_sq = tile_sq + v * v;
               }
             }
           }
+          run.close(tile_sq);
         } else {
-          st = chan(st, chunk_moments<A>(MAXC * V, [&](int idx, A& v) -> bool {
+          run.close(chunk_moments<A>(MAXC * V, [&](int idx, A& v) -> bool {
             const int c = idx / V;
             const int k = idx % V;
             v = to_acc(p[c].v[k]) - K;
@@ -805,7 +882,7 @@ __device__ __forceinline__ void forward_rows(
         }
       }
     }
-    st = group_reduce<Op, G>(st);
+    typename Op::S st = group_reduce<Op, G>(run.value());
 
     A shift_mean;
     A rstd;
@@ -1056,10 +1133,11 @@ fwd_cols(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
     if (active) {
       st = sequential_tree<Op>(L, [&](int j) -> S {
         const int l = ty * L + j;
-        S ls = Op::identity();
+        typename LaneState<A, RMS>::type run;  // as fwd_rows'
         for (i64 t = 0; t < tiles; ++t) {
           const i64 t0 = t * TILE;
           if constexpr (RMS) {
+            A tile_sq = run.open();
 #pragma unroll 1
             for (int c = 0; c < MAXC; ++c) {
 #pragma unroll
@@ -1067,12 +1145,13 @@ fwd_cols(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
                 const i64 e = t0 + (i64)(c * G + l) * V + k;
                 if (e < n) {
                   const A v = to_acc(xr[e * xs1]);
-                  ls = ls + v * v;
+                  tile_sq = tile_sq + v * v;
                 }
               }
             }
+            run.close(tile_sq);
           } else {
-            ls = chan(ls, chunk_moments<A>(MAXC * V, [&](int idx, A& v) -> bool {
+            run.close(chunk_moments<A>(MAXC * V, [&](int idx, A& v) -> bool {
               const int c = idx / V;
               const int k = idx % V;
               const i64 e = t0 + (i64)(c * G + l) * V + k;
@@ -1081,7 +1160,7 @@ fwd_cols(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
             }, [] {}));
           }
         }
-        return ls;
+        return run.value();
       });
     }
     part[ty][tx] = st;
@@ -1174,7 +1253,10 @@ bwd_rows(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* g
     Pack<T> px[MAXC];
 
     typedef Sum2Op<A> Op;
-    typename Op::S st = Op::identity();
+    // Sums of g and of g * xhat, per tile closed as in the forward (see Running).
+    constexpr bool CLOSE = G == LNK_MAX_G;
+    Running<A, CLOSE> run_g;
+    Running<A, CLOSE> run_gx;
     if (active) {
       for (i64 t = 0; t < tiles; ++t) {
         const i64 first = t * TILE + (i64)lane * V;
@@ -1187,6 +1269,8 @@ bwd_rows(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* g
           load_pack(gt, gs1, c * G * V, rem, vec, pg[c]);
           load_pack(xt, xs1, c * G * V, rem, vec, px[c]);
         }
+        A part_g = run_g.open();
+        A part_gx = run_gx.open();
 #pragma unroll
         for (int c = 0; c < MAXC; ++c) {
 #pragma unroll
@@ -1195,13 +1279,18 @@ bwd_rows(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* g
             if (e < rem) {
               const A g = to_acc(pg[c].v[k]) * param_or(wt, e, A(1));
               const A xh = (to_acc(px[c].v[k]) - mu) * rs;
-              st.a = st.a + g;
-              st.b = st.b + g * xh;
+              part_g = part_g + g;
+              part_gx = part_gx + g * xh;
             }
           }
         }
+        run_g.close(part_g);
+        run_gx.close(part_gx);
       }
     }
+    typename Op::S st;
+    st.a = run_g.value();
+    st.b = run_gx.value();
     st = group_reduce<Op, G>(st);
     const A mean_g = st.a * inv_n;
     const A mean_gx = st.b * inv_n;
@@ -1290,9 +1379,12 @@ bwd_cols(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* g
     if (active) {
       st = sequential_tree<Op>(L, [&](int j) -> S {
         const int l = ty * L + j;
-        S ls = Op::identity();
+        Running<A> run_g;  // as bwd_rows'
+        Running<A> run_gx;
         for (i64 t = 0; t < tiles; ++t) {
           const i64 t0 = t * TILE;
+          A part_g = run_g.open();
+          A part_gx = run_gx.open();
 #pragma unroll 1
           for (int c = 0; c < MAXC; ++c) {
 #pragma unroll
@@ -1301,12 +1393,17 @@ bwd_cols(const T* gy, const T* x, const A* mean, const A* rstd, const A* w, T* g
               if (e < n) {
                 const A g = to_acc(gr[e * gs1]) * param_or(w, e, A(1));
                 const A xh = (to_acc(xr[e * xs1]) - mu) * rs;
-                ls.a = ls.a + g;
-                ls.b = ls.b + g * xh;
+                part_g = part_g + g;
+                part_gx = part_gx + g * xh;
               }
             }
           }
+          run_g.close(part_g);
+          run_gx.close(part_gx);
         }
+        S ls;
+        ls.a = run_g.value();
+        ls.b = run_gx.value();
         return ls;
       });
     }
