@@ -64,12 +64,18 @@ def test_state_dict_round_trip_and_errors():
         layer.load_state_dict({"weight": np.ones(4), "bias": np.ones(5)})
 
 
-def test_load_torch_state_dict():
-    torch = pytest.importorskip("torch")
-    tl = torch.nn.LayerNorm(12)
+def _torch_layer_norm(torch, n):
+    """A ``torch.nn.LayerNorm(n)`` with random weight and bias (not the ones/zeros)."""
+    tl = torch.nn.LayerNorm(n)
     with torch.no_grad():
         tl.weight.normal_()
         tl.bias.normal_()
+    return tl
+
+
+def test_load_torch_state_dict():
+    torch = pytest.importorskip("torch")
+    tl = _torch_layer_norm(torch, 12)
     layer = ln.LayerNorm(12)
     layer.load_state_dict({k: v.detach().numpy() for k, v in tl.state_dict().items()})
     x = np.random.default_rng(3).standard_normal((4, 12)).astype(np.float32)
@@ -99,10 +105,7 @@ def test_load_state_dict_copies_and_state_dict_shares(cls):
 
 def test_load_torch_state_dict_copies_the_tensors():
     torch = pytest.importorskip("torch")
-    tl = torch.nn.LayerNorm(6)
-    with torch.no_grad():
-        tl.weight.normal_()
-        tl.bias.normal_()
+    tl = _torch_layer_norm(torch, 6)
     before = {k: v.clone() for k, v in tl.state_dict().items()}
     layers = [ln.LayerNorm(6), ln.LayerNorm(6, xp=torch)]
     for layer in layers:
