@@ -67,6 +67,7 @@ from .rowmath import (
     copy_row,
     finish,
     lane_sums,
+    lane_sums_from,
     lane_sums_inlined,
     lane_sums_tail,
     redo,
@@ -142,7 +143,7 @@ def ln_row_out(xr, yr, r, n, shift, mean, rstd, w, b):
 def ln_row_out_and_sums(xr, yr, r, n, shift, mean, rstd, w, b, rn, nshift, write):
     """The first pass over row ``rn`` for the shift ``nshift`` with, interleaved, the
     output pass (:func:`ln_row_out`) of row ``r`` over one chunk per
-    ``SUMS_PER_OUTPUT_CHUNK`` chunks of ``rn`` (if ``write``).
+    ``SUMS_PER_OUTPUT_CHUNK`` chunks of ``rn``'s first block (if ``write``).
 
     Returns ``rn``'s lane sums and their totals (:func:`.rowmath.lane_sums`, the same
     operations on the same values) and the element where row ``r``'s output pass
@@ -154,25 +155,20 @@ def ln_row_out_and_sums(xr, yr, r, n, shift, mean, rstd, w, b, rn, nshift, write
     a = q = zero = splat(cast(0.0, nshift))
     ta = tq = wide(zero)
     pad = splat(cast(-0.0, nshift))
-    full = n // CHUNK
+    first = imin(n // CHUNK, BLOCK_CHUNKS)  # the chunks of the first block
     done = 0
-    c = 0
-    while c < full:
-        end = block_end(c, full)
-        for k in range(c, end):
-            s, ss = row_chunk(xr, rn, k * CHUNK, runtime(PER_LANE), knv, pad)
-            a = a + s
-            q = q + ss
-            if write and k % SUMS_PER_OUTPUT_CHUNK == SUMS_PER_OUTPUT_CHUNK - 1:
-                for i in range(done, done + CHUNK, LANES):
-                    v = ((vload(xr, r, i) - kv) - mv) * rv
-                    vstore(yr, affine(v, w, b, i), r, i)
-                done += CHUNK
-        c = end
-        if c < full:  # close the block (.rowmath.lane_sums_from)
-            ta = ta + wide(a)
-            tq = tq + wide(q)
-            a = q = zero
+    for k in range(first):
+        s, ss = row_chunk(xr, rn, k * CHUNK, runtime(PER_LANE), knv, pad)
+        a = a + s
+        q = q + ss
+        if write and k % SUMS_PER_OUTPUT_CHUNK == SUMS_PER_OUTPUT_CHUNK - 1:
+            for i in range(done, done + CHUNK, LANES):
+                v = ((vload(xr, r, i) - kv) - mv) * rv
+                vstore(yr, affine(v, w, b, i), r, i)
+            done += CHUNK
+    if blocked(n):  # the other blocks, closing each (rare, and long: a call)
+        a, q, ta, tq = lane_sums_from(xr, rn, n, nshift, a, q, ta, tq, first)
+        return a, q, ta, tq, done
     a, q = lane_sums_tail(xr, rn, n, nshift, a, q)
     return a, q, ta, tq, done
 
@@ -524,21 +520,22 @@ def _row_square_chunk(xr, r, base, g, zero):
 
 
 def _row_sum_squares_from(xr, r, n, acc, total, first, like):
-    """The lane sums of squares of a row from chunk ``first`` on, continuing ``acc``
-    (the chunk sums before it) and their float64 ``total`` of closed blocks, in the
-    fixed order (``like``: a scalar of the accumulation type)."""
+    """The lane sums of squares of a row from chunk ``first`` (0 or the start of a
+    block) on, continuing ``acc`` (the chunk sums before it) and their float64 ``total``
+    of closed blocks, in the fixed order, as :func:`.rowmath.lane_sums_from` (``like``:
+    a scalar of the accumulation type)."""
     zero = splat(cast(0.0, like))
     groups = n // LANES
     full = groups // PER_LANE
     c = first
     while c < full:
+        if c > 0:  # a block before this one: close it
+            total = total + wide(acc)
+            acc = zero
         end = block_end(c, full)
         for k in range(c, end):
             acc = acc + _row_square_chunk(xr, r, k * CHUNK, runtime(PER_LANE), zero)
         c = end
-        if c < full:  # close the block
-            total = total + wide(acc)
-            acc = zero
     g = groups - full * PER_LANE
     if g > 0:
         acc = acc + _row_square_chunk(xr, r, full * CHUNK, g, zero)
@@ -559,11 +556,7 @@ _row_sum_squares_from = njit(error_model="numpy")(_row_sum_squares_from)
 @njit(error_model="numpy")
 def _blocked_sum_of_squares(xr, r, n, acc, first, like):
     """:func:`row_sum_of_squares` of a row of several blocks (``like``'s type)."""
-    zero = splat(cast(0.0, like))
-    total = wide(zero)
-    if first == BLOCK_CHUNKS:  # the caller summed the first block: close it
-        total = total + wide(acc)
-        acc = zero
+    total = wide(splat(cast(0.0, like)))
     acc, total = _row_sum_squares_from(xr, r, n, acc, total, first, like)
     return cast(total_tree_sum(total, acc), like)
 

@@ -277,9 +277,10 @@ def row_chunk(xr, r, base, g, kv, pad):
 
 
 def lane_sums_from(xr, r, n, shift, a, q, ta, tq, first):
-    """:func:`lane_sums` from chunk ``first`` on, continuing the lane sums ``a``, ``q``
-    and their float64 totals ``ta``, ``tq`` of the chunks before it (the same additions
-    in the same order)."""
+    """:func:`lane_sums` from chunk ``first`` (0 or the start of a block) on, continuing
+    the lane sums ``a``, ``q`` and their float64 totals ``ta``, ``tq`` of the chunks
+    before it (the same additions in the same order: a block's sums are closed when the
+    next full chunk starts)."""
     kv = splat(shift)
     pad = splat(cast(-0.0, shift))
     zero = splat(cast(0.0, shift))
@@ -287,16 +288,16 @@ def lane_sums_from(xr, r, n, shift, a, q, ta, tq, first):
     full = groups // PER_LANE
     c = first
     while c < full:
+        if c > 0:  # a block before this one: close it
+            ta = ta + wide(a)
+            tq = tq + wide(q)
+            a = q = zero
         end = block_end(c, full)
         for k in range(c, end):
             s, ss = row_chunk(xr, r, k * CHUNK, runtime(PER_LANE), kv, pad)
             a = a + s
             q = q + ss
         c = end
-        if c < full:  # close the block
-            ta = ta + wide(a)
-            tq = tq + wide(q)
-            a = q = zero
     a, q = _lane_sums_tail_inlined(xr, r, n, shift, a, q)
     return a, q, ta, tq
 
