@@ -1029,6 +1029,38 @@ def prefetch_at(typingctx, address, offset, write):
     return types.none(address, offset, write), codegen
 
 
+#: LLVM's names of AMD cores start so (``znver4``, ``bdver2``, ...).
+_AMD_CPU_PREFIXES = ("znver", "bdver", "btver", "amdfam", "athlon", "opteron", "barcelona")
+
+
+def prefetch_pays(cpu_name: str | None = None) -> bool:
+    """Whether software prefetching of rows ahead (:func:`prefetch_at`) pays on this CPU.
+
+    No on AMD cores, whose hardware prefetchers already follow the rows (measured on Zen
+    4: the hints made the short-row LayerNorm forward slower, see
+    :data:`.forward_rows.SHORT_ROW_PREFETCH`); yes elsewhere (measured on Intel Xeon).
+
+    Parameters
+    ----------
+    cpu_name : str, optional
+        LLVM's name of the CPU (default: the host's, as Numba compiles for it).
+
+    Returns
+    -------
+    bool
+
+    Examples
+    --------
+    >>> prefetch_pays("znver4"), prefetch_pays("sapphirerapids")
+    (False, True)
+    """
+    if cpu_name is None:
+        from llvmlite import binding
+
+        cpu_name = binding.get_host_cpu_name()
+    return not cpu_name.lower().startswith(_AMD_CPU_PREFIXES)
+
+
 if config.DISABLE_JIT:
     # Numba's debugging mode runs the kernels as Python, where intrinsics cannot run:
     # export NumPy stand-ins under the same names instead.

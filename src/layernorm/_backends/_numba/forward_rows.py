@@ -36,6 +36,7 @@ from ._simd import (
     get,
     itemsize,
     prefetch_at,
+    prefetch_pays,
     put,
     put_stat,
     raw,
@@ -95,10 +96,17 @@ SUMS_PER_OUTPUT_CHUNK = 2
 #: The short-row path prefetches (a hint, no effect on results) the rows two blocks of
 #: ``LANES`` rows ahead, x for reading and y for writing, in runs of rows of at least
 #: this many bytes of x (beyond a core's L2, so read from L3 or DRAM: a serial call;
-#: the parallel kernels' blocks are smaller). Measured, float32,
-#: 1 thread, from DRAM, fraction of a copy: (65536, 64) 0.54-0.67 -> 0.65-0.70,
+#: the parallel kernels' blocks are smaller), on CPUs where that pays
+#: (:data:`SHORT_ROW_PREFETCH`). Measured, float32, 1 thread, from DRAM, fraction of a
+#: copy, on an Intel Xeon (Sapphire Rapids): (65536, 64) 0.54-0.67 -> 0.65-0.70,
 #: (16384, 128) 0.50-0.64 -> 0.74-0.80; in cache the hints cost 5-10% at (2883, 64).
 PREFETCH_MIN_BYTES = 4 << 20
+#: Whether the short-row path prefetches on this CPU (:func:`._simd.prefetch_pays`).
+#: On an AMD EPYC (Zen 4) the hints cost more than they gained: from DRAM, 1 thread,
+#: fraction of a copy without / with them (three runs, 16 MiB arrays): n = 32 0.51-0.69 /
+#: 0.45-0.49, n = 48 0.63-0.82 / 0.52-0.58, n = 64 0.49-0.93 / 0.53-0.57, n = 100
+#: 0.56-0.85 / 0.51-0.60, n = 128 0.58-0.89 / 0.48-0.55 (n = 16: 0.38-0.41 either way).
+SHORT_ROW_PREFETCH = prefetch_pays()
 #: The ``stream`` argument of the row loops (:func:`ln_long_rows`, :func:`rms_raw_rows`):
 #: ``PLAIN`` (None) writes ``y`` with plain stores, ``STREAM`` with streaming stores. The
 #: choice is made by the argument's *type* (Numba prunes ``stream is None`` before
@@ -306,7 +314,7 @@ def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
     minus = splat(-1.0)
     last = r1 - 1
     stop = r1
-    ahead = (r1 - r0) * n * itemsize(xv) >= PREFETCH_MIN_BYTES
+    ahead = SHORT_ROW_PREFETCH and (r1 - r0) * n * itemsize(xv) >= PREFETCH_MIN_BYTES
     for first in range(r0, r1, LANES):
         if stop < r1:
             break
