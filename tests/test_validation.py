@@ -69,10 +69,11 @@ def test_eps_beyond_the_float_range_is_a_value_error(eps):
             call()
 
 
-# The backward's statistics: None is a clear TypeError on every route (NumPy here, and the
-# torch and Dask adapters, which check before anything reads them).
-@pytest.mark.parametrize("lib", ["numpy", "torch", "dask"])
-def test_backward_statistics_given_as_none_are_a_type_error_naming_them(lib):
+# A required array given as None is a clear TypeError naming it on every route (the
+# engine's, and the torch and Dask adapters', which check before anything reads its shape;
+# Dask's fused forward reads a None residual as "no residual", so it checks first).
+@pytest.mark.parametrize("lib", ["numpy", "torch", "dask", "jax"])
+def test_required_arrays_given_as_none_are_a_type_error_naming_them(lib):
     x = X.reshape(6, 4)
     _, mean, rstd = ln.layer_norm(x, return_stats=True)
     if lib == "torch":
@@ -81,11 +82,20 @@ def test_backward_statistics_given_as_none_are_a_type_error_naming_them(lib):
     elif lib == "dask":
         da = pytest.importorskip("dask.array")
         x, mean, rstd = (da.from_array(a, chunks=2) for a in (x, mean, rstd))
+    elif lib == "jax":
+        jnp = pytest.importorskip("jax.numpy")
+        x, mean, rstd = (jnp.asarray(a) for a in (x, mean, rstd))
+    stats = r"the \w+ array returned by the forward call with return_stats=True \(shape \(6, 1\)\)"
+    shaped = r"an array of x's shape \(6, 4\)"
     cases = [
-        ("mean", lambda: ln.layer_norm_backward(x, x, None, rstd)),
-        ("rstd", lambda: ln.layer_norm_backward(x, x, mean, None)),
-        ("rstd", lambda: ln.rms_norm_backward(x, x, None)),
+        ("mean", stats, lambda: ln.layer_norm_backward(x, x, None, rstd)),
+        ("rstd", stats, lambda: ln.layer_norm_backward(x, x, mean, None)),
+        ("rstd", stats, lambda: ln.rms_norm_backward(x, x, None)),
+        ("grad_y", shaped, lambda: ln.layer_norm_backward(None, x, mean, rstd)),
+        ("grad_y", shaped, lambda: ln.rms_norm_backward(None, x, rstd)),
+        ("residual", shaped, lambda: ln.add_layer_norm(x, None)),
+        ("residual", shaped, lambda: ln.add_rms_norm(x, None)),
     ]
-    for name, call in cases:
-        with pytest.raises(TypeError, match=rf"^{name} must be .*return_stats=True.*got None"):
+    for name, wanted, call in cases:
+        with pytest.raises(TypeError, match=rf"^{name} must be {wanted}, got None$"):
             call()

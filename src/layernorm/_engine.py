@@ -33,6 +33,7 @@ from ._validate import (
     QUANTIZE_QMAX,
     check_eps,
     check_float_dtype,
+    check_given,
     check_no_internal_overlap,
     check_out,
     check_param,
@@ -156,16 +157,14 @@ def _validated_request(x: Any, route: Route, normalized_shape: Any, axis: Any,
 def check_backward(grad_y: Any, req: Request, **stats: Any) -> None:
     """``grad_y`` has x's shape and dtype; each statistic has the keepdims shape."""
     layout = req.layout
+    check_given(grad_y, "grad_y", f"an array of x's shape {layout.shape}")
     check_same_shape(grad_y, "grad_y", layout.shape, "the shape of x")
     gdtype = check_float_dtype(grad_y, "grad_y")
     if gdtype != req.dtype:
         raise TypeError(f"grad_y must have the dtype of x ({req.dtype}), got dtype {gdtype}")
     for name, stat in stats.items():
-        if stat is None:
-            raise TypeError(
-                f"{name} must be the {name} array returned by the forward call with "
-                f"return_stats=True (shape {layout.stats_shape}), got None"
-            )
+        check_given(stat, name, f"the {name} array returned by the forward call with "
+                                f"return_stats=True (shape {layout.stats_shape})")
         check_same_shape(stat, name, layout.stats_shape,
                          "x's shape with the normalized axes kept as 1")
         check_float_dtype(stat, name)
@@ -781,8 +780,7 @@ def normalize_ex(x: Any, route: Route, normalized_shape: Any, weight: Any, bias:
 
 def check_residual(residual: Any, req: Request) -> str:
     """``residual`` has x's shape and a supported float dtype; returns the dtype's name."""
-    if residual is None:
-        raise TypeError(f"residual must be an array of x's shape {req.layout.shape}, got None")
+    check_given(residual, "residual", f"an array of x's shape {req.layout.shape}")
     check_same_shape(residual, "residual", req.layout.shape, "the shape of x")
     return check_float_dtype(residual, "residual")
 

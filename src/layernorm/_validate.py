@@ -182,6 +182,13 @@ def check_param(param: Any, name: str, expected: tuple[int, ...], x_shape: tuple
     return check_float_dtype(param, name)
 
 
+def check_given(arr: Any, name: str, wanted: str) -> None:
+    """``TypeError`` naming ``name`` and what it must be when a required array is None
+    (checked before anything reads its shape)."""
+    if arr is None:
+        raise TypeError(f"{name} must be {wanted}, got None")
+
+
 def check_same_shape(arr: Any, name: str, expected: tuple[int, ...], what: str) -> None:
     """``ValueError`` unless ``arr.shape == expected``."""
     got = shape_of(arr)

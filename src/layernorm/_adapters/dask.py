@@ -30,6 +30,7 @@ import numpy as np
 from .. import _engine
 from .._dispatch import Route, check_companions, describe, library_of, route
 from .._dtypes import accumulation_name
+from .._validate import check_given
 
 #: Blocks larger than this after rechunking the normalized axes raise a warning.
 BLOCK_WARN_BYTES = 256 * 2**20
@@ -341,6 +342,8 @@ def add_norm(x: Any, residual: Any, dask_route: Route, normalized_shape: Any, we
              residual_out: Any) -> Any:
     """:func:`layernorm.add_layer_norm` / :func:`layernorm.add_rms_norm` for Dask arrays:
     ``h`` and ``y`` (and the per-row scales) lazily, block by block."""
+    # _fused reads a None residual as none at all (the plain forwards' fused path).
+    check_given(residual, "residual", f"an array of x's shape {tuple(x.shape)}")
     return _fused(rms, x, residual, dask_route, normalized_shape, weight,
                   None if rms else bias, eps, axis, return_stats, backend, weight_offset,
                   residual_dtype, quantize, scale, out, residual_out)
