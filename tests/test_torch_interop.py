@@ -334,6 +334,29 @@ def test_only_parameters_require_grad_and_mixed_param_dtype():
     np.testing.assert_allclose(b.grad.numpy(), gb, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("weight_dtype", [None, torch.bfloat16])
+def test_bias_grad_keeps_the_bias_precision(weight_dtype, add):
+    # A float32 bias beside a 16-bit weight (or beside 16-bit x without a weight): its
+    # gradient is summed in float32 and cast once to float32, never rounded to the
+    # weight's (x's) dtype first, which loses digits or overflows to inf.
+    rows = 70_000 if weight_dtype is None else 64
+    x = _randn(rows, 8, seed=25, dtype=torch.float16 if weight_dtype is None
+               else torch.float32).requires_grad_()
+    w = None if weight_dtype is None else torch.ones(8, dtype=weight_dtype,
+                                                     requires_grad=True)
+    b = torch.zeros(8, dtype=torch.float32, requires_grad=True)
+    c = _randn(rows, 8, seed=26, dtype=x.dtype, loc=1.0)
+    if add:
+        y, _ = ln.add_layer_norm(x, torch.zeros_like(x), 8, w, b)
+    else:
+        y = ln.layer_norm(x, 8, w, b)
+    y.backward(c)
+    assert b.grad.dtype == torch.float32
+    expected = _np64(c).sum(axis=0)
+    np.testing.assert_allclose(b.grad.numpy(), expected, rtol=1e-5, atol=1e-3)
+
+
 def test_no_grad_mode_gives_plain_tensor():
     x = _randn(3, 8, seed=24).requires_grad_()
     with torch.no_grad():

@@ -246,11 +246,15 @@ def forward_with(bridge: Bridge, route: Route, rms: bool, x: Any, ns: Any, weigh
 
 def backward_with(bridge: Bridge, route: Route, rms: bool, gy: Any, x: Any, mean: Any,
                   rstd: Any, weight: Any, ns: Any, axis: Any,
-                  grad_residual: Any = None) -> tuple[Any, ...]:
+                  grad_residual: Any = None, bias_dtype: Any = None) -> tuple[Any, ...]:
     """Validated native backward of tensors through ``bridge``: gradient tensors.
 
     ``grad_residual`` (checked by the caller; only where the backend fuses it,
     :func:`layernorm._engine.fuses_grad_residual`) is added to ``grad_x`` by the kernels.
+    The parameter gradients come in the dtype of ``weight`` (of ``x`` without one), as
+    the functional backward returns them; ``bias_dtype`` (autograd, for a bias of its
+    own dtype) gives ``grad_bias`` that dtype instead, cast once from the accumulation
+    dtype.
     """
     req = _engine.request(x, route, ns, axis, weight=weight)
     stats = {"rstd": rstd} if rms else {"mean": mean, "rstd": rstd}
@@ -259,10 +263,20 @@ def backward_with(bridge: Bridge, route: Route, rms: bool, gy: Any, x: Any, mean
         bridge.xp, bridge.array(gy), bridge.array(x), req,
         None if rms else bridge.param(mean, req.acc), bridge.param(rstd, req.acc),
         bridge.param(weight, req.acc), rms, bridge.array(grad_residual))
-    pdtype = (weight if weight is not None else x).dtype
+    dtypes = _param_grad_dtypes(weight, x, bias_dtype, len(grads) - 1)
     acc = _ACC_TORCH[req.acc]
     return (bridge.tensor(grads[0], x.dtype),
-            *(bridge.tensor(g, acc).to(pdtype) for g in grads[1:]))
+            *(bridge.tensor(g, acc).to(d) for g, d in zip(grads[1:], dtypes, strict=True)))
+
+
+def _param_grad_dtypes(weight: Any, x: Any, bias_dtype: Any, count: int) -> tuple[Any, ...]:
+    """Dtypes of the ``count`` parameter gradients: the weight's (else x's), and
+    ``bias_dtype`` for ``grad_bias`` when given."""
+    pdtype = (weight if weight is not None else x).dtype
+    dtypes = [pdtype] * count
+    if bias_dtype is not None and count == 2:
+        dtypes[1] = bias_dtype
+    return tuple(dtypes)
 
 
 def _generic_forward(route: Route, rms: bool, x: Any, ns: Any, weight: Any, bias: Any,
@@ -281,14 +295,15 @@ def _generic_forward(route: Route, rms: bool, x: Any, ns: Any, weight: Any, bias
 
 
 def _generic_backward(route: Route, rms: bool, gy: Any, x: Any, mean: Any, rstd: Any,
-                      weight: Any, ns: Any, axis: Any) -> tuple[Any, ...]:
+                      weight: Any, ns: Any, axis: Any, bias_dtype: Any = None
+                      ) -> tuple[Any, ...]:
     req = _engine.request(x, route, ns, axis, weight=weight)
     stats = {"rstd": rstd} if rms else {"mean": mean, "rstd": rstd}
     _engine.check_backward(gy, req, **stats)
     xp = _engine.namespace("torch", x)
     grads = _engine.backward(xp, gy, x, req, mean, rstd, weight, rms)
-    pdtype = (weight if weight is not None else x).dtype
-    return (grads[0], *(g.to(pdtype) for g in grads[1:]))
+    dtypes = _param_grad_dtypes(weight, x, bias_dtype, len(grads) - 1)
+    return (grads[0], *(g.to(d) for g, d in zip(grads[1:], dtypes, strict=True)))
 
 
 def _forward(route: Route, rms: bool, x: Any, ns: Any, weight: Any, bias: Any, eps: Any,
@@ -301,25 +316,30 @@ def _forward(route: Route, rms: bool, x: Any, ns: Any, weight: Any, bias: Any, e
 
 
 def _backward(route: Route, rms: bool, gy: Any, x: Any, mean: Any, rstd: Any, weight: Any,
-              ns: Any, axis: Any, grad_residual: Any = None) -> tuple[Any, ...]:
+              ns: Any, axis: Any, grad_residual: Any = None,
+              bias_dtype: Any = None) -> tuple[Any, ...]:
     if route.backend == "array_api":
-        return _generic_backward(route, rms, gy, x, mean, rstd, weight, ns, axis)
+        return _generic_backward(route, rms, gy, x, mean, rstd, weight, ns, axis, bias_dtype)
     bridge, scope = _bridge_and_scope(route, x)
     with scope:
         return backward_with(bridge, route, rms, gy, x, mean, rstd, weight, ns, axis,
-                             grad_residual)
+                             grad_residual, bias_dtype)
 
 
 def _backward_plus(route: Route, rms: bool, req: Any, gy: Any, x: Any, mean: Any, rstd: Any,
-                   weight: Any, ns: Any, axis: Any, grad_residual: Any) -> tuple[Any, ...]:
+                   weight: Any, ns: Any, axis: Any, grad_residual: Any,
+                   bias_dtype: Any = None) -> tuple[Any, ...]:
     """The backward with ``grad_residual`` added to ``grad_x``: inside the kernels where
     the backend fuses it (as the engine does for NumPy/CuPy arrays), else composed
-    (:func:`layernorm._engine.with_grad_residual`)."""
+    (:func:`layernorm._engine.with_grad_residual`). ``bias_dtype``: as for
+    :func:`backward_with`."""
     if grad_residual is not None and _engine.fuses_grad_residual(req):
-        return _backward(route, rms, gy, x, mean, rstd, weight, ns, axis, grad_residual)
+        return _backward(route, rms, gy, x, mean, rstd, weight, ns, axis, grad_residual,
+                         bias_dtype)
 
     def run(gy_: Any, x_: Any) -> tuple[Any, ...]:
-        return _backward(route, rms, gy_, x_, mean, rstd, weight, ns, axis)
+        return _backward(route, rms, gy_, x_, mean, rstd, weight, ns, axis,
+                         bias_dtype=bias_dtype)
 
     return _engine.with_grad_residual(_namespace(x), gy, x, req, run, grad_residual)
 
@@ -387,7 +407,10 @@ class _NormFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True
             norm = _generic_norm(route, rms, ns, eps, axis)
             return (*_graph_grads(norm, (x, weight, bias), need[:3], grad_y), None)
-        grads = _backward(route, rms, grad_y, x, mean, rstd, weight, ns, axis)
+        # grad_bias in the bias's own dtype: rounded to the weight's (or x's) first, a
+        # float32 bias beside a 16-bit weight or x would get a 16-bit (or inf) gradient.
+        grads = _backward(route, rms, grad_y, x, mean, rstd, weight, ns, axis,
+                          bias_dtype=None if bias is None else bias.dtype)
         gx = grads[0] if need[0] else None
         gw = grads[1] if need[1] else None
         gb = grads[2] if (not rms and need[2]) else None
@@ -633,7 +656,8 @@ class _AddNormFunction(torch.autograd.Function):
                     total.to(ctx.dtypes[1]) if need[1] else None, g_gain, g_bias, None)
         req = _engine.request(h, route, ns, axis, weight=gain)
         grads = _backward_plus(route, rms, req, grad_y.to(h.dtype), h, mean, rstd, gain, ns,
-                               axis, grad_h.to(h.dtype))
+                               axis, grad_h.to(h.dtype),
+                               None if bias is None else bias.dtype)
         total = grads[0]
         return (total.to(ctx.dtypes[0]) if need[0] else None,
                 total.to(ctx.dtypes[1]) if need[1] else None,
