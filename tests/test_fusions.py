@@ -426,6 +426,25 @@ def test_other_calls_compose(make):
     assert_bitwise(got[0], y_ref)
 
 
+@pytest.mark.parametrize("rms, param", [(False, "weight"), (False, "bias"), (True, "weight")])
+def test_residual_out_over_a_parameter(rms, param):
+    # A weight or bias that lives in the memory residual_out receives h is read before h
+    # overwrites it: y is that of the parameter as passed (as out= over a parameter is).
+    x, r = data((4, 16), "float32", 0), data((4, 16), "float32", 1)
+    w, b = data((16,), "float32", 2), data((16,), "float32", 3)
+    y_ref, h_ref, _ = unfused(x, r, "float32", rms, weight=w, bias=b)
+    buf = np.zeros((4, 16), np.float32)
+    buf[3] = w if param == "weight" else b
+    kwargs = {"weight": buf[3] if param == "weight" else w}
+    if not rms:
+        kwargs["bias"] = buf[3] if param == "bias" else b
+    fn = ln.add_rms_norm if rms else ln.add_layer_norm
+    y, h = fn(x, r, residual_out=buf, **kwargs)
+    assert h is buf
+    assert_bitwise(h, h_ref)
+    assert_bitwise(y, y_ref)
+
+
 @pytest.mark.parametrize("shape", [(4, 300), (6, 200), (37, 64), (3000, 48)])
 def test_one_pass_kernel_rows_whose_squares_overflow(shape):
     # A finite float32 row with a spread near 1e19 is normalized after an exact rescaling

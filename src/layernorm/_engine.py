@@ -994,6 +994,10 @@ def add_normalize(x: Any, residual: Any, route: Route, normalized_shape: Any, we
             return fused
     h = residual_sum(xp, x, residual, add, h_name)
     if residual_out is not None:
+        # h overwrites residual_out before y is computed: a weight or bias stored in its
+        # memory is copied first, so y is that of the parameters as passed.
+        weight, bias = (p if p is None or not xp.may_share_memory(residual_out, p)
+                        else xp.asarray(p, copy=True) for p in (weight, bias))
         h = _into(residual_out, h)
     req = request(h, route, normalized_shape, axis, **params)
     eps = resolve_eps(eps, req, rms)
