@@ -118,6 +118,24 @@ def test_positive_eps_that_rounds_to_zero_is_a_value_error(name, dtype, eps):
             FUNCTIONS[name](x, eps=eps)
 
 
+@pytest.mark.parametrize("dtype, eps", [("float32", 3.5e38), ("float16", 1e39),
+                                        ("bfloat16", 1e300)])
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_eps_that_overflows_the_accumulation_dtype_is_a_value_error(name, dtype, eps):
+    # float32(3.5e38) is inf: every row would silently become 0 (or the bias), where
+    # (x - mean) / sqrt(var + eps) is about 1e-20, well within float32's range.
+    x = np.arange(8, dtype=DTYPES[dtype]).reshape(2, 4)
+    for _ in range(2):  # the first call plans the short path, the second takes it
+        with pytest.raises(ValueError, match=r"eps=.*overflows"):
+            FUNCTIONS[name](x, eps=eps)
+
+
+def test_largest_eps_of_the_accumulation_dtype_is_used():
+    x = np.array([[1.0, -1.0, 2.0, 5.0]], np.float32)
+    want = (x.astype(np.float64) - x.mean()) / np.sqrt(x.astype(np.float64).var() + 3e38)
+    np.testing.assert_allclose(ln.layer_norm(x, eps=3e38), want, rtol=1e-6)
+
+
 def test_tiny_eps_that_survives_rounding_keeps_constant_rows_finite():
     x = np.full((2, 4), 3.0, np.float32)
     assert np.array_equal(ln.layer_norm(x, eps=1e-44), np.zeros_like(x))

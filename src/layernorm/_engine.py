@@ -174,15 +174,23 @@ def resolve_eps(eps: Any, req: Request, rms: bool) -> float:
     """``eps`` checked; for RMSNorm ``None`` means the accumulation dtype's epsilon.
 
     A positive ``eps`` that rounds to 0 in the accumulation dtype (``1e-46`` for
-    float32) is a ``ValueError``: it would silently turn constant rows into NaN.
+    float32) is a ``ValueError``: it would silently turn constant rows into NaN. So is
+    one that rounds to infinity there (``1e39`` for float32): every row would become 0.
     """
     if rms and eps is None:
         return MACHINE_EPS[req.acc]
     value = check_eps(eps)
-    if value > 0.0 and np.dtype(req.acc).type(value) == 0.0:
+    with np.errstate(over="ignore"):
+        rounded = np.dtype(req.acc).type(value)
+    if value > 0.0 and rounded == 0.0:
         raise ValueError(
             f"eps={eps!r} rounds to 0 in the accumulation dtype {req.acc} of {req.dtype} "
             f"input; pass 0.0 or at least {np.finfo(req.acc).smallest_subnormal}"
+        )
+    if rounded == np.inf:
+        raise ValueError(
+            f"eps={eps!r} overflows the accumulation dtype {req.acc} of {req.dtype} "
+            f"input; pass at most {np.finfo(req.acc).max}"
         )
     return value
 

@@ -94,8 +94,8 @@ def remember(plans: dict[Any, Any], key: Any, build: Callable[[], Any]) -> Any:
 
 def accumulation_eps(plan: Any, eps: Any) -> Any:
     """``eps`` in ``plan.acc`` (remembered in ``plan.eps_scalars``) if it is a finite
-    float >= 0 that does not round to 0 there (unless it is 0), else None (the general
-    path says what is wrong).
+    float >= 0 that does not round to 0 there (unless it is 0) nor to infinity, else None
+    (the general path says what is wrong).
 
     Examples
     --------
@@ -107,8 +107,9 @@ def accumulation_eps(plan: Any, eps: Any) -> Any:
     """
     if type(eps) is not float or not 0.0 <= eps < math.inf:
         return None
-    scalar = plan.acc.type(eps)
-    if scalar == 0.0 and eps != 0.0:
+    with np.errstate(over="ignore"):
+        scalar = plan.acc.type(eps)
+    if (scalar == 0.0 and eps != 0.0) or scalar == math.inf:
         return None
     if len(plan.eps_scalars) > 64:
         plan.eps_scalars.clear()
