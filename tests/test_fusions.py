@@ -587,6 +587,8 @@ def test_offset_zero_keeps_negative_zero_weights():
 @pytest.mark.parametrize("bad, exc, match", [
     (float("nan"), ValueError, "weight_offset must be a finite"),
     (float("inf"), ValueError, "weight_offset must be a finite"),
+    pytest.param(10**400, ValueError, "weight_offset must be a finite", id="10**400"),
+    pytest.param(-(10**400), ValueError, "weight_offset must be a finite", id="-10**400"),
     ("1", TypeError, "weight_offset must be a finite real number, got '1'"),
     (1j, TypeError, "weight_offset"),
     (True, TypeError, "weight_offset"),

@@ -306,7 +306,12 @@ def check_weight_offset(offset: Any, has_weight: bool) -> float:
         raise TypeError(f"weight_offset must be a finite real number, got {offset!r} of type "
                         f"{type(offset).__name__}")
     else:
-        value = float(offset)
+        try:
+            value = float(offset)
+        except OverflowError:  # an int or Fraction beyond the float range, e.g. 10**400
+            raise ValueError(f"weight_offset must be a finite real number, got a value of "
+                             f"type {type(offset).__name__} too large to convert to a "
+                             "float") from None
         if not math.isfinite(value):
             raise ValueError(f"weight_offset must be a finite real number, got {offset!r}")
     if value != 0.0 and not has_weight:
