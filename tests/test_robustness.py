@@ -313,6 +313,23 @@ def test_in_place_on_rows_that_share_memory_is_a_value_error():
         ln.layer_norm(random_rows(np.random.default_rng(9), (4, 8), "float32"), out=one_row)
 
 
+@pytest.mark.parametrize("shape, axis", [((0, 16), -1), ((3, 0), -1), ((4, 0, 3), 2),
+                                         ((4, 3, 0), 1)])
+def test_out_of_an_empty_array_is_accepted(shape, axis):
+    # NumPy gives arrays of no elements zero strides: no two of their (no) elements
+    # share memory, so np.empty_like(x) is a valid out= and residual_out=.
+    x = np.ones(shape, np.float32)
+    for name in sorted(FUNCTIONS):
+        out = np.empty_like(x)
+        assert FUNCTIONS[name](x, axis=axis, out=out) is out
+    y, h = np.empty_like(x), np.empty_like(x)
+    for add in (ln.add_layer_norm, ln.add_rms_norm):
+        got = add(x, x, axis=axis, out=y, residual_out=h)
+        assert got[0] is y and got[1] is h
+    codes = np.empty(shape, np.int8)
+    assert ln.layer_norm(x, axis=axis, quantize="int8", out=codes)[0] is codes
+
+
 def test_reading_rows_that_share_memory_is_fine():
     base = random_rows(np.random.default_rng(10), 16, "float64")
     rows = as_strided(base, shape=(4, 8), strides=(16, 8), writeable=False)

@@ -225,12 +225,15 @@ def check_no_internal_overlap(arr: Any, name: str) -> None:
     --------
     >>> import numpy as np
     >>> check_no_internal_overlap(np.ones((2, 3))[:, ::2], "out")
+    >>> check_no_internal_overlap(np.empty((0, 3)), "out")
     >>> check_no_internal_overlap(np.broadcast_to(np.ones(3), (2, 3)), "out")
     Traceback (most recent call last):
     ...
     ValueError: out has elements that share memory (shape (2, 3), strides (0, 8))...
     """
     shape, strides = tuple(arr.shape), tuple(arr.strides)
+    if 0 in shape:  # no elements, none to share (NumPy gives such arrays zero strides)
+        return
     span = 0  # bytes covered by the axes already visited, minus one element
     for size, stride in sorted(((n, abs(s)) for n, s in zip(shape, strides, strict=True)
                                 if n > 1), key=lambda item: item[1]):
