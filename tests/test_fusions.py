@@ -958,6 +958,16 @@ def test_quantize_errors():
         ln.rms_norm(x, quantize="int8", scale=np.array([[1.0], [0.0]]))
     with pytest.raises(ValueError, match=r"broadcastable to the statistics' shape \(2, 1\)"):
         ln.rms_norm(x, quantize="int8", scale=np.ones(4))
+    # A static scale the accumulation dtype cannot hold, or whose 1 / scale it cannot: in
+    # float32 1e-40 would saturate every nonzero code (and turn zeros into NaN in float8).
+    for bad in (1e-40, 1e39, np.array([[1.0], [1e-40]]), np.float32(1e-40)):
+        for fmt in ("int8", "float8_e4m3fn"):
+            with pytest.raises(ValueError, match=r"scale.* outside the range the accumulation "
+                                                 r"dtype float32 takes"):
+                ln.layer_norm(x, quantize=fmt, scale=bad)
+    # float64 input accumulates in float64, which holds them.
+    q64, _ = ln.rms_norm(x.astype(np.float64), quantize="int8", scale=1e-40)
+    assert (q64 == 127).all()
     with pytest.raises(ValueError, match="out must have the quantized dtype int8"):
         ln.layer_norm(x, quantize="int8", out=np.empty((2, 4), np.float32))
     read_only = np.zeros((2, 4), np.int8)

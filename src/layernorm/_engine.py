@@ -611,8 +611,10 @@ def _float32_round_to_odd(xp: Any, v: Any) -> Any:
     return _int_view(xp, bits, "float32")
 
 
-def check_scale(xp: Any, scale: Any, stats_shape: tuple[int, ...]) -> None:
-    """A static ``scale``: positive and finite, broadcastable to the statistics' shape."""
+def check_scale(xp: Any, scale: Any, stats_shape: tuple[int, ...], acc: str) -> None:
+    """A static ``scale``: positive and finite, broadcastable to the statistics' shape,
+    and usable in the accumulation dtype ``acc``: neither it nor ``1 / scale`` may round
+    to 0 or overflow there (``scale=1e-40`` in float32 would saturate every code)."""
     if scale is None:
         return
     import numbers
@@ -624,6 +626,11 @@ def check_scale(xp: Any, scale: Any, stats_shape: tuple[int, ...]) -> None:
             finite = False
         if not (finite and scale > 0):
             raise ValueError(f"scale must be positive and finite, got {scale!r}")
+        with np.errstate(over="ignore", divide="ignore"):
+            s = np.dtype(acc).type(scale)
+            usable = bool(np.isfinite(s) and np.isfinite(np.dtype(acc).type(1) / s))
+        if not usable:
+            raise ValueError(_unusable_scale(f"scale={scale!r}", acc))
         return
     shape = getattr(scale, "shape", None)
     if shape is None or isinstance(scale, bool):
@@ -642,6 +649,18 @@ def check_scale(xp: Any, scale: Any, stats_shape: tuple[int, ...]) -> None:
     good = xp.all((scale > 0) & xp.isfinite(scale))
     if not bool(good):
         raise ValueError("scale must be positive and finite in every element")
+    with np.errstate(over="ignore", divide="ignore"):
+        s = astype(xp, scale, acc)
+        usable = bool(xp.all(xp.isfinite(s) & xp.isfinite(1 / s)))
+    if not usable:
+        raise ValueError(_unusable_scale("an element of scale", acc))
+
+
+def _unusable_scale(what: str, acc: str) -> str:
+    info = np.finfo(acc)
+    return (f"{what} is outside the range the accumulation dtype {acc} takes (it or "
+            f"1 / scale would round to 0 or overflow there); pass a scale between "
+            f"{info.tiny} and {info.max}")
 
 
 def quantize_rows(xp: Any, y32: Any, axes: tuple[int, ...], fmt: str, scale: Any,
@@ -727,7 +746,7 @@ def check_extras(xp: Any, req: Request, weight: Any, weight_offset: Any, quantiz
     quantize = check_quantize(quantize)
     if quantize is not None:
         dtype_of(xp, quantize)
-        check_scale(xp, scale, req.layout.stats_shape)
+        check_scale(xp, scale, req.layout.stats_shape, req.acc)
     elif scale is not None:
         raise ValueError("scale= is only used with quantize=; pass quantize='int8', "
                          "'float8_e4m3fn' or 'float8_e5m2', or drop scale")

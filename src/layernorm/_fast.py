@@ -368,10 +368,10 @@ class QuantPlan:
         float32 (the general path handles such a scale)."""
         inv = self.inverses.get(scale)
         if inv is None:
-            s = np.float32(scale)
-            if not 0 < s < np.inf:
-                return None
             with np.errstate(over="ignore"):
+                s = np.float32(scale)
+                if not 0 < s < np.inf:
+                    return None
                 one = np.float32(1.0) / s
             if not one < np.inf:
                 return None
