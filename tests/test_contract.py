@@ -346,6 +346,16 @@ def test_layer_norm_errors(library, kwargs, exc, words):
         assert word in str(info.value), (word, str(info.value))
 
 
+def test_zero_dimensional_input_is_a_clear_error(library):
+    # A 0-d array has no axis to normalize over; the error says so, on every library.
+    x = library.asarray(np.array(3.0, np.float32))
+    calls = [lambda: ln.layer_norm(x), lambda: ln.rms_norm(x, axis=0),
+             lambda: ln.add_layer_norm(x, x)]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"at least one dimension .* 0-d array"):
+            call()
+
+
 def test_rms_norm_errors(library):
     x = library.asarray(X)
     with pytest.raises(ValueError, match="eps"):

@@ -158,6 +158,9 @@ def resolve_axes(shape: tuple[int, ...], normalized_shape: Any, axis: Any) -> tu
     axes = (-1,) if axis is None else as_int_tuple(axis, "axis")
     if len(axes) == 0:
         raise ValueError("axis must name at least one axis, got ()")
+    if ndim == 0:
+        raise ValueError("x must have at least one dimension to normalize over, got a 0-d "
+                         "array (shape ()); pass x.reshape(1) or x[None]")
     resolved = []
     for a in axes:
         if not -ndim <= a < ndim:
