@@ -234,6 +234,27 @@ def test_add_norm_outputs_with_the_negative_bit_are_written():
     np.testing.assert_allclose(rn.resolve_neg().numpy(), h.numpy(), atol=1e-6)
 
 
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize(("rms", "param"), [(False, "weight"), (False, "bias"), (True, "weight")])
+def test_residual_out_over_a_parameter(strided, rms, param):
+    # A weight or bias stored in the memory residual_out receives h is read before h
+    # overwrites it (strided x takes the composed path, contiguous x the fused kernel's
+    # check): y is bit for bit that of the parameter as passed, as on NumPy.
+    x = _randn(4, 32 if strided else 16, seed=141, dtype=torch.float32)
+    x = x[:, ::2] if strided else x
+    r = _randn(4, 16, seed=142, dtype=torch.float32)
+    w, b = _randn(16, seed=143, dtype=torch.float32), _randn(16, seed=144, dtype=torch.float32)
+    fn = ln.add_rms_norm if rms else ln.add_layer_norm
+    params = {"weight": w} if rms else {"weight": w, "bias": b}
+    y_ref, h_ref = fn(x, r, **params)
+    buf = torch.zeros(4, 16)
+    buf[3] = params[param]
+    y, h = fn(x, r, **{**params, param: buf[3]}, residual_out=buf)
+    assert h is buf
+    assert torch.equal(h, h_ref)
+    assert torch.equal(y, y_ref)
+
+
 # --------------------------------------------------------------------------- autograd
 
 

@@ -823,6 +823,14 @@ def check_residual_out(residual_out: Any, req: Request, h_name: str) -> None:
     check_writeable(residual_out, "residual_out")
 
 
+def unshared(xp: Any, may_share: Any, target: Any, *params: Any) -> tuple[Any, ...]:
+    """``params`` with each one that shares memory with ``target`` (per ``may_share``)
+    replaced by a copy: ``target`` is written (``h`` into ``residual_out``) before they
+    are read, and the results must be those of the parameters as passed."""
+    return tuple(p if p is None or not may_share(target, p) else xp.asarray(p, copy=True)
+                 for p in params)
+
+
 def check_distinct_outputs(xp_may_share: Any, out: Any, residual_out: Any) -> None:
     """``out`` (y) and ``residual_out`` (h) cannot be the same memory."""
     if out is not None and residual_out is not None and (
@@ -1021,10 +1029,7 @@ def add_normalize(x: Any, residual: Any, route: Route, normalized_shape: Any, we
             return fused
     h = residual_sum(xp, x, residual, add, h_name)
     if residual_out is not None:
-        # h overwrites residual_out before y is computed: a weight or bias stored in its
-        # memory is copied first, so y is that of the parameters as passed.
-        weight, bias = (p if p is None or not xp.may_share_memory(residual_out, p)
-                        else xp.asarray(p, copy=True) for p in (weight, bias))
+        weight, bias = unshared(xp, xp.may_share_memory, residual_out, weight, bias)
         h = _into(residual_out, h)
     req = request(h, route, normalized_shape, axis, **params)
     eps = resolve_eps(eps, req, rms)

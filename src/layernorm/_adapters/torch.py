@@ -604,6 +604,7 @@ def _add_forward(route: Route, rms: bool, x: Any, residual: Any, ns: Any, gain: 
     xp = _namespace(x)
     h = _engine.residual_sum(xp, x, residual, add, h_name)
     if residual_out is not None:
+        gain, bias = _engine.unshared(xp, _share_storage, residual_out, gain, bias)
         residual_out.copy_(h)
         h = residual_out
     req = _engine.request(h, route, ns, axis, weight=gain, bias=bias)
