@@ -71,16 +71,16 @@ def _col_lane_sums(x2, c0, j, kv, zero, pad):
     full = groups // PER_LANE
     c = 0
     while c < full:
+        if c > 0:  # a block before this one: close it (.rowmath.lane_sums_from)
+            ta = ta + wide(a)
+            tq = tq + wide(q)
+            a = q = zero
         end = block_end(c, full)
         for k in range(c, end):
             s, ss = _col_chunk(x2, k * CHUNK + j, c0, runtime(PER_LANE), kv, pad)
             a = a + s
             q = q + ss
         c = end
-        if c < full:  # close the block (.rowmath.lane_sums_from)
-            ta = ta + wide(a)
-            tq = tq + wide(q)
-            a = q = zero
     g = groups - full * PER_LANE
     if g > 0:
         s, ss = _col_chunk(x2, full * CHUNK + j, c0, g, kv, pad)
@@ -279,16 +279,16 @@ def _rms_cols(x2, y2, c0, w, eps, lanes, totals, cs, rstd_out, r0, valid):
     full = groups // PER_LANE
     c = 0
     while c < full:
+        if c > 0:  # a block before this one: close it
+            for j in range(LANES):
+                store2(totals, load2(totals, j, 0) + wide(load2(lanes, j, 0)), j, 0)
+                store2(lanes, zero, j, 0)
         end = block_end(c, full)
         for k in range(c, end):
             for j in range(LANES):
                 sq = _col_square_chunk(x2, k * CHUNK + j, c0, PER_LANE, zero)
                 store2(lanes, load2(lanes, j, 0) + sq, j, 0)
         c = end
-        if c < full:  # close the block
-            for j in range(LANES):
-                store2(totals, load2(totals, j, 0) + wide(load2(lanes, j, 0)), j, 0)
-                store2(lanes, zero, j, 0)
     g = groups - full * PER_LANE
     if g > 0:
         for j in range(LANES):

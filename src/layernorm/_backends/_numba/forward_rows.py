@@ -571,9 +571,10 @@ def _blocked_sum_of_squares(xr, r, n, acc, first, like):
 
 @njit(inline="always", error_model="numpy")
 def row_sum_of_squares(xr, r, n, acc, first, like):
-    """A row's sum of squares (``like``'s type): its lane sums from chunk ``first`` on,
-    continuing ``acc`` (the lane sums of the chunks before it, which close no block),
-    then their fixed tree (in float64 over closed blocks, rounded once)."""
+    """A row's sum of squares (``like``'s type): its lane sums from chunk ``first`` (0 or
+    the start of the second block) on, continuing ``acc`` (the lane sums of the chunks
+    before it, not yet closed), then their fixed tree (in float64 over closed blocks,
+    rounded once)."""
     if blocked(n):
         return _blocked_sum_of_squares(xr, r, n, acc, first, like)
     zero = splat(cast(0.0, like))
