@@ -125,3 +125,44 @@ def test_kernel_not_in_the_cache_or_unknown_internals_take_the_public_path(monke
     assert attempts
     ss = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
     np.testing.assert_allclose(y, x / np.sqrt(ss + np.finfo(np.float32).eps), rtol=2e-6)
+
+
+_FORWARD_ONLY_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import layernorm as ln
+
+    x = np.arange(24, dtype=np.float32).reshape(3, 8) % 5
+    ln.layer_norm(x)
+    ln.rms_norm(x)
+    prefix = "layernorm._backends._numba."
+    print(json.dumps(sorted(m[len(prefix):] for m in sys.modules if m.startswith(prefix))))
+    """
+)
+
+
+def test_a_forward_call_defines_only_the_forward_kernels():
+    """The kernels module imports a kernel's module on first use: a process that only
+    normalizes never defines the backward, fused, quantized or column kernels."""
+    proc = subprocess.run([sys.executable, "-c", _FORWARD_ONLY_PROBE], capture_output=True,
+                          text=True, check=True, timeout=300)
+    loaded = set(json.loads(proc.stdout))
+    assert {"kernels", "forward_rows"} <= loaded
+    assert not loaded & {"backward", "fused", "quantized", "forward_cols"}
+
+
+def test_every_kernel_name_resolves_from_its_module():
+    from layernorm._backends import _numba as backend
+
+    kernels = backend.load_kernels()
+    assert sorted(dir(kernels)) == sorted(kernels.__all__)
+    for name in kernels.__all__:
+        value = getattr(kernels, name)
+        assert callable(value) == name.islower(), name  # kernels and helpers; constants
+    try:
+        kernels.no_such_kernel  # noqa: B018
+    except AttributeError as err:
+        assert "no_such_kernel" in str(err)
+    else:
+        raise AssertionError("an unknown name resolved")

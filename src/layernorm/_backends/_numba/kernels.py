@@ -60,147 +60,111 @@ qualified name and source line (kernels made by a factory would share entries), 
 kernel that takes another jitted function as an argument cannot be cached at all (Numba:
 "uses dynamic globals"). So the thin loops over blocks repeat, the row code does not.
 
-Importing this module imports Numba and defines the kernels; nothing compiles until a
-kernel is first called (each specialization is then loaded from, or saved to, the disk
-cache).
+Importing this module imports nothing else: the first use of one of its names imports
+the module that defines it (and Numba), so a call defines only the kernels of its job
+(measured, warm cache, fresh process: importing every kernel module cost a plain forward's
+first call 30 ms, a tenth of it). Nothing compiles until a kernel is first called (each
+specialization is then loaded from, or saved to, the disk cache).
 """
 
 from __future__ import annotations
 
-from .backward import (
-    COL_BLOCK,
-    PAIR_MIN_N,
-    SHORT_BACKWARD_N,
-    TILE_MIN_N,
-    backward_cols_parallel,
-    backward_cols_serial,
-    ln_backward_parallel,
-    ln_backward_serial,
-    ln_gathered_backward_parallel,
-    ln_gathered_backward_serial,
-    ln_short_backward_parallel,
-    ln_short_backward_serial,
-    ln_tiled_backward_parallel,
-    ln_tiled_backward_serial,
-    rms_backward_parallel,
-    rms_backward_serial,
-    rms_gathered_backward_parallel,
-    rms_gathered_backward_serial,
-    rms_paired_backward_parallel,
-    rms_paired_backward_serial,
-)
-from .forward_cols import (
-    ln_forward_cols_parallel,
-    ln_forward_cols_serial,
-    rms_forward_cols_parallel,
-    rms_forward_cols_serial,
-)
-from .forward_rows import (
-    SHORT_ROW_MAX,
-    ln_forward_parallel,
-    ln_forward_serial,
-    ln_gathered_forward_parallel,
-    ln_gathered_forward_serial,
-    ln_short_forward_parallel,
-    ln_short_forward_serial,
-    ln_stream_forward_parallel,
-    ln_stream_forward_serial,
-    rms_forward_parallel,
-    rms_forward_serial,
-    rms_gathered_forward_parallel,
-    rms_gathered_forward_serial,
-    rms_stream_forward_parallel,
-    rms_stream_forward_serial,
-)
-from .fused import (
-    add_ln_forward_parallel,
-    add_ln_forward_serial,
-    add_ln_short_forward_parallel,
-    add_ln_short_forward_serial,
-    add_ln_stream_forward_parallel,
-    add_ln_stream_forward_serial,
-    add_rms_forward_parallel,
-    add_rms_forward_serial,
-    add_rms_stream_forward_parallel,
-    add_rms_stream_forward_serial,
-)
-from .quantized import (
-    DYNAMIC,
-    FORMAT_TAGS,
-    STATIC,
-    ln_quant_forward_parallel,
-    ln_quant_forward_serial,
-    ln_quant_rescued_serial,
-    ln_short_quant_forward_parallel,
-    ln_short_quant_forward_serial,
-    rms_quant_forward_parallel,
-    rms_quant_forward_serial,
-    rms_quant_rescued_serial,
-)
-from .rowmath import LANES, merge_table, widen_param
+import importlib
+from typing import Any
 
-__all__ = [
-    "COL_BLOCK",
-    "DYNAMIC",
-    "FORMAT_TAGS",
-    "LANES",
-    "PAIR_MIN_N",
-    "SHORT_BACKWARD_N",
-    "SHORT_ROW_MAX",
-    "STATIC",
-    "TILE_MIN_N",
-    "add_ln_forward_parallel",
-    "add_ln_forward_serial",
-    "add_ln_short_forward_parallel",
-    "add_ln_short_forward_serial",
-    "add_ln_stream_forward_parallel",
-    "add_ln_stream_forward_serial",
-    "add_rms_forward_parallel",
-    "add_rms_forward_serial",
-    "add_rms_stream_forward_parallel",
-    "add_rms_stream_forward_serial",
-    "backward_cols_parallel",
-    "backward_cols_serial",
-    "ln_backward_parallel",
-    "ln_backward_serial",
-    "ln_forward_cols_parallel",
-    "ln_forward_cols_serial",
-    "ln_forward_parallel",
-    "ln_forward_serial",
-    "ln_gathered_backward_parallel",
-    "ln_gathered_backward_serial",
-    "ln_gathered_forward_parallel",
-    "ln_gathered_forward_serial",
-    "ln_quant_forward_parallel",
-    "ln_quant_forward_serial",
-    "ln_quant_rescued_serial",
-    "ln_short_backward_parallel",
-    "ln_short_backward_serial",
-    "ln_short_forward_parallel",
-    "ln_short_forward_serial",
-    "ln_short_quant_forward_parallel",
-    "ln_short_quant_forward_serial",
-    "ln_stream_forward_parallel",
-    "ln_stream_forward_serial",
-    "ln_tiled_backward_parallel",
-    "ln_tiled_backward_serial",
-    "merge_table",
-    "rms_backward_parallel",
-    "rms_backward_serial",
-    "rms_forward_cols_parallel",
-    "rms_forward_cols_serial",
-    "rms_forward_parallel",
-    "rms_forward_serial",
-    "rms_gathered_backward_parallel",
-    "rms_gathered_backward_serial",
-    "rms_gathered_forward_parallel",
-    "rms_gathered_forward_serial",
-    "rms_paired_backward_parallel",
-    "rms_paired_backward_serial",
-    "rms_quant_forward_parallel",
-    "rms_quant_forward_serial",
-    "rms_quant_rescued_serial",
-    "rms_stream_forward_parallel",
-    "rms_stream_forward_serial",
-    "widen_param",
-]
+#: The module defining each name of this one.
+_HOMES = {
+    "backward": (
+        "COL_BLOCK",
+        "PAIR_MIN_N",
+        "SHORT_BACKWARD_N",
+        "TILE_MIN_N",
+        "backward_cols_parallel",
+        "backward_cols_serial",
+        "ln_backward_parallel",
+        "ln_backward_serial",
+        "ln_gathered_backward_parallel",
+        "ln_gathered_backward_serial",
+        "ln_short_backward_parallel",
+        "ln_short_backward_serial",
+        "ln_tiled_backward_parallel",
+        "ln_tiled_backward_serial",
+        "rms_backward_parallel",
+        "rms_backward_serial",
+        "rms_gathered_backward_parallel",
+        "rms_gathered_backward_serial",
+        "rms_paired_backward_parallel",
+        "rms_paired_backward_serial",
+    ),
+    "forward_cols": (
+        "ln_forward_cols_parallel",
+        "ln_forward_cols_serial",
+        "rms_forward_cols_parallel",
+        "rms_forward_cols_serial",
+    ),
+    "forward_rows": (
+        "SHORT_ROW_MAX",
+        "ln_forward_parallel",
+        "ln_forward_serial",
+        "ln_gathered_forward_parallel",
+        "ln_gathered_forward_serial",
+        "ln_short_forward_parallel",
+        "ln_short_forward_serial",
+        "ln_stream_forward_parallel",
+        "ln_stream_forward_serial",
+        "rms_forward_parallel",
+        "rms_forward_serial",
+        "rms_gathered_forward_parallel",
+        "rms_gathered_forward_serial",
+        "rms_stream_forward_parallel",
+        "rms_stream_forward_serial",
+    ),
+    "fused": (
+        "add_ln_forward_parallel",
+        "add_ln_forward_serial",
+        "add_ln_short_forward_parallel",
+        "add_ln_short_forward_serial",
+        "add_ln_stream_forward_parallel",
+        "add_ln_stream_forward_serial",
+        "add_rms_forward_parallel",
+        "add_rms_forward_serial",
+        "add_rms_stream_forward_parallel",
+        "add_rms_stream_forward_serial",
+    ),
+    "quantized": (
+        "DYNAMIC",
+        "FORMAT_TAGS",
+        "STATIC",
+        "ln_quant_forward_parallel",
+        "ln_quant_forward_serial",
+        "ln_quant_rescued_serial",
+        "ln_short_quant_forward_parallel",
+        "ln_short_quant_forward_serial",
+        "rms_quant_forward_parallel",
+        "rms_quant_forward_serial",
+        "rms_quant_rescued_serial",
+    ),
+    "rowmath": (
+        "LANES",
+        "merge_table",
+        "widen_param",
+    ),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+__all__ = sorted(_HOME_OF)
+
+
+def __getattr__(name: str) -> Any:
+    """The kernel or constant ``name``, from its module (imported on first use)."""
+    try:
+        module = _HOME_OF[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"{__package__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
