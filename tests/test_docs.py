@@ -349,3 +349,22 @@ def test_readme_names_the_docs_build_command():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert re.search(r"python -m sphinx -W --keep-going\b.*-b html docs docs/_build/html",
                      readme), "the README must give the docs build command"
+
+
+def test_committed_performance_reference_is_a_quiet_measurement_of_its_grid():
+    """The reference the performance page plots beside its live run was measured with
+    the documented command on a quiet machine: the bench's own verdict (recomputed from
+    the stored records) finds nothing noisy, and it holds the page's grid, from DRAM and
+    from cache."""
+    import json
+
+    from layernorm.bench import noise
+
+    reference = json.loads((DOCS / "_data" / "bench_reference.json").read_text())
+    verdict = noise.assess(reference)
+    assert not verdict.noisy, verdict.reasons
+    assert not reference["verdict"]["noisy"], reference["verdict"]["reasons"]
+    assert reference["machine"]["cpu"]["model"] and reference["date"]
+    shapes = {tuple(r["shape"]) for r in reference["results"] if r["regime"] == "memory"}
+    assert shapes == {(16384, 64), (2048, 512), (256, 4096), (32, 32768)}
+    assert {r["regime"] for r in reference["results"]} == {"cache", "memory"}
