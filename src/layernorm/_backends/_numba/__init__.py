@@ -53,7 +53,8 @@ if hasattr(os, "register_at_fork"):
 
 @functools.cache
 def load_kernels() -> Any:
-    """The :mod:`.kernels` module (imports Numba and defines the kernels on first use)."""
+    """The :mod:`.kernels` module, whose names import their kernel module (and Numba) on
+    first use."""
     from . import kernels
 
     return kernels

@@ -60,11 +60,12 @@ qualified name and source line (kernels made by a factory would share entries), 
 kernel that takes another jitted function as an argument cannot be cached at all (Numba:
 "uses dynamic globals"). So the thin loops over blocks repeat, the row code does not.
 
-Importing this module imports nothing else: the first use of one of its names imports
-the module that defines it (and Numba), so a call defines only the kernels of its job
-(measured, warm cache, fresh processes, interleaved: importing every kernel module cost a
-plain forward's first call 12-37 ms of its 0.3 s). Nothing compiles until a kernel is
-first called (each specialization is then loaded from, or saved to, the disk cache).
+Importing this module imports neither Numba nor any kernel module: the first use of one
+of its names imports the module that defines it (and Numba), so a call defines only the
+kernels of its job (measured, warm cache, fresh processes, interleaved: importing every
+kernel module cost a plain forward's first call 12-37 ms of its 0.3 s). Nothing compiles
+until a kernel is first called (each specialization is then loaded from, or saved to, the
+disk cache).
 """
 
 from __future__ import annotations
