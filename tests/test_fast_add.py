@@ -184,7 +184,7 @@ def test_large_calls_choose_kernels_as_the_general_path(general_calls, monkeypat
                                                         stream):
     # Above PARALLEL_MIN_ELEMENTS: the backend's serial-or-parallel choice, and streaming
     # stores where the backend's decision says so (forced here: only bits' route changes).
-    monkeypatch.setattr(_numba, "use_streaming_stores", lambda x, y: stream)
+    monkeypatch.setattr(_numba, "fused_add_streams", lambda x, res, y: stream)
     rng = np.random.default_rng(9)
     x, r, w, b = _inputs(rng, (40, 2048), "float32", "both")
     for _ in range(2):

@@ -214,7 +214,7 @@ def fused_calls(stream=None):
             mp.setattr(backend, name, spy)
         mp.setattr(_fast_add, "add_norm", short_spy)
         if stream is not None:
-            mp.setattr(backend, "use_streaming_stores", lambda x, y: stream)
+            mp.setattr(backend, "fused_add_streams", lambda x, res, y: stream)
         yield calls
 
 
@@ -378,6 +378,32 @@ def test_one_pass_kernel_in_place(case, rms, stream, n):
             assert arr is kwargs[name]
     assert_bitwise(h, h_ref)
     assert_bitwise(y, y_ref)
+
+
+def test_fused_kernels_stream_y_from_shorter_rows_than_the_plain_forward(monkeypatch):
+    # The fused norm reads h from the cache, so streaming y pays from rows of
+    # FUSED_STREAM_MIN_ROW on; the plain forward keeps its own (longer) minimum; never
+    # when y is in the cache already (in place of x or the residual).
+    from layernorm._backends import _numba as backend
+
+    monkeypatch.setattr(backend, "STREAM_MIN_FRACTION", 0.0)  # any size is "large"
+    rows = 8
+
+    def arrays(n):
+        return (np.empty((rows, n), np.float32), np.empty((rows, n), np.float32),
+                np.empty((rows, n), np.float32))
+
+    n = backend.FUSED_STREAM_MIN_ROW
+    assert n < backend.STREAM_MIN_ROW
+    x, r, y = arrays(n)
+    assert backend.fused_add_streams(x, r, y)
+    assert not backend.use_streaming_stores(x, y)
+    assert not backend.fused_add_streams(x, r, x) and not backend.fused_add_streams(x, r, r)
+    assert not backend.fused_add_streams(*arrays(n - 1))
+    monkeypatch.setattr(backend, "STREAM_MIN_FRACTION", 0.5)  # 8 KiB: stays in cache
+    assert not backend.fused_add_streams(x, r, y)
+    with backend.streaming_stores_everywhere():
+        assert backend.fused_add_streams(*arrays(3))
 
 
 def test_one_pass_kernel_in_place_on_views():
