@@ -380,10 +380,10 @@ def test_one_pass_kernel_in_place(case, rms, stream, n):
     assert_bitwise(y, y_ref)
 
 
-def test_fused_kernels_stream_y_from_shorter_rows_than_the_plain_forward(monkeypatch):
-    # The fused norm reads h from the cache, so streaming y pays from rows of
-    # FUSED_STREAM_MIN_ROW on; the plain forward keeps its own (longer) minimum; never
-    # when y is in the cache already (in place of x or the residual).
+def test_streaming_stores_are_chosen_for_large_outputs_of_long_enough_rows(monkeypatch):
+    # The plain forward and the fused kernels stream y from rows of STREAM_MIN_ROW on,
+    # for outputs large against the last-level cache; never when y is in the cache
+    # already (in place of x or the residual).
     from layernorm._backends import _numba as backend
 
     monkeypatch.setattr(backend, "STREAM_MIN_FRACTION", 0.0)  # any size is "large"
@@ -393,15 +393,17 @@ def test_fused_kernels_stream_y_from_shorter_rows_than_the_plain_forward(monkeyp
         return (np.empty((rows, n), np.float32), np.empty((rows, n), np.float32),
                 np.empty((rows, n), np.float32))
 
-    n = backend.FUSED_STREAM_MIN_ROW
-    assert n < backend.STREAM_MIN_ROW
+    n = backend.STREAM_MIN_ROW
+    assert backend.load_kernels().SHORT_ROW_MAX < n  # the short-row path has no streaming kernel
     x, r, y = arrays(n)
-    assert backend.fused_add_streams(x, r, y)
-    assert not backend.use_streaming_stores(x, y)
+    assert backend.use_streaming_stores(x, y) and backend.fused_add_streams(x, r, y)
+    assert not backend.use_streaming_stores(x, x)
     assert not backend.fused_add_streams(x, r, x) and not backend.fused_add_streams(x, r, r)
-    assert not backend.fused_add_streams(*arrays(n - 1))
+    x1, r1, y1 = arrays(n - 1)
+    assert not backend.use_streaming_stores(x1, y1)
+    assert not backend.fused_add_streams(x1, r1, y1)
     monkeypatch.setattr(backend, "STREAM_MIN_FRACTION", 0.5)  # 8 KiB: stays in cache
-    assert not backend.fused_add_streams(x, r, y)
+    assert not backend.use_streaming_stores(x, y) and not backend.fused_add_streams(x, r, y)
     with backend.streaming_stores_everywhere():
         assert backend.fused_add_streams(*arrays(3))
 

@@ -224,17 +224,14 @@ def _last_level_cache_bytes() -> int:
 
 
 #: Streaming stores pay only for outputs this many times larger than the last-level
-#: cache and for rows of at least STREAM_MIN_ROW elements (measured, float32, 1 thread:
-#: at 16 MB, rows of 256 took 1.29 ms with them and 1.04 ms without; rows of 1024 took
-#: 0.87 vs 0.91 ms, and at 32 MB 1.63 vs 2.06 ms).
+#: cache and for rows of at least STREAM_MIN_ROW elements (measured, float32, DRAM-resident
+#: inputs, interleaved, 16 and 32 MiB arrays, 1 and 2 threads: with them rows of 384-768
+#: took 0.62-0.96x the time of plain stores, rows of 256 0.72-1.15x for LayerNorm and
+#: 0.81-0.94x for RMSNorm; the fused add-and-normalize kernels, which normalize ``h``
+#: from the cache, 0.63-0.97x at rows of 256-768; rows of 64 and 128, whose unaligned
+#: ends are stored one element at a time, 1.04-1.22x).
 STREAM_MIN_FRACTION = 0.5
-STREAM_MIN_ROW = 1024
-#: The fused add-and-normalize kernels normalize ``h`` from the cache (no next row to
-#: read from memory while a row is written), so streaming stores of ``y`` pay from
-#: shorter rows on (measured, float32, 16 MiB arrays, interleaved: rows of 256-768 took
-#: 0.80-0.97x the time with them at 1 thread, 0.63-0.94x at 2 threads; rows of 64 and
-#: 128, whose unaligned ends are stored one element at a time, 1.04-1.22x).
-FUSED_STREAM_MIN_ROW = 256
+STREAM_MIN_ROW = 256
 
 
 @contextlib.contextmanager
@@ -242,13 +239,13 @@ def streaming_stores_everywhere() -> Iterator[None]:
     """Within it, every output :func:`use_streaming_stores` is asked about takes them,
     whatever its size (``python -m layernorm compile`` compiles the streaming kernels
     with small calls). Not thread-safe: for tools, never for library calls."""
-    global STREAM_MIN_FRACTION, STREAM_MIN_ROW, FUSED_STREAM_MIN_ROW
-    saved = STREAM_MIN_FRACTION, STREAM_MIN_ROW, FUSED_STREAM_MIN_ROW
-    STREAM_MIN_FRACTION, STREAM_MIN_ROW, FUSED_STREAM_MIN_ROW = 0.0, 1, 1
+    global STREAM_MIN_FRACTION, STREAM_MIN_ROW
+    saved = STREAM_MIN_FRACTION, STREAM_MIN_ROW
+    STREAM_MIN_FRACTION, STREAM_MIN_ROW = 0.0, 1
     try:
         yield
     finally:
-        STREAM_MIN_FRACTION, STREAM_MIN_ROW, FUSED_STREAM_MIN_ROW = saved
+        STREAM_MIN_FRACTION, STREAM_MIN_ROW = saved
 
 
 def use_streaming_stores(x: Any, y: Any) -> bool:
@@ -555,11 +552,8 @@ ADD_RMS_WRITES = (4, 5, 6)  # h, y, rstd
 def fused_add_streams(x: Any, res: Any, y: Any) -> bool:
     """Whether the fused add-and-normalize of ``x`` and ``res`` into ``y`` should write
     ``y`` with streaming stores (its streaming entry kernels)."""
-    if (y.shape[-1] < FUSED_STREAM_MIN_ROW
-            or y.nbytes < STREAM_MIN_FRACTION * _last_level_cache_bytes()):
-        return False
     # y in place of either input is in the cache already (see use_streaming_stores).
-    return not (np.may_share_memory(x, y) or np.may_share_memory(res, y))
+    return use_streaming_stores(x, y) and not np.may_share_memory(res, y)
 
 
 def _add_arrays(x3, r3, h3, y3, dtypes):
