@@ -106,7 +106,9 @@ BLOCK_ELEMENTS = 1 << 14
 #: many bytes of each: from DRAM, that row's reading then overlaps the arithmetic
 #: instead of following it (measured, float32, 1 thread, int8: rows of 256-2048 took
 #: 0.6-0.9x the time, a static scale's codes about the plain norm's time; longer rows,
-#: whose reading the hardware prefetchers follow, unchanged).
+#: whose reading the hardware prefetchers follow, unchanged; in cache, where the hints
+#: are only instructions, a static scale unchanged and per-row scales up to about 10%
+#: slower).
 PREFETCH_BYTES = 8192
 
 #: The format tags the kernels take: an empty array whose dtype (not its contents)
@@ -213,7 +215,8 @@ def ln_row_y32(xv, r, yv, k, n, shift, mean, rstd, w, b, pf):
     """Row ``r`` of ``xv`` normalized into row ``k`` of the float32 view ``yv`` (padded
     to whole vectors with zeros) with the plain forward's arithmetic
     (:func:`.forward_rows.ln_row_out`, element by element the same IEEE operations);
-    returns the :func:`._simd.vabsmax` of the row."""
+    returns the :func:`._simd.vabsmax` of the row. Each vector prefetches the same place
+    (up to :data:`PREFETCH_BYTES`) of the row at address ``pf``."""
     kv = splat(shift)
     mv = splat(mean)
     rv = splat(rstd)
@@ -236,7 +239,8 @@ def ln_row_y32(xv, r, yv, k, n, shift, mean, rstd, w, b, pf):
 def ln_row_codes(xv, r, qv, qr, fv, bv8, n, shift, mean, rstd, w, b, fmt, inv, pf):
     """Row ``r`` of ``xv`` normalized as :func:`ln_row_y32` does, times ``inv`` and
     quantized straight into row ``qr`` of ``qv`` (no float32 row is stored). ``fv`` (float32)
-    and ``bv8`` (uint8) are one-vector scratch rows for a last partial vector."""
+    and ``bv8`` (uint8) are one-vector scratch rows for a last partial vector; ``pf`` as
+    in :func:`ln_row_y32`."""
     kv = splat(shift)
     mv = splat(mean)
     rv = splat(rstd)
