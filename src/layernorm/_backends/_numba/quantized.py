@@ -105,7 +105,7 @@ BLOCK_ELEMENTS = 1 << 14
 #: row's statistics pass reads (for a block's codes, the next block's rows), up to this
 #: many bytes of each: from DRAM, that row's reading then overlaps the arithmetic
 #: instead of following it (measured, float32, 1 thread, int8: rows of 256-2048 took
-#: 0.6-0.9x the time, a static scale's codes about the plain norm's time; longer rows,
+#: 0.6-0.95x the time, a static scale's codes 0.7-1.3x the plain norm's; longer rows,
 #: whose reading the hardware prefetchers follow, unchanged; in cache, where the hints
 #: are only instructions, a static scale unchanged and per-row scales up to about 10%
 #: slower).
