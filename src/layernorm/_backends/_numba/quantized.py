@@ -180,17 +180,24 @@ def row_inverse(yv, k, r, n, fmt, dynamic, inv_rows, scale_out):
 
 
 @njit(inline="always", error_model="numpy")
+def prefetch_ahead(address, start, i, step):
+    """Prefetch byte ``start + min(i * step, PREFETCH_BYTES)`` after ``address``: called
+    for each vector ``i`` of a pass, it brings in the first :data:`PREFETCH_BYTES` of a
+    row whose elements are ``step`` bytes apart."""
+    prefetch_at(address, start + imin(i * step, PREFETCH_BYTES), False)
+
+
+@njit(inline="always", error_model="numpy")
 def quantize_row(yv, qv, tv, k, r, n, fmt, inv, ahead, ahead_from, ahead_step):
     """Row ``k`` of the float32 block view ``yv`` times ``inv``, quantized into row ``r``
     of ``qv``. ``tv`` is a one-vector uint8 scratch row for the codes of a last partial
-    vector (``yv``'s padding zeros are never stored). Unless ``ahead`` is None, the
-    vector at ``i`` prefetches byte ``ahead_from + min(i * ahead_step, PREFETCH_BYTES)``
-    after address ``ahead``."""
+    vector (``yv``'s padding zeros are never stored). Unless ``ahead`` is None, each
+    vector prefetches (:func:`prefetch_ahead`) from byte ``ahead_from`` after ``ahead``."""
     body = n // LANES * LANES
     iv = splat(inv)
     for i in range(0, body, LANES):
         if ahead is not None:
-            prefetch_at(ahead, ahead_from + imin(i * ahead_step, PREFETCH_BYTES), False)
+            prefetch_ahead(ahead, ahead_from, i, ahead_step)
         store_codes(fmt, qv, vload(yv, k, i) * iv, r, i)
     if body < n:
         store_codes(fmt, tv, vload(yv, k, body) * iv, 0, 0)
@@ -211,19 +218,31 @@ def inverse_of(top, r, fmt, scale_out):
 
 
 @njit(inline="always", error_model="numpy")
+def quantize_rows_ahead(yv, qv, tv, xv, rows, stop, r0, n, fmt, invs):
+    """Rows ``0 .. stop`` of the float32 block view ``yv`` quantized into rows ``r0 ..``
+    of ``qv`` (:func:`quantize_row`), each prefetching the next block's row of the same
+    index: past the last of the block's ``rows`` rows of ``xv``, where the view's rows are
+    contiguous (a prefetch never faults)."""
+    last = vaddress(xv, rows - 1, 0)
+    for k in range(stop):
+        quantize_row(yv, qv, tv, k, r0 + k, n, fmt, invs[k], last,
+                     (k + 1) * n * itemsize(xv), itemsize(xv))
+
+
+@njit(inline="always", error_model="numpy")
 def ln_row_y32(xv, r, yv, k, n, shift, mean, rstd, w, b, pf):
     """Row ``r`` of ``xv`` normalized into row ``k`` of the float32 view ``yv`` (padded
     to whole vectors with zeros) with the plain forward's arithmetic
     (:func:`.forward_rows.ln_row_out`, element by element the same IEEE operations);
     returns the :func:`._simd.vabsmax` of the row. Each vector prefetches the same place
-    (up to :data:`PREFETCH_BYTES`) of the row at address ``pf``."""
+    of the row at address ``pf`` (:func:`prefetch_ahead`)."""
     kv = splat(shift)
     mv = splat(mean)
     rv = splat(rstd)
     top = splat(np.float32(0.0))
     body = n // LANES * LANES
     for i in range(0, body, LANES):
-        prefetch_at(pf, imin(i * itemsize(xv), PREFETCH_BYTES), False)
+        prefetch_ahead(pf, 0, i, itemsize(xv))
         v = affine(((vload(xv, r, i) - kv) - mv) * rv, w, b, i)
         vstore(yv, v, k, i)
         top = vabsmax(top, v)
@@ -247,7 +266,7 @@ def ln_row_codes(xv, r, qv, qr, fv, bv8, n, shift, mean, rstd, w, b, fmt, inv, p
     iv = splat(inv)
     body = n // LANES * LANES
     for i in range(0, body, LANES):
-        prefetch_at(pf, imin(i * itemsize(xv), PREFETCH_BYTES), False)
+        prefetch_ahead(pf, 0, i, itemsize(xv))
         v = affine(((vload(xv, r, i) - kv) - mv) * rv, w, b, i)
         store_codes(fmt, qv, v * iv, qr, i)
     if body < n:
@@ -266,7 +285,7 @@ def rms_row_y32(xv, r, yv, k, n, rstd, w, pf):
     top = splat(np.float32(0.0))
     body = n // LANES * LANES
     for i in range(0, body, LANES):
-        prefetch_at(pf, imin(i * itemsize(xv), PREFETCH_BYTES), False)
+        prefetch_ahead(pf, 0, i, itemsize(xv))
         v = times_w(vload(xv, r, i) * rv, w, i)
         vstore(yv, v, k, i)
         top = vabsmax(top, v)
@@ -285,7 +304,7 @@ def rms_row_codes(xv, r, qv, qr, fv, bv8, n, rstd, w, fmt, inv, pf):
     iv = splat(inv)
     body = n // LANES * LANES
     for i in range(0, body, LANES):
-        prefetch_at(pf, imin(i * itemsize(xv), PREFETCH_BYTES), False)
+        prefetch_ahead(pf, 0, i, itemsize(xv))
         v = times_w(vload(xv, r, i) * rv, w, i)
         store_codes(fmt, qv, v * iv, qr, i)
     if body < n:
@@ -322,22 +341,18 @@ def ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, i
         nmean, nmo, nrstd = finish(nshift, mu, m2, n, eps)
         if k >= 0:
             r = r0 + k
+            soon = vaddress(xv, imin(k + 2, rows - 1), 0)  # what row k + 1's pass reads next
             if dynamic is not None:
-                top = ln_row_y32(xv, k, yv, k, n, shift, mean, rstd, wv, bv,
-                                 vaddress(xv, imin(k + 2, rows - 1), 0))
+                top = ln_row_y32(xv, k, yv, k, n, shift, mean, rstd, wv, bv, soon)
                 invs[k] = inverse_of(top, r, fmt, scale_out)
             else:
                 ln_row_codes(xv, k, qv, r, fv, bv8, n, shift, mean, rstd, wv, bv, fmt,
-                             inv_rows[r], vaddress(xv, imin(k + 2, rows - 1), 0))
+                             inv_rows[r], soon)
             put_stat(mean_out, r, mo)
             put_stat(rstd_out, r, rstd)
         shift, mean, mo, rstd = nshift, nmean, nmo, nrstd
-    if dynamic is not None:
-        for k in range(stop):
-            # The next block's row k (past the last row: the next block's rows, where the
-            # view's rows are contiguous; a prefetch never faults) comes in meanwhile.
-            quantize_row(yv, qv, bv8, k, r0 + k, n, fmt, invs[k], vaddress(xv, rows - 1, 0),
-                         (k + 1) * n * itemsize(xv), itemsize(xv))
+    if dynamic is not None and stop > 0:
+        quantize_rows_ahead(yv, qv, bv8, xv, rows, stop, r0, n, fmt, invs)
     alive(y32)
     alive(fbuf)
     alive(bbuf)
@@ -362,20 +377,16 @@ def rms_rows_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_ou
         nrstd = rms_rstd(xv, imin(k + 1, rows - 1), n, eps)
         if k >= 0:
             r = r0 + k
+            soon = vaddress(xv, imin(k + 2, rows - 1), 0)  # as in ln_rows_quant
             if dynamic is not None:
-                top = rms_row_y32(xv, k, yv, k, n, rstd, wv, vaddress(xv, imin(k + 2, rows - 1), 0))
+                top = rms_row_y32(xv, k, yv, k, n, rstd, wv, soon)
                 invs[k] = inverse_of(top, r, fmt, scale_out)
             else:
-                rms_row_codes(xv, k, qv, r, fv, bv8, n, rstd, wv, fmt, inv_rows[r],
-                              vaddress(xv, imin(k + 2, rows - 1), 0))
+                rms_row_codes(xv, k, qv, r, fv, bv8, n, rstd, wv, fmt, inv_rows[r], soon)
             put_stat(rstd_out, r, rstd)
         rstd = nrstd
-    if dynamic is not None:
-        for k in range(stop):
-            # The next block's row k (past the last row: the next block's rows, where the
-            # view's rows are contiguous; a prefetch never faults) comes in meanwhile.
-            quantize_row(yv, qv, bv8, k, r0 + k, n, fmt, invs[k], vaddress(xv, rows - 1, 0),
-                         (k + 1) * n * itemsize(xv), itemsize(xv))
+    if dynamic is not None and stop > 0:
+        quantize_rows_ahead(yv, qv, bv8, xv, rows, stop, r0, n, fmt, invs)
     alive(y32)
     alive(fbuf)
     alive(bbuf)
