@@ -42,12 +42,23 @@ def rms_norm(x, axes, weight=None, eps=None):
     return y, rstd
 
 
-def layer_norm_backward(grad_y, x, axes, weight=None, eps=1e-5):
-    """Exact gradients (from exact statistics) ``(grad_x, grad_weight, grad_bias)``."""
+def layer_norm_backward(grad_y, x, axes, weight=None, eps=1e-5, mean=None, rstd=None):
+    """Exact gradients ``(grad_x, grad_weight, grad_bias)``: from exact statistics, or,
+    given ``mean`` and ``rstd`` (keepdims shape), from those, as the backward is defined.
+
+    ``grad_x`` is ill-conditioned where the variance is not much larger than ``eps`` and
+    the row is far from zero (the part of it that survives is ``eps / (var + eps)`` of
+    its terms): there the float32 statistics a forward returns (the mean rounded to a
+    float32 near 50, say) move it by far more than the backward's own arithmetic does,
+    so tests of the backward's arithmetic on such inputs pass the statistics it gets.
+    """
     xw = _wide(x, x.dtype)
     gy = _wide(grad_y, x.dtype)
-    mean = xw.mean(axis=axes, keepdims=True)
-    rstd = 1.0 / np.sqrt(((xw - mean) ** 2).mean(axis=axes, keepdims=True) + eps)
+    if mean is None or rstd is None:
+        mean = xw.mean(axis=axes, keepdims=True)
+        rstd = 1.0 / np.sqrt(((xw - mean) ** 2).mean(axis=axes, keepdims=True) + eps)
+    else:
+        mean, rstd = _wide(mean, x.dtype), _wide(rstd, x.dtype)
     xhat = (xw - mean) * rstd
     bshape = tuple(s if i in axes else 1 for i, s in enumerate(x.shape))
     g = gy * _wide(weight, x.dtype).reshape(bshape) if weight is not None else gy

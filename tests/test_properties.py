@@ -95,7 +95,12 @@ def test_backward_any_layout(case):
     gy = rng.standard_normal(x.shape).astype(x.dtype)
     _, mean, rstd = ln.layer_norm(x, return_stats=True, **spec)
     gx, gw, gb = ln.layer_norm_backward(gy, x, mean, rstd, **spec)
-    gx_ref, gw_ref, gb_ref = reference.layer_norm_backward(gy, x, axes)
+    # From the statistics the backward is given: with two elements near -50 of nearly
+    # equal value, grad_x from exact statistics differs by up to 0.2 (float32 mean and
+    # rstd), while the kernel's own error stays near 1e-5 (see the reference).
+    keep = tuple(1 if i in axes else s for i, s in enumerate(x.shape))
+    gx_ref, gw_ref, gb_ref = reference.layer_norm_backward(
+        gy, x, axes, mean=np.reshape(mean, keep), rstd=np.reshape(rstd, keep))
     tol = 1e-9 if dtype == "float64" else 2e-4
     np.testing.assert_allclose(gx, gx_ref.astype(np.float64), atol=tol * 10)
     np.testing.assert_allclose(gw, gw_ref.astype(np.float64), atol=tol * 100, rtol=1e-4)
