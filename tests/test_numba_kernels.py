@@ -396,6 +396,91 @@ def test_backward_skewed_and_tiled_rows(rows, n, has_res):
     np.testing.assert_allclose(sums[0], want_w, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("has_res", [False, True])
+@pytest.mark.parametrize(("dtype", "n"), [(np.float32, 512), (np.float64, 264)])
+def test_backward_streaming_stores_give_same_bits(dtype, n, has_res):
+    """The backward kernels that write grad_x with streaming stores (aligned rows of a
+    multiple of 64 bytes; float64 rows of 264 also have a scalar tail) give the plain
+    kernels' bits, serial and parallel, over blocks of rows, with and without
+    grad_residual."""
+    k = backend.load_kernels()
+    rows = 133
+    x = _rows(rows, n, 41, dtype)
+    gy = _rows(rows, n, 42, dtype, offset=0.0)
+    gres = _rows(rows, n, 43, dtype, offset=0.0) if has_res else x
+    w = _params(n, 41)[0].astype(dtype)
+    _, mean, rstd = ln.layer_norm(x, n, w, return_stats=True)
+    mean, rstd = mean.reshape(rows), rstd.reshape(rows)
+    blocks = -(-rows // backend.GRAD_ROW_BLOCK)
+    for plain, streamed, writes, stats, count in (
+            ((k.ln_backward_serial,), (k.ln_stream_backward_serial,
+                                       k.ln_stream_backward_parallel),
+             backend.LN_BACKWARD_WRITES, (mean, rstd), 2),
+            ((k.rms_backward_serial,), (k.rms_stream_backward_serial,
+                                        k.rms_stream_backward_parallel),
+             backend.RMS_BACKWARD_WRITES, (rstd,), 1)):
+        results = []
+        for fn in plain + streamed:
+            gx = backend.empty_output((rows, n), dtype)
+            partials = np.zeros((count, blocks, n), dtype)
+            sums = backend.entry.call(fn, writes, gy, x, *stats, w, gx, partials,
+                                      backend.GRAD_ROW_BLOCK, gres, has_res)
+            results.append((gx, partials, sums))
+        for other in results[1:]:
+            for a, e in zip(other, results[0], strict=True):
+                _same_bits(a, e)
+
+
+def test_backward_takes_streaming_stores_for_large_aligned_gradients(monkeypatch):
+    """The driver streams grad_x only when every row starts on a 64-byte boundary and the
+    output is far larger than the caches; both public paths (the short path for
+    repeated calls and the general one) allocate grad_x aligned, and a streamed call
+    gives the bits of a plain one."""
+    rows, n = 64, 512
+    x = _rows(rows, n, 51)
+    gy = _rows(rows, n, 52, offset=0.0)
+    w, b = _params(n, 51)
+    _, mean, rstd = ln.layer_norm(x, n, w, b, return_stats=True)
+    gx = backend.empty_output((rows, n), np.float32)
+    assert gx.ctypes.data % backend.STREAM_ALIGN == 0
+    assert not backend.streams_gradient(gx)  # 128 KiB: stays in cache
+    plain = ln.layer_norm_backward(gy, x, mean, rstd, w)
+    _, rstd_rms = ln.rms_norm(x, n, w, return_stats=True)
+    plain_rms = ln.rms_norm_backward(gy, x, rstd_rms, w)
+    monkeypatch.setattr(backend, "STREAM_MIN_FRACTION", 0.0)
+    assert backend.streams_gradient(gx)
+    assert not backend.streams_gradient(backend.empty_output((rows, n + 1), np.float32)[:, :n])
+    shifted = backend.empty_output((rows * n + 4,), np.float32)[4:].reshape(rows, n)
+    assert not backend.streams_gradient(shifted)  # rows 16 bytes past a boundary
+    k = backend.load_kernels()
+    assert backend.ln_backward_kernels(k, gy, x, gx)[0] is k.ln_stream_backward_serial
+    assert backend.rms_backward_kernels(k, gy, x, gx)[0] is k.rms_stream_backward_serial
+    assert backend.ln_backward_kernels(k, gy, x, gx, stream=False)[0] is not \
+        k.ln_stream_backward_serial
+    from layernorm import _fast_backward
+
+    monkeypatch.setattr(_fast_backward, "_PLANS", {})  # plans made before the patch
+    chosen = []
+    for name in ("ln_backward_kernels", "rms_backward_kernels"):
+        real = getattr(backend, name)
+
+        def spy(*args, real=real, **kwargs):
+            pair = real(*args, **kwargs)
+            chosen.append(pair[0].py_func.__name__)
+            return pair
+
+        monkeypatch.setattr(backend, name, spy)
+    for route in ({}, {"backend": "numba"}):
+        got = ln.layer_norm_backward(gy, x, mean, rstd, w, **route)
+        for a, e in zip(got, plain, strict=True):
+            _same_bits(a, e)
+        assert got[0].ctypes.data % backend.STREAM_ALIGN == 0
+        got = ln.rms_norm_backward(gy, x, rstd_rms, w, **route)
+        for a, e in zip(got, plain_rms, strict=True):
+            _same_bits(a, e)
+    assert chosen == ["ln_stream_backward_serial", "rms_stream_backward_serial"] * 2
+
+
 _THREADS_SCRIPT = textwrap.dedent(
     """
     import hashlib, numpy as np, layernorm as ln

@@ -232,10 +232,12 @@ class Output:
         A caller's output array, already checked for shape and dtype.
     params : tuple of array or None
         The other inputs the kernel reads (weight, bias).
+    empty : callable, optional
+        ``empty(shape, dtype)`` allocates the temporary (default ``xp.empty``).
     """
 
     def __init__(self, xp: Any, x: Any, layout: _layout.Layout, out: Any,
-                 params: tuple[Any, ...] = ()) -> None:
+                 params: tuple[Any, ...] = (), empty: Any = None) -> None:
         self.xp, self.layout, self.out = xp, layout, out
         self.view = None
         # An out that overlaps an input (x without being x, or weight or bias) would
@@ -250,7 +252,8 @@ class Output:
             shape = layout.shape
             if layout.perm is not None:
                 shape = tuple(shape[i] for i in layout.perm)
-            self.buffer = xp.empty(shape, dtype=x.dtype)
+            self.buffer = (xp.empty(shape, dtype=x.dtype) if empty is None
+                           else empty(shape, x.dtype))
             self.view = self.buffer.reshape(layout.outer, layout.n, layout.inner)
         else:
             self.buffer = None
@@ -413,7 +416,9 @@ def backward(xp: Any, grad_y: Any, x: Any, req: Request, mean: Any, rstd: Any, w
 
     backend = native(req.backend)
     with _device_scope(backend, x):
-        target = Output(xp, x, layout, None)
+        # The backend's own allocation when it has one (the Numba backend's is aligned
+        # for streaming stores).
+        target = Output(xp, x, layout, None, empty=getattr(backend, "empty_output", None))
         if layout.n == 0 or layout.rows == 0:
             gw = xp.zeros(layout.n, dtype=req.acc)
             gb = None if rms else xp.zeros(layout.n, dtype=req.acc)

@@ -71,11 +71,12 @@ class BackwardPlan:
         "same_shape",
         "shape2",
         "stats_shape",
+        "streams",
     )
 
     def __init__(self, shape: tuple[int, ...], rows: int, n: int, dtype: str, acc: str,
                  stats_shape: tuple[int, ...], param_shape: tuple[int, ...],
-                 grad_dtype: np.dtype, rms: bool) -> None:
+                 grad_dtype: np.dtype, rms: bool, itemsize: int) -> None:
         self.acc = np.dtype(acc)
         self.stats_shape, self.param_shape, self.grad_dtype = stats_shape, param_shape, grad_dtype
         self.shape2 = (rows, n)
@@ -96,12 +97,16 @@ class BackwardPlan:
         # The kernels of unit-stride rows (the plan's checks keep every array contiguous);
         # a stand-in 2-D array of the row length picks them as the backend does.
         like = np.empty((1, n), self.acc)
+        #: grad_x is allocated aligned and written with streaming stores.
+        self.streams = _numba.streams_gradient_rows(rows, n, itemsize)
         kernels = _numba.load_kernels()
         if rms:
-            serial, parallel = _numba.rms_backward_kernels(kernels, like, like, like)
+            serial, parallel = _numba.rms_backward_kernels(kernels, like, like, like,
+                                                           stream=self.streams)
             writes = _numba.RMS_BACKWARD_WRITES
         else:
-            serial, parallel = _numba.ln_backward_kernels(kernels, like, like, like)
+            serial, parallel = _numba.ln_backward_kernels(kernels, like, like, like,
+                                                          stream=self.streams)
             writes = _numba.LN_BACKWARD_WRITES
         if rows * n >= _numba.PARALLEL_MIN_ELEMENTS:
             self.run = _numba.PlannedRows(serial, parallel, writes)
@@ -121,7 +126,8 @@ def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any,
         return None
     grad_dtype = (x if weight is None else weight).dtype
     return BackwardPlan(layout.shape, layout.rows, layout.n, req.dtype, req.acc,
-                        layout.stats_shape, layout.param_shape, grad_dtype, rms)
+                        layout.stats_shape, layout.param_shape, grad_dtype, rms,
+                        x.dtype.itemsize)
 
 
 def _fits(arr: Any, shape: tuple[int, ...], dtype: np.dtype) -> bool:
@@ -176,7 +182,8 @@ def gradients(grad_y: Any, x: Any, mean: Any, rstd: Any, weight: Any, normalized
             or (weight is not None and not kernel_ready(weight))
             or (grad_residual is not None and not _fits(grad_residual, x.shape, x.dtype))):
         return None
-    grad_x = np.empty(x.shape, x.dtype)
+    grad_x = (_numba.empty_output(x.shape, x.dtype) if plan.streams
+              else np.empty(x.shape, x.dtype))
     arrays = (grad_y, x, grad_x) if grad_residual is None else (grad_y, x, grad_x,
                                                                    grad_residual)
     if not plan.same_shape:

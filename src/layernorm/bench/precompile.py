@@ -20,9 +20,9 @@ drivers (``layernorm._backends._numba``):
 * each with weight and bias of the input's dtype and without them (an absent parameter
   is replaced by one of the accumulation dtype, a different compiled signature for
   16-bit inputs); the backward's parameter-gradient reduction comes with it;
-* the forward kernels that write with streaming stores (their own kernels, which real
-  calls take only for outputs larger than half the last-level cache): small calls on
-  long rows made with streaming stores forced
+* the kernels that write with streaming stores (the forward's and the backward's own
+  kernels, which real calls take only for outputs larger than half the last-level
+  cache): small calls on long rows made with streaming stores forced
   (:func:`layernorm._backends._numba.streaming_stores_everywhere`).
 
 Layouts that reach the same compiled kernel cost only a call once it is compiled, so
@@ -55,7 +55,7 @@ class Layout:
     #: Step over the last axis (2: every other element, rows with a stride).
     step: int = 1
     parallel: bool = False
-    #: Forward only, with streaming stores forced (see the module's docstring).
+    #: Streaming stores forced (see the module's docstring; not for quantized output).
     streamed: bool = False
 
 
@@ -109,8 +109,11 @@ def calls(op: str, direction: str, dtype: str, layout: Layout) -> Callable[[], N
     x, gy, weight, bias = _inputs(layout, dtype)
     axis = layout.axis
     if layout.streamed:
-        return _streamed(op, direction, x, gy, weight, bias) if direction == "forward" \
-            else lambda: None
+        if direction == "quantized":
+            return lambda: None
+        # The fusions' backward is the norm's.
+        norm = op[len("add_"):] if direction == "backward" and op.startswith("add_") else op
+        return _streamed(norm, direction, x, gy, weight, bias)
     if direction == "quantized":
         # One kernel per (op, dtype, parameters, row path, kind of scale): a per-row
         # (dynamic) and a given (static) scale compile separately; each 8-bit format
@@ -166,11 +169,24 @@ def calls(op: str, direction: str, dtype: str, layout: Layout) -> Callable[[], N
 
 def _streamed(op: str, direction: str, x: Any, gy: Any, weight: Any,
               bias: Any) -> Callable[[], None]:
-    """The forward calls of a streamed layout: the general path (``backend="numba"``;
-    the short path for small calls never streams), streaming stores forced."""
+    """The calls of a streamed layout: the general path (``backend="numba"``; the short
+    path for small calls never streams), streaming stores forced."""
     import layernorm as ln
 
     from .._backends._numba import streaming_stores_everywhere
+
+    def backward() -> None:
+        with streaming_stores_everywhere():
+            for w, b in ((weight, bias), (None, None)):
+                if op == "layer_norm":
+                    _, mean, rstd = ln.layer_norm(x, weight=w, bias=b, return_stats=True)
+                    ln.layer_norm_backward(gy, x, mean, rstd, w, backend="numba")
+                else:
+                    _, rstd = ln.rms_norm(x, weight=w, return_stats=True)
+                    ln.rms_norm_backward(gy, x, rstd, w, backend="numba")
+
+    if direction == "backward":
+        return backward
 
     def forward() -> None:
         with streaming_stores_everywhere():

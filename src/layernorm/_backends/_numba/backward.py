@@ -17,7 +17,10 @@ then one read-modify-write of the dw/db partial vectors for the tile's rows
 schedules prefetch (:func:`._simd.prefetch_at`) what the next loop reads from memory and the
 grad_x lines they are about to write (measured: without it, a single thread keeps too
 few memory reads in flight while it computes from cache). RMSNorm runs its rows skewed
-too, and rows of at least ``TILE_MIN_N`` two per pass.
+too, and rows of at least ``TILE_MIN_N`` two per pass. A grad_x far larger than the
+caches, with every row's vectors aligned, is written with streaming stores instead
+(``*_stream_backward_*``: the skewed schedule for any row length), which saves reading
+its lines before writing them.
 
 The column layout (``inner > 1``) gathers each column into a scratch row and runs the
 row helpers on it; so do rows of any other stride (``*_gathered_backward_*``), through
@@ -46,14 +49,16 @@ from ._simd import (
     raw,
     runtime,
     splat,
+    store_fence,
     times_w,
     vaddress,
     vload,
     vload_tail,
     vstore,
+    vstore_nt,
 )
 from .diskcache import cached_njit
-from .rowmath import LANES, copy_row, tree_sum
+from .rowmath import LANES, PLAIN, STREAM, copy_row, tree_sum
 
 #: Rows at least this long run the backward two rows per pass in the any-stride path
 #: (no effect on results; measured: it pays once the partial sums no longer fit in L1).
@@ -229,13 +234,17 @@ def _gather_rows(xs, gys, grs, x, gy, gres, r, two, has_res):
             copy_row(grs, runtime(1), gres, r + 1)
 
 
-def _gx_vec(gyr, xr, gxr, r, i, wvec, mv, rv, mgv, mgxv, grr, has_res):
-    """grad_x of one vector of row ``r`` stored (plus grad_residual with ``has_res``);
+def _gx_vec(gyr, xr, gxr, r, i, wvec, mv, rv, mgv, mgxv, grr, has_res, stream):
+    """grad_x of one vector of row ``r`` stored (plus grad_residual with ``has_res``;
+    a streaming store with ``stream``, :data:`.rowmath.STREAM`, to an aligned address);
     returns its (dy, dy * xhat), the row's dw/db terms."""
     dy = vload(gyr, r, i)
     xh = (vload(xr, r, i) - mv) * rv
     g = ((dy * wvec - mgv) - xh * mgxv) * rv
-    vstore(gxr, g + vload(grr, r, i) if has_res else g, r, i)
+    if stream is None:
+        vstore(gxr, g + vload(grr, r, i) if has_res else g, r, i)
+    else:
+        vstore_nt(gxr, g + vload(grr, r, i) if has_res else g, r, i)
     return dy, dy * xh
 
 
@@ -274,10 +283,13 @@ _acc_means_tail = njit(inline="always", error_model="numpy")(_acc_means_tail)
 
 
 @njit(error_model="numpy")
-def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
+def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res,
+                 stream):
     """Unit-stride rows ``r0 .. r1`` (partial block ``blk``), skewed: one loop computes
     grad_x of row ``r`` (in cache) and the means of row ``r + 1`` (from memory),
-    prefetching row ``r + 2`` and, for writing, the grad_x of row ``r + 1``.
+    prefetching row ``r + 2`` and, for writing, the grad_x of row ``r + 1``. With
+    ``stream`` (:data:`.rowmath.STREAM`; grad_x's vectors aligned, see
+    the driver's ``streams_gradient``) grad_x is written with streaming stores instead.
 
     Each row's sums, grad_x and dw/db terms are those of :func:`_ln_bwd_means` and
     :func:`_ln_bwd_rows_out` (the same operations in the same order).
@@ -307,9 +319,11 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, ha
             o = i * itemsize(gyv)
             prefetch_at(gpf, o, False)
             prefetch_at(xpf, o, False)
-            prefetch_at(wpf, i * itemsize(gxv), True)
+            if stream is None:
+                prefetch_at(wpf, i * itemsize(gxv), True)
             wvec = vload(wv, 0, i)
-            dy, t = _gx_vec(gyv, xv, gxv, r, i, wvec, mv, rv, mgv, mgxv, grv, has_res)
+            dy, t = _gx_vec(gyv, xv, gxv, r, i, wvec, mv, rv, mgv, mgxv, grv, has_res,
+                            stream)
             vstore(dw, vload(dw, 0, i) + t, 0, i)
             vstore(db, vload(db, 0, i) + dy, 0, i)
             ag, ax = _acc_means(gyv, xv, rn, i, wvec, mvn, rvn, ag, ax)
@@ -322,6 +336,8 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, ha
             ag, ax = _acc_means_tail(gyv, xv, rn, body, n - body, wt, mn, mvn, rvn, ag, ax)
         mg = tree_sum(ag) * inv_n
         mgx = tree_sum(ax) * inv_n
+    if stream is not None:
+        store_fence()  # streaming stores done before another thread reads grad_x
 
 
 @njit(error_model="numpy")
@@ -395,10 +411,14 @@ def _ln_bwd_tile_out(gyr, xr, gxr, r, n, mean_in, rstd_in, sums, w, dw, db, grr,
         prefetch_at(xbase, o + 128, False)
         prefetch_at(xbase, o + 192, False)
         wvec = vload(w, 0, i)
-        dya, ta = _gx_vec_fn(gyr, xr, gxr, r, i, wvec, mva, rva, mgva, mgxva, grr, has_res)
-        dyb, tb = _gx_vec_fn(gyr, xr, gxr, rb, i, wvec, mvb, rvb, mgvb, mgxvb, grr, has_res)
-        dyc, tc = _gx_vec_fn(gyr, xr, gxr, rc, i, wvec, mvc, rvc, mgvc, mgxvc, grr, has_res)
-        dyd, td = _gx_vec_fn(gyr, xr, gxr, rd, i, wvec, mvd, rvd, mgvd, mgxvd, grr, has_res)
+        dya, ta = _gx_vec_fn(gyr, xr, gxr, r, i, wvec, mva, rva, mgva, mgxva, grr, has_res,
+                                PLAIN)
+        dyb, tb = _gx_vec_fn(gyr, xr, gxr, rb, i, wvec, mvb, rvb, mgvb, mgxvb, grr,
+                                has_res, PLAIN)
+        dyc, tc = _gx_vec_fn(gyr, xr, gxr, rc, i, wvec, mvc, rvc, mgvc, mgxvc, grr,
+                                has_res, PLAIN)
+        dyd, td = _gx_vec_fn(gyr, xr, gxr, rd, i, wvec, mvd, rvd, mgvd, mgxvd, grr,
+                                has_res, PLAIN)
         vstore(dw, (((vload(dw, 0, i) + ta) + tb) + tc) + td, 0, i)
         vstore(db, (((vload(db, 0, i) + dya) + dyb) + dyc) + dyd, 0, i)
     for i in range(body, n):
@@ -451,7 +471,7 @@ def _ln_bwd_tiles(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, h
         mgv, mgxv = splat(mg), splat(mgx)
         for i in range(0, body, LANES):
             dy, t = _gx_vec_fn(gyv, xv, gxv, r, i, vload(wv, 0, i), mv, rv, mgv, mgxv, grv,
-                            has_res)
+                               has_res, PLAIN)
             vstore(dw, vload(dw, 0, i) + t, 0, i)
             vstore(db, vload(db, 0, i) + dy, 0, i)
         for i in range(body, n):
@@ -526,7 +546,7 @@ def ln_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gre
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
-                     imin(rows, r0 + block_rows), gres, has_res)
+                     imin(rows, r0 + block_rows), gres, has_res, PLAIN)
     return _block_sums(partials)
 
 
@@ -538,7 +558,32 @@ def ln_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, g
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
         _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
-                     imin(rows, r0 + block_rows), gres, has_res)
+                     imin(rows, r0 + block_rows), gres, has_res, PLAIN)
+    return _block_sums(partials)
+
+
+@cached_njit(error_model="numpy")
+def ln_stream_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gres,
+                              has_res):
+    """:func:`ln_backward_serial` writing grad_x with streaming stores, for any row
+    length (grad_x's vectors aligned: the driver's ``streams_gradient``)."""
+    rows = x.shape[0]
+    for blk in range(partials.shape[1]):
+        r0 = blk * block_rows
+        _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
+                     imin(rows, r0 + block_rows), gres, has_res, STREAM)
+    return _block_sums(partials)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def ln_stream_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gres,
+                                has_res):
+    """:func:`ln_stream_backward_serial`, row blocks spread over threads."""
+    rows = x.shape[0]
+    for blk in prange(partials.shape[1]):
+        r0 = blk * block_rows
+        _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
+                     imin(rows, r0 + block_rows), gres, has_res, STREAM)
     return _block_sums(partials)
 
 
@@ -691,9 +736,10 @@ def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
 
 
 @njit(error_model="numpy")
-def _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
+def _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res, stream):
     """Unit-stride rows ``r0 .. r1``, skewed and prefetched as :func:`_ln_bwd_rows` (each
-    row's operations those of :func:`_rms_bwd_mean` and :func:`_rms_bwd_rows_out`)."""
+    row's operations those of :func:`_rms_bwd_mean` and :func:`_rms_bwd_rows_out`;
+    ``stream`` as there)."""
     n = x.shape[1]
     last = x.shape[0] - 1
     gyv, xv, gxv, grv, wv = raw(gy), raw(x), raw(gx), raw(gres), raw(w)
@@ -714,12 +760,16 @@ def _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res)
             o = i * itemsize(gyv)
             prefetch_at(gpf, o, False)
             prefetch_at(xpf, o, False)
-            prefetch_at(wpf, i * itemsize(gxv), True)
+            if stream is None:
+                prefetch_at(wpf, i * itemsize(gxv), True)
             wvec = vload(wv, 0, i)
             dy = vload(gyv, r, i)
             xh = vload(xv, r, i) * rv
             g = (dy * wvec - xh * mgxv) * rv
-            vstore(gxv, g + vload(grv, r, i) if has_res else g, r, i)
+            if stream is None:
+                vstore(gxv, g + vload(grv, r, i) if has_res else g, r, i)
+            else:
+                vstore_nt(gxv, g + vload(grv, r, i) if has_res else g, r, i)
             vstore(dw, vload(dw, 0, i) + dy * xh, 0, i)
             gn = vload(gyv, rn, i) * wvec
             acc = acc + gn * (vload(xv, rn, i) * rvn)
@@ -735,6 +785,8 @@ def _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res)
                 wv, 0, body, count, cast(0.0, like))
             acc = acc + gn * (vload_tail(xv, rn, body, count, cast(0.0, like)) * rvn)
         mgx = tree_sum(acc) * inv_n
+    if stream is not None:
+        store_fence()  # streaming stores done before another thread reads grad_x
 
 
 @njit(error_model="numpy")
@@ -773,7 +825,7 @@ def rms_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_r
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
         _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0,
-                        imin(rows, r0 + block_rows), gres, has_res)
+                        imin(rows, r0 + block_rows), gres, has_res, PLAIN)
     return _block_sums(partials)
 
 
@@ -784,7 +836,31 @@ def rms_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gres, has
     for blk in prange(partials.shape[1]):
         r0 = blk * block_rows
         _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0,
-                        imin(rows, r0 + block_rows), gres, has_res)
+                        imin(rows, r0 + block_rows), gres, has_res, PLAIN)
+    return _block_sums(partials)
+
+
+@cached_njit(error_model="numpy")
+def rms_stream_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_res):
+    """:func:`rms_backward_serial` writing grad_x with streaming stores, for any row
+    length (grad_x's vectors aligned: the driver's ``streams_gradient``)."""
+    rows = x.shape[0]
+    for blk in range(partials.shape[1]):
+        r0 = blk * block_rows
+        _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0,
+                        imin(rows, r0 + block_rows), gres, has_res, STREAM)
+    return _block_sums(partials)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def rms_stream_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gres,
+                                 has_res):
+    """:func:`rms_stream_backward_serial`, row blocks spread over threads."""
+    rows = x.shape[0]
+    for blk in prange(partials.shape[1]):
+        r0 = blk * block_rows
+        _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0,
+                        imin(rows, r0 + block_rows), gres, has_res, STREAM)
     return _block_sums(partials)
 
 

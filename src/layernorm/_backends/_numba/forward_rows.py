@@ -60,6 +60,8 @@ from .rowmath import (
     CHUNK,
     LANES,
     PER_LANE,
+    PLAIN,
+    STREAM,
     WORK_ELEMENTS,
     block_end,
     blocked,
@@ -107,13 +109,6 @@ PREFETCH_MIN_BYTES = 4 << 20
 #: 0.45-0.49, n = 48 0.63-0.82 / 0.52-0.58, n = 64 0.49-0.93 / 0.53-0.57, n = 100
 #: 0.56-0.85 / 0.51-0.60, n = 128 0.58-0.89 / 0.48-0.55 (n = 16: 0.38-0.41 either way).
 SHORT_ROW_PREFETCH = prefetch_pays()
-#: The ``stream`` argument of the row loops (:func:`ln_long_rows`, :func:`rms_raw_rows`):
-#: ``PLAIN`` (None) writes ``y`` with plain stores, ``STREAM`` with streaming stores. The
-#: choice is made by the argument's *type* (Numba prunes ``stream is None`` before
-#: typing), so a kernel passing one of them compiles only that output loop: the
-#: streaming loop cost a tenth of a cold first call that never uses it.
-PLAIN = None
-STREAM = True
 #: Rows of the short-row path's scratch block: per-row lane sums of ``v`` and of
 #: ``v * v`` (LANES rows each), then one row each of shifts, shifted means, rstd and
 #: means (row ``i`` of the block in lane ``i``).

@@ -45,14 +45,12 @@ from ._simd import (
 )
 from .diskcache import cached_njit
 from .forward_rows import (
-    PLAIN,
-    STREAM,
     ln_long_rows,
     ln_short_rows,
     rms_raw_rows,
     stopped_blocks,
 )
-from .rowmath import LANES
+from .rowmath import LANES, PLAIN, STREAM
 
 #: Elements per block of rows (no effect on results): the block's ``h`` stays in L2
 #: between the add and the two passes of the row function over it.
@@ -85,7 +83,7 @@ def add_block(x, res, h, r0, r1):
 @njit(inline="always", error_model="numpy")
 def _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, stream, r0, r1):
     """``h`` of rows ``r0 .. r1``, then their LayerNorm on the row path (``stream``: the
-    stores of y, see :data:`.forward_rows.PLAIN`); returns the row the norm stopped at
+    stores of y, see :data:`.rowmath.PLAIN`); returns the row the norm stopped at
     (``r1``: all done; see :func:`.forward_rows.ln_long_rows`)."""
     hv = add_block(x, res, h, r0, r1)
     return r0 + ln_long_rows(hv, raw(y[r0:r1]), raw(w), raw(b), raw(tab), eps, x.shape[1],
@@ -152,7 +150,7 @@ def _add_ln_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, stream):
 
 
 # Plain and streaming stores of y are separate entry kernels (``nt`` unused): a call
-# compiles only the output loop it uses (see forward_rows.PLAIN). The block loops and
+# compiles only the output loop it uses (see rowmath.PLAIN). The block loops and
 # blocks above are inlined into them: Numba optimizes and generates machine code for a
 # jitted callee again inside every caller's module, so each extra level of calls
 # between an entry kernel and the row function cost about 0.3 s of a cold first call

@@ -88,6 +88,8 @@ _HOMES = {
         "ln_gathered_backward_serial",
         "ln_short_backward_parallel",
         "ln_short_backward_serial",
+        "ln_stream_backward_parallel",
+        "ln_stream_backward_serial",
         "ln_tiled_backward_parallel",
         "ln_tiled_backward_serial",
         "rms_backward_parallel",
@@ -96,6 +98,8 @@ _HOMES = {
         "rms_gathered_backward_serial",
         "rms_paired_backward_parallel",
         "rms_paired_backward_serial",
+        "rms_stream_backward_parallel",
+        "rms_stream_backward_serial",
     ),
     "forward_cols": (
         "ln_forward_cols_parallel",

@@ -99,6 +99,14 @@ from ._simd import (
 from .diskcache import cached_njit
 
 LANES = WIDTH
+#: The ``stream`` argument of the row loops (:func:`.forward_rows.ln_long_rows`,
+#: :func:`.forward_rows.rms_raw_rows`, the backward's skewed rows):
+#: ``PLAIN`` (None) writes the output with plain stores, ``STREAM`` with streaming stores. The
+#: choice is made by the argument's *type* (Numba prunes ``stream is None`` before
+#: typing), so a kernel passing one of them compiles only that output loop: the
+#: streaming loop cost a tenth of a cold first call that never uses it.
+PLAIN = None
+STREAM = True
 PER_LANE = 8
 CHUNK = LANES * PER_LANE
 #: Full chunks summed in ``T`` before a long row's lane sums are closed into float64
