@@ -36,8 +36,9 @@ Only jitted code can use what this module defines:
   :func:`store_float8_e4m3fn`, :func:`store_float8_e5m2` (saturate, round half to even
   and store a vector's 8-bit codes into a ``uint8`` :class:`Raw`), for the quantized
   outputs;
-* :func:`vaddress` of an element, for alignment decisions, and :func:`prefetch_at` of a
-  cache line at such an address (a hint: no effect on results);
+* :func:`vaddress` of an element, for alignment decisions, and :func:`prefetch_at`
+  (:func:`prefetch_l2_at`: into L2 only) of a cache line at such an address (a hint: no
+  effect on results);
 * :func:`runtime` of an integer constant, so that passing it to a helper does not compile
   a specialization per value;
 * :func:`alive` keeps a local array allocated up to that point (views borrow memory).
@@ -1006,6 +1007,21 @@ store_float8_e4m3fn = intrinsic(_float8_store(20, 0x3C800000, 0x7F, 448.0))
 store_float8_e5m2 = intrinsic(_float8_store(21, 0x38800000, 0x7E, 57344.0))
 
 
+def _prefetch_codegen(rw: int, locality: int):
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        i64 = ir.IntType(64)
+        off = args[1] if sig.args[1].bitwidth == 64 else builder.sext(args[1], i64)
+        ptr = builder.inttoptr(builder.add(args[0], off), ir.IntType(8).as_pointer())
+        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type], fnty)
+        builder.call(fn, [ptr, ir.Constant(i32, rw), ir.Constant(i32, locality),
+                          ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return codegen
+
+
 @intrinsic
 def prefetch_at(typingctx, address, offset, write):
     """A hint that the cache line at byte ``address + offset`` will be read (``write``
@@ -1014,19 +1030,18 @@ def prefetch_at(typingctx, address, offset, write):
     if not isinstance(address, types.Integer) or not isinstance(offset, types.Integer) \
             or not isinstance(write, types.BooleanLiteral):
         return None
-    rw = 1 if write.literal_value else 0
+    return (types.none(address, offset, write),
+            _prefetch_codegen(1 if write.literal_value else 0, 3))
 
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        i64 = ir.IntType(64)
-        off = args[1] if offset.bitwidth == 64 else builder.sext(args[1], i64)
-        ptr = builder.inttoptr(builder.add(args[0], off), ir.IntType(8).as_pointer())
-        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
-        fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type], fnty)
-        builder.call(fn, [ptr, ir.Constant(i32, rw), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
 
-    return types.none(address, offset, write), codegen
+@intrinsic
+def prefetch_l2_at(typingctx, address, offset):
+    """:func:`prefetch_at` for reading, into the level-2 cache only (``prefetcht1`` on
+    x86): for lines needed after the current working set, which it does not evict
+    from L1."""
+    if not isinstance(address, types.Integer) or not isinstance(offset, types.Integer):
+        return None
+    return types.none(address, offset), _prefetch_codegen(0, 2)
 
 
 #: LLVM's names of AMD cores start so (``znver4``, ``bdver2``, ...).

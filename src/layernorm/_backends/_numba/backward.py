@@ -20,7 +20,8 @@ few memory reads in flight while it computes from cache). RMSNorm runs its rows 
 too, and rows of at least ``TILE_MIN_N`` two per pass. A grad_x far larger than the
 caches, with every row's vectors aligned, is written with streaming stores instead
 (``*_stream_backward_*``: the skewed schedule for any row length), which saves reading
-its lines before writing them.
+its lines before writing them; these prefetch ``STREAM_PREFETCH_BYTES`` of rows ahead
+into L2 only.
 
 The column layout (``inner > 1``) gathers each column into a scratch row and runs the
 row helpers on it; so do rows of any other stride (``*_gathered_backward_*``), through
@@ -39,12 +40,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._scalars import cast, imin, narrow, widen
+from ._scalars import cast, imax, imin, narrow, widen
 from ._simd import (
     alive,
     get,
     itemsize,
     prefetch_at,
+    prefetch_l2_at,
     put,
     raw,
     runtime,
@@ -73,6 +75,13 @@ COL_BLOCK = 64
 #: Unit-stride rows shorter than this take the short-row backward kernels, which keep
 #: the partial sums in registers (no effect on results).
 SHORT_BACKWARD_N = 5 * LANES
+#: The streaming backward kernels prefetch grad_y and x this many bytes of rows ahead
+#: (at least two rows) into L2 (:func:`._simd.prefetch_l2_at`; no effect on results).
+#: Measured, float32, 1 thread, from DRAM, fraction of the ``np.add`` floor, against
+#: two rows ahead into L1 (the plain kernels' hints): (8192, 1024) 0.68-0.88 /
+#: 0.47-0.60, (16384, 256) 0.79-1.03 / 0.82-0.89, (2048, 4096) 0.71 / 0.55, (512, 16384)
+#: 0.66 / 0.53, (4096, 768) 0.87 / 0.65 (8-64 KiB ahead: within a few percent).
+STREAM_PREFETCH_BYTES = 32 << 10
 
 
 @njit(inline="always", error_model="numpy")
@@ -289,7 +298,8 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, ha
     grad_x of row ``r`` (in cache) and the means of row ``r + 1`` (from memory),
     prefetching row ``r + 2`` and, for writing, the grad_x of row ``r + 1``. With
     ``stream`` (:data:`.rowmath.STREAM`; grad_x's vectors aligned, see
-    the driver's ``streams_gradient``) grad_x is written with streaming stores instead.
+    the driver's ``streams_gradient``) grad_x is written with streaming stores instead,
+    and the rows ``STREAM_PREFETCH_BYTES`` ahead are prefetched into L2.
 
     Each row's sums, grad_x and dw/db terms are those of :func:`_ln_bwd_means` and
     :func:`_ln_bwd_rows_out` (the same operations in the same order).
@@ -303,11 +313,13 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, ha
     zero = splat(cast(0.0, like))
     inv_n = cast(1.0, like) / cast(n, like)
     body = n - n % LANES
+    ahead = 2 if stream is None else imax(2, -(-STREAM_PREFETCH_BYTES // (n * itemsize(gyv))))
     mg, mgx = _ln_bwd_means(gyv, xv, r0, n, mean_in[r0], rstd_in[r0], wv)
     for r in range(r0, r1):
         # The block's last row computes the means of itself again, unused.
         rn = r + 1 if r + 1 < r1 else r
-        gpf, xpf = vaddress(gyv, imin(r + 2, last), 0), vaddress(xv, imin(r + 2, last), 0)
+        gpf = vaddress(gyv, imin(r + ahead, last), 0)
+        xpf = vaddress(xv, imin(r + ahead, last), 0)
         wpf = vaddress(gxv, imin(r + 1, last), 0)
         m, s = mean_in[r], rstd_in[r]
         mn = mean_in[rn]
@@ -317,10 +329,13 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, ha
         ax = zero
         for i in range(0, body, LANES):
             o = i * itemsize(gyv)
-            prefetch_at(gpf, o, False)
-            prefetch_at(xpf, o, False)
             if stream is None:
+                prefetch_at(gpf, o, False)
+                prefetch_at(xpf, o, False)
                 prefetch_at(wpf, i * itemsize(gxv), True)
+            else:
+                prefetch_l2_at(gpf, o)
+                prefetch_l2_at(xpf, o)
             wvec = vload(wv, 0, i)
             dy, t = _gx_vec(gyv, xv, gxv, r, i, wvec, mv, rv, mgv, mgxv, grv, has_res,
                             stream)
@@ -748,20 +763,25 @@ def _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res,
     zero = splat(cast(0.0, like))
     inv_n = cast(1.0, like) / cast(n, like)
     body = n - n % LANES
+    ahead = 2 if stream is None else imax(2, -(-STREAM_PREFETCH_BYTES // (n * itemsize(gyv))))
     mgx = _rms_bwd_mean(gyv, xv, r0, n, rstd_in[r0], wv)
     for r in range(r0, r1):
         rn = r + 1 if r + 1 < r1 else r
-        gpf, xpf = vaddress(gyv, imin(r + 2, last), 0), vaddress(xv, imin(r + 2, last), 0)
+        gpf = vaddress(gyv, imin(r + ahead, last), 0)
+        xpf = vaddress(xv, imin(r + ahead, last), 0)
         wpf = vaddress(gxv, imin(r + 1, last), 0)
         s = rstd_in[r]
         rv, mgxv, rvn = splat(s), splat(mgx), splat(rstd_in[rn])
         acc = zero
         for i in range(0, body, LANES):
             o = i * itemsize(gyv)
-            prefetch_at(gpf, o, False)
-            prefetch_at(xpf, o, False)
             if stream is None:
+                prefetch_at(gpf, o, False)
+                prefetch_at(xpf, o, False)
                 prefetch_at(wpf, i * itemsize(gxv), True)
+            else:
+                prefetch_l2_at(gpf, o)
+                prefetch_l2_at(xpf, o)
             wvec = vload(wv, 0, i)
             dy = vload(gyv, r, i)
             xh = vload(xv, r, i) * rv

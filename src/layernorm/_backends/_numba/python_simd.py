@@ -34,6 +34,7 @@ __all__ = [
     "lane",
     "load2",
     "prefetch_at",
+    "prefetch_l2_at",
     "put",
     "raw",
     "rounded",
@@ -176,6 +177,11 @@ def vaddress(view: np.ndarray, r: int, i: int) -> int:
 
 
 def prefetch_at(address: int, offset: int, write: bool) -> None:
+    """A cache hint: nothing to do in Python."""
+    return None
+
+
+def prefetch_l2_at(address: int, offset: int) -> None:
     """A cache hint: nothing to do in Python."""
     return None
 
