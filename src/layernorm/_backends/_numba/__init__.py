@@ -503,8 +503,8 @@ def streams_gradient(gx: Any) -> bool:
 
     Measured, float32, kernel alone, inputs rotated from DRAM, interleaved, 2-core Zen 4,
     time with / without (rows of 2048 and more: against the tiled kernel), LayerNorm at
-    1 thread: (16384, 256) 0.98, (4096, 1024) 0.78, (8192, 1024) 0.78-0.91, (2048, 4096)
-    0.85, (512, 16384) 0.88; at 2 threads 0.74-0.85; RMSNorm 0.78-0.99 and 0.76-0.92."""
+    1 thread: (16384, 256) 0.77, (4096, 1024) 0.57, (8192, 1024) 0.67, (2048, 4096)
+    0.71, (512, 16384) 0.78; at 2 threads 0.67-0.76; RMSNorm 0.57-0.83 and 0.71-0.81."""
     return (gx.ctypes.data % STREAM_ALIGN == 0 and gx.strides[0] % STREAM_ALIGN == 0
             and streams_gradient_rows(gx.shape[0], gx.shape[1], gx.itemsize))
 
