@@ -663,19 +663,24 @@ def test_compile_layouts_select_every_kernel_family():
 
 
 def test_compile_streamed_layouts_run_the_streaming_kernels():
-    # Small calls, streaming stores forced: the streaming entry kernels of every op run
-    # (a real call takes them only for outputs larger than half the last-level cache).
+    # Small calls, streaming stores forced: the streaming entry kernels of every op and
+    # direction run (a real call takes them only for outputs larger than half the
+    # last-level cache).
     code = textwrap.dedent("""
         from layernorm._backends._numba import entry, kernels as k
         from layernorm.bench import precompile
-        layout = next(lay for lay in precompile.layouts(1) if lay.streamed)
-        for op in ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"):
-            precompile.calls(op, "forward", "float32", layout)()
-            precompile.calls(op, "backward", "float32", layout)()  # nothing to stream
+        for layout in precompile.layouts(1):
+            if not layout.streamed:
+                continue
+            for op in ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"):
+                for direction in ("forward", "backward", "quantized"):
+                    precompile.calls(op, direction, "float32", layout)()
         used = {key[0] for key in entry.entry_points}
         print(sorted(f.__name__ for f in (
             k.ln_stream_forward_serial, k.rms_stream_forward_serial,
-            k.add_ln_stream_forward_serial, k.add_rms_stream_forward_serial) if f in used))
+            k.add_ln_stream_forward_serial, k.add_rms_stream_forward_serial,
+            k.ln_stream_backward_serial, k.ln_stream_tiled_backward_serial,
+            k.rms_stream_backward_serial) if f in used))
         """)
     env = dict(os.environ, NUMBA_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -683,7 +688,9 @@ def test_compile_streamed_layouts_run_the_streaming_kernels():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[0] == str(sorted([
         "add_ln_stream_forward_serial", "add_rms_stream_forward_serial",
-        "ln_stream_forward_serial", "rms_stream_forward_serial"]))
+        "ln_stream_forward_serial", "rms_stream_forward_serial",
+        "ln_stream_backward_serial", "ln_stream_tiled_backward_serial",
+        "rms_stream_backward_serial"]))
 
 
 @pytest.mark.slow

@@ -401,8 +401,8 @@ def test_backward_skewed_and_tiled_rows(rows, n, has_res):
 def test_backward_streaming_stores_give_same_bits(dtype, n, has_res):
     """The backward kernels that write grad_x with streaming stores (aligned rows of a
     multiple of 64 bytes; float64 rows of 264 also have a scalar tail) give the plain
-    kernels' bits, serial and parallel, over blocks of rows, with and without
-    grad_residual."""
+    kernels' bits, serial and parallel, over blocks of rows (the tiled one: full tiles
+    and a last partial one), with and without grad_residual."""
     k = backend.load_kernels()
     rows = 133
     x = _rows(rows, n, 41, dtype)
@@ -414,7 +414,9 @@ def test_backward_streaming_stores_give_same_bits(dtype, n, has_res):
     blocks = -(-rows // backend.GRAD_ROW_BLOCK)
     for plain, streamed, writes, stats, count in (
             ((k.ln_backward_serial,), (k.ln_stream_backward_serial,
-                                       k.ln_stream_backward_parallel),
+                                       k.ln_stream_backward_parallel,
+                                       k.ln_stream_tiled_backward_serial,
+                                       k.ln_stream_tiled_backward_parallel),
              backend.LN_BACKWARD_WRITES, (mean, rstd), 2),
             ((k.rms_backward_serial,), (k.rms_stream_backward_serial,
                                         k.rms_stream_backward_parallel),
@@ -457,6 +459,10 @@ def test_backward_takes_streaming_stores_for_large_aligned_gradients(monkeypatch
     assert backend.rms_backward_kernels(k, gy, x, gx)[0] is k.rms_stream_backward_serial
     assert backend.ln_backward_kernels(k, gy, x, gx, stream=False)[0] is not \
         k.ln_stream_backward_serial
+    long = backend.empty_output((4, k.TILE_MIN_N), np.float32)
+    assert backend.streams_gradient(long)
+    assert backend.ln_backward_kernels(k, long, long, long)[0] is \
+        k.ln_stream_tiled_backward_serial
     from layernorm import _fast_backward
 
     monkeypatch.setattr(_fast_backward, "_PLANS", {})  # plans made before the patch

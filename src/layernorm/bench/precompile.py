@@ -12,7 +12,8 @@ each layout that selects a different kernel in the Numba backend's
 drivers (``layernorm._backends._numba``):
 
 * rows (the normalized axis last): the serial row kernel, on contiguous rows of at most
-  128 elements (the short-row path), longer rows, and strided rows; and the parallel row
+  128 elements (the short-row path), longer rows, rows of at least 2048 elements (the
+  backward's tiles), and strided rows; and the parallel row
   kernel on inputs of at least ``PARALLEL_MIN_ELEMENTS`` elements, when Numba has more
   than one thread (a process with one thread never runs it);
 * columns (the normalized axis not last, so inner size > 1): the serial and parallel
@@ -64,24 +65,32 @@ def layouts(threads: int) -> list[Layout]:
 
     Examples
     --------
-    >>> [lay.name for lay in layouts(1)]
-    ['short rows', 'long rows', 'strided rows', 'columns', 'streamed long rows']
+    >>> [lay.name for lay in layouts(1)]  # doctest: +NORMALIZE_WHITESPACE
+    ['short rows', 'long rows', 'tiled rows', 'strided rows', 'columns',
+     'streamed long rows', 'streamed tiled rows']
     >>> all(np.prod(lay.shape) // lay.step >= 1 << 16 for lay in layouts(2) if lay.parallel)
     True
     """
     out = [
         Layout("short rows", (8, 64)),
         Layout("long rows", (8, 1024)),
+        # Rows of at least TILE_MIN_N (2048): the LayerNorm backward's tiles, RMSNorm's
+        # pairs (the forward's kernel is the long rows').
+        Layout("tiled rows", (4, 2048)),
         Layout("strided rows", (8, 2048), step=2),
         Layout("columns", (2, 16, 8), axis=1),
         Layout("streamed long rows", (8, 1024), streamed=True),
+        Layout("streamed tiled rows", (4, 2048), streamed=True),
     ]
     if threads > 1:
         out += [
             Layout("parallel short rows", (1024, 64), parallel=True),
             Layout("parallel long rows", (64, 1024), parallel=True),
+            Layout("parallel tiled rows", (32, 2048), parallel=True),
             Layout("parallel columns", (4, 128, 128), axis=1, parallel=True),
             Layout("parallel streamed long rows", (64, 1024), parallel=True,
+                   streamed=True),
+            Layout("parallel streamed tiled rows", (32, 2048), parallel=True,
                    streamed=True),
         ]
     return out

@@ -502,9 +502,9 @@ def streams_gradient(gx: Any) -> bool:
     boundary (the streaming kernels store whole aligned vectors).
 
     Measured, float32, kernel alone, inputs rotated from DRAM, interleaved, 2-core Zen 4,
-    time with / without (rows of 2048 and more: against the tiled kernel), LayerNorm at
-    1 thread: (16384, 256) 0.77, (4096, 1024) 0.57, (8192, 1024) 0.67, (2048, 4096)
-    0.71, (512, 16384) 0.78; at 2 threads 0.67-0.76; RMSNorm 0.57-0.83 and 0.71-0.81."""
+    time with / without, LayerNorm at 1 thread: (16384, 256) 0.77, (4096, 1024) 0.57,
+    (8192, 1024) 0.67, (2048, 4096) 0.57-0.59, (512, 16384) 0.66; at 2 threads 0.64-0.76;
+    RMSNorm 0.57-0.83 and 0.71-0.81."""
     return (gx.ctypes.data % STREAM_ALIGN == 0 and gx.strides[0] % STREAM_ALIGN == 0
             and streams_gradient_rows(gx.shape[0], gx.shape[1], gx.itemsize))
 
@@ -525,6 +525,8 @@ def ln_backward_kernels(k: Any, gy: Any, x: Any, gx: Any, grad_residual: Any = N
     if not _unit_strides(gy, x, gx, grad_residual):
         return k.ln_gathered_backward_serial, k.ln_gathered_backward_parallel
     if streams_gradient(gx) if stream is None else stream:
+        if x.shape[1] >= k.TILE_MIN_N:
+            return k.ln_stream_tiled_backward_serial, k.ln_stream_tiled_backward_parallel
         return k.ln_stream_backward_serial, k.ln_stream_backward_parallel
     if x.shape[1] < k.SHORT_BACKWARD_N:
         return k.ln_short_backward_serial, k.ln_short_backward_parallel

@@ -90,6 +90,8 @@ _HOMES = {
         "ln_short_backward_serial",
         "ln_stream_backward_parallel",
         "ln_stream_backward_serial",
+        "ln_stream_tiled_backward_parallel",
+        "ln_stream_tiled_backward_serial",
         "ln_tiled_backward_parallel",
         "ln_tiled_backward_serial",
         "rms_backward_parallel",
