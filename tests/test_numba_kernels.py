@@ -459,6 +459,10 @@ def test_backward_takes_streaming_stores_for_large_aligned_gradients(monkeypatch
     assert backend.rms_backward_kernels(k, gy, x, gx)[0] is k.rms_stream_backward_serial
     assert backend.ln_backward_kernels(k, gy, x, gx, stream=False)[0] is not \
         k.ln_stream_backward_serial
+    lanes = k.SHORT_BACKWARD_N // 5
+    # Rows of the short-row kernels keep plain stores; the skewed kernels' rows stream.
+    assert not backend.streams_gradient(backend.empty_output((4, 4 * lanes), np.float32))
+    assert backend.streams_gradient(backend.empty_output((4, 8 * lanes), np.float32))
     long = backend.empty_output((4, k.TILE_MIN_N), np.float32)
     assert backend.streams_gradient(long)
     assert backend.ln_backward_kernels(k, long, long, long)[0] is \

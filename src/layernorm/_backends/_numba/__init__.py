@@ -239,13 +239,13 @@ def streaming_stores_everywhere() -> Iterator[None]:
     """Within it, every output :func:`use_streaming_stores` is asked about takes them,
     whatever its size (``python -m layernorm compile`` compiles the streaming kernels
     with small calls). Not thread-safe: for tools, never for library calls."""
-    global STREAM_MIN_FRACTION, STREAM_MIN_ROW
-    saved = STREAM_MIN_FRACTION, STREAM_MIN_ROW
-    STREAM_MIN_FRACTION, STREAM_MIN_ROW = 0.0, 1
+    global STREAM_MIN_FRACTION, STREAM_MIN_ROW, BACKWARD_STREAM_MIN_ROW
+    saved = STREAM_MIN_FRACTION, STREAM_MIN_ROW, BACKWARD_STREAM_MIN_ROW
+    STREAM_MIN_FRACTION, STREAM_MIN_ROW, BACKWARD_STREAM_MIN_ROW = 0.0, 1, 1
     try:
         yield
     finally:
-        STREAM_MIN_FRACTION, STREAM_MIN_ROW = saved
+        STREAM_MIN_FRACTION, STREAM_MIN_ROW, BACKWARD_STREAM_MIN_ROW = saved
 
 
 def use_streaming_stores(x: Any, y: Any) -> bool:
@@ -473,6 +473,15 @@ def _unit_strides(gy: Any, x: Any, gx: Any, grad_residual: Any) -> bool:
 #: Byte alignment of every row of a grad_x that the backward writes with streaming
 #: stores (a SIMD vector's, at most a cache line's).
 STREAM_ALIGN = 64
+#: The backward streams rows of at least this many elements; None: those of its skewed
+#: kernels (``SHORT_BACKWARD_N``, 80 with AVX-512; aligned rows have no
+#: element-by-element ends).
+#: Measured, float32, kernel alone, from DRAM, fraction of the ``np.add`` floor,
+#: streaming / plain, 1 thread: n = 96 1.09 / 0.76, 128 0.61-1.03 / 0.59-0.81, 160
+#: 0.68 / 0.70, 192 1.02 / 0.75; 2 threads: 96 1.31 / 1.01, 128 1.26-1.27 / 1.03-1.08,
+#: 160 0.99 / 1.07, 192 1.11 / 1.02. Shorter rows keep the short-row kernels (16-64:
+#: 0.71-0.79 against the skewed streaming kernel's 0.40-0.59 at 1 thread).
+BACKWARD_STREAM_MIN_ROW: int | None = None
 
 
 def empty_output(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -497,9 +506,10 @@ def empty_output(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 
 def streams_gradient(gx: Any) -> bool:
     """Whether the backward writes ``gx`` (2-D, unit-stride rows, a fresh array that no
-    input overlaps) with streaming stores: as the forward's output
-    (:func:`use_streaming_stores`), and every row starting on a ``STREAM_ALIGN``-byte
-    boundary (the streaming kernels store whole aligned vectors).
+    input overlaps) with streaming stores: rows of at least ``BACKWARD_STREAM_MIN_ROW``
+    elements, at least ``STREAM_MIN_FRACTION`` of the last-level cache as the forward's
+    output (:func:`use_streaming_stores`), every row starting on a
+    ``STREAM_ALIGN``-byte boundary (the streaming kernels store whole aligned vectors).
 
     Measured, float32, kernel alone, inputs rotated from DRAM, interleaved, 2-core Zen 4,
     time with / without, LayerNorm at 1 thread: (16384, 256) 0.77, (4096, 1024) 0.57,
@@ -512,7 +522,10 @@ def streams_gradient(gx: Any) -> bool:
 def streams_gradient_rows(rows: int, n: int, itemsize: int) -> bool:
     """:func:`streams_gradient` for a contiguous grad_x of ``rows`` rows of ``n``
     elements of ``itemsize`` bytes allocated by :func:`empty_output`."""
-    return (n >= STREAM_MIN_ROW and n * itemsize % STREAM_ALIGN == 0
+    least = BACKWARD_STREAM_MIN_ROW
+    if least is None:
+        least = load_kernels().SHORT_BACKWARD_N
+    return (n >= least and n * itemsize % STREAM_ALIGN == 0
             and rows * n * itemsize >= STREAM_MIN_FRACTION * _last_level_cache_bytes())
 
 
