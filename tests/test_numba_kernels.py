@@ -449,7 +449,7 @@ def test_backward_takes_streaming_stores_for_large_aligned_gradients(monkeypatch
     plain = ln.layer_norm_backward(gy, x, mean, rstd, w)
     _, rstd_rms = ln.rms_norm(x, n, w, return_stats=True)
     plain_rms = ln.rms_norm_backward(gy, x, rstd_rms, w)
-    monkeypatch.setattr(backend, "STREAM_MIN_FRACTION", 0.0)
+    monkeypatch.setattr(backend, "BACKWARD_STREAM_MIN_FRACTION", 0.0)
     assert backend.streams_gradient(gx)
     assert not backend.streams_gradient(backend.empty_output((rows, n + 1), np.float32)[:, :n])
     shifted = backend.empty_output((rows * n + 4,), np.float32)[4:].reshape(rows, n)

@@ -239,13 +239,17 @@ def streaming_stores_everywhere() -> Iterator[None]:
     """Within it, every output :func:`use_streaming_stores` is asked about takes them,
     whatever its size (``python -m layernorm compile`` compiles the streaming kernels
     with small calls). Not thread-safe: for tools, never for library calls."""
-    global STREAM_MIN_FRACTION, STREAM_MIN_ROW, BACKWARD_STREAM_MIN_ROW
-    saved = STREAM_MIN_FRACTION, STREAM_MIN_ROW, BACKWARD_STREAM_MIN_ROW
-    STREAM_MIN_FRACTION, STREAM_MIN_ROW, BACKWARD_STREAM_MIN_ROW = 0.0, 1, 1
+    global STREAM_MIN_FRACTION, STREAM_MIN_ROW, BACKWARD_STREAM_MIN_FRACTION
+    global BACKWARD_STREAM_MIN_ROW
+    saved = (STREAM_MIN_FRACTION, STREAM_MIN_ROW, BACKWARD_STREAM_MIN_FRACTION,
+             BACKWARD_STREAM_MIN_ROW)
+    STREAM_MIN_FRACTION, STREAM_MIN_ROW = 0.0, 1
+    BACKWARD_STREAM_MIN_FRACTION, BACKWARD_STREAM_MIN_ROW = 0.0, 1
     try:
         yield
     finally:
-        STREAM_MIN_FRACTION, STREAM_MIN_ROW, BACKWARD_STREAM_MIN_ROW = saved
+        (STREAM_MIN_FRACTION, STREAM_MIN_ROW, BACKWARD_STREAM_MIN_FRACTION,
+         BACKWARD_STREAM_MIN_ROW) = saved
 
 
 def use_streaming_stores(x: Any, y: Any) -> bool:
@@ -482,6 +486,14 @@ STREAM_ALIGN = 64
 #: 160 0.99 / 1.07, 192 1.11 / 1.02. Shorter rows keep the short-row kernels (16-64:
 #: 0.71-0.79 against the skewed streaming kernel's 0.40-0.59 at 1 thread).
 BACKWARD_STREAM_MIN_ROW: int | None = None
+#: The backward streams a grad_x of at least this fraction of the last-level cache (the
+#: forward: ``STREAM_MIN_FRACTION``, a half). Its reader then finds it in memory, not in
+#: the cache, yet the pair is faster: float32, 1 thread, inputs rotated from DRAM, the
+#: backward kernel then a reader of grad_x, time plain / streaming, in us: (1024, 768)
+#: 3 MiB, then a column sum 584 / 479, then ``grad_x @ W`` (W 768 x 256) 2622 / 2527;
+#: (2048, 768) 1097 / 880 and 5299 / 4958; (4096, 768) 2461-2949 / 1749-2116 and
+#: 10463-12071 / 9599-11105; at 2 threads streaming took 0.96-1.10x the time (noisy).
+BACKWARD_STREAM_MIN_FRACTION = 1 / 8
 
 
 def empty_output(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -507,9 +519,9 @@ def empty_output(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 def streams_gradient(gx: Any) -> bool:
     """Whether the backward writes ``gx`` (2-D, unit-stride rows, a fresh array that no
     input overlaps) with streaming stores: rows of at least ``BACKWARD_STREAM_MIN_ROW``
-    elements, at least ``STREAM_MIN_FRACTION`` of the last-level cache as the forward's
-    output (:func:`use_streaming_stores`), every row starting on a
-    ``STREAM_ALIGN``-byte boundary (the streaming kernels store whole aligned vectors).
+    elements, at least ``BACKWARD_STREAM_MIN_FRACTION`` of the last-level cache, every
+    row starting on a ``STREAM_ALIGN``-byte boundary (the streaming kernels store whole
+    aligned vectors).
 
     Measured, float32, kernel alone, inputs rotated from DRAM, interleaved, 2-core Zen 4,
     time with / without, LayerNorm at 1 thread: (16384, 256) 0.77, (4096, 1024) 0.57,
@@ -526,7 +538,8 @@ def streams_gradient_rows(rows: int, n: int, itemsize: int) -> bool:
     if least is None:
         least = load_kernels().SHORT_BACKWARD_N
     return (n >= least and n * itemsize % STREAM_ALIGN == 0
-            and rows * n * itemsize >= STREAM_MIN_FRACTION * _last_level_cache_bytes())
+            and rows * n * itemsize
+            >= BACKWARD_STREAM_MIN_FRACTION * _last_level_cache_bytes())
 
 
 def ln_backward_kernels(k: Any, gy: Any, x: Any, gx: Any, grad_residual: Any = None,
