@@ -247,6 +247,26 @@ def _gather_rows(xs, gys, grs, x, gy, gres, r, two, has_res):
             copy_row(grs, runtime(1), gres, r + 1)
 
 
+@njit(inline="always", error_model="numpy")
+def _store_gx(gxr, g, r, i, stream):
+    """A vector of grad_x stored: plainly, or with ``stream`` (:data:`.rowmath.STREAM`)
+    a streaming store to an aligned address."""
+    if stream is None:
+        vstore(gxr, g, r, i)
+    else:
+        vstore_nt(gxr, g, r, i)
+
+
+@njit(inline="always", error_model="numpy")
+def _read_hint(address, offset, stream):
+    """The line at ``address + offset`` will be read soon: into L1 for the plain kernels,
+    into L2 only for the streaming ones (``stream``)."""
+    if stream is None:
+        prefetch_at(address, offset, False)
+    else:
+        prefetch_l2_at(address, offset)
+
+
 def _gx_vec(gyr, xr, gxr, r, i, wvec, mv, rv, mgv, mgxv, grr, has_res, stream):
     """grad_x of one vector of row ``r`` stored (plus grad_residual with ``has_res``;
     a streaming store with ``stream``, :data:`.rowmath.STREAM`, to an aligned address);
@@ -254,10 +274,7 @@ def _gx_vec(gyr, xr, gxr, r, i, wvec, mv, rv, mgv, mgxv, grr, has_res, stream):
     dy = vload(gyr, r, i)
     xh = (vload(xr, r, i) - mv) * rv
     g = ((dy * wvec - mgv) - xh * mgxv) * rv
-    if stream is None:
-        vstore(gxr, g + vload(grr, r, i) if has_res else g, r, i)
-    else:
-        vstore_nt(gxr, g + vload(grr, r, i) if has_res else g, r, i)
+    _store_gx(gxr, g + vload(grr, r, i) if has_res else g, r, i, stream)
     return dy, dy * xh
 
 
@@ -333,13 +350,10 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, ha
         ax = zero
         for i in range(0, body, LANES):
             o = i * itemsize(gyv)
+            _read_hint(gpf, o, stream)
+            _read_hint(xpf, o, stream)
             if stream is None:
-                prefetch_at(gpf, o, False)
-                prefetch_at(xpf, o, False)
                 prefetch_at(wpf, i * itemsize(gxv), True)
-            else:
-                prefetch_l2_at(gpf, o)
-                prefetch_l2_at(xpf, o)
             wvec = vload(wv, 0, i)
             dy, t = _gx_vec(gyv, xv, gxv, r, i, wvec, mv, rv, mgv, mgxv, grv, has_res,
                             stream)
@@ -422,24 +436,14 @@ def _ln_bwd_tile_out(gyr, xr, gxr, r, n, mean_in, rstd_in, sums, w, dw, db, grr,
     step = TILE_ROWS * itemsize(gyr)
     for i in range(0, body, LANES):
         o = i * step
-        if stream is None:
-            prefetch_at(gbase, o, False)
-            prefetch_at(gbase, o + 64, False)
-            prefetch_at(gbase, o + 128, False)
-            prefetch_at(gbase, o + 192, False)
-            prefetch_at(xbase, o, False)
-            prefetch_at(xbase, o + 64, False)
-            prefetch_at(xbase, o + 128, False)
-            prefetch_at(xbase, o + 192, False)
-        else:
-            prefetch_l2_at(gbase, o)
-            prefetch_l2_at(gbase, o + 64)
-            prefetch_l2_at(gbase, o + 128)
-            prefetch_l2_at(gbase, o + 192)
-            prefetch_l2_at(xbase, o)
-            prefetch_l2_at(xbase, o + 64)
-            prefetch_l2_at(xbase, o + 128)
-            prefetch_l2_at(xbase, o + 192)
+        _read_hint(gbase, o, stream)
+        _read_hint(gbase, o + 64, stream)
+        _read_hint(gbase, o + 128, stream)
+        _read_hint(gbase, o + 192, stream)
+        _read_hint(xbase, o, stream)
+        _read_hint(xbase, o + 64, stream)
+        _read_hint(xbase, o + 128, stream)
+        _read_hint(xbase, o + 192, stream)
         wvec = vload(w, 0, i)
         dya, ta = _gx_vec_fn(gyr, xr, gxr, r, i, wvec, mva, rva, mgva, mgxva, grr, has_res,
                              stream)
@@ -818,21 +822,15 @@ def _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res,
         acc = zero
         for i in range(0, body, LANES):
             o = i * itemsize(gyv)
+            _read_hint(gpf, o, stream)
+            _read_hint(xpf, o, stream)
             if stream is None:
-                prefetch_at(gpf, o, False)
-                prefetch_at(xpf, o, False)
                 prefetch_at(wpf, i * itemsize(gxv), True)
-            else:
-                prefetch_l2_at(gpf, o)
-                prefetch_l2_at(xpf, o)
             wvec = vload(wv, 0, i)
             dy = vload(gyv, r, i)
             xh = vload(xv, r, i) * rv
             g = (dy * wvec - xh * mgxv) * rv
-            if stream is None:
-                vstore(gxv, g + vload(grv, r, i) if has_res else g, r, i)
-            else:
-                vstore_nt(gxv, g + vload(grv, r, i) if has_res else g, r, i)
+            _store_gx(gxv, g + vload(grv, r, i) if has_res else g, r, i, stream)
             vstore(dw, vload(dw, 0, i) + dy * xh, 0, i)
             gn = vload(gyv, rn, i) * wvec
             acc = acc + gn * (vload(xv, rn, i) * rvn)
