@@ -948,7 +948,8 @@ def test_emulation_parameter_gradient_tree(emulator, monkeypatch, dtype):
 def test_emulation_subnormal_variance_is_normalized(emulator, monkeypatch, dtype):
     """eps=0 and squared deviations below float32's normal range (~1e-38): the kernels
     are compiled without flush-to-zero (launch.OPTIONS), which the host's IEEE arithmetic
-    models, so the row is normalized as on the CPU, not turned into inf/NaN."""
+    models, and such rows (rstd above 2**59) are rescaled, so the row is normalized as on
+    the CPU, to full accuracy, not turned into inf/NaN."""
     from . import reference
 
     emulator.install(monkeypatch)
@@ -959,7 +960,7 @@ def test_emulation_subnormal_variance_is_normalized(emulator, monkeypatch, dtype
     assert np.all(np.isfinite(rstd)) and np.all(np.isfinite(y.astype(np.float64)))
     y_ref, _, _ = reference.layer_norm(x, (1,), None, None, eps=0.0)
     np.testing.assert_allclose(y[:, :, 0].astype(np.float64), y_ref.astype(np.float64),
-                               atol=0.05 if dtype == "bfloat16" else 2e-3)
+                               atol=_ATOL[dtype] * np.abs(y_ref).max())
 
 
 def _rescaled_reference(x, w, b, rms, eps):
@@ -969,9 +970,9 @@ def _rescaled_reference(x, w, b, rms, eps):
     x = x.astype(np.float64)
     e = np.frexp(np.abs(x).max(axis=1, keepdims=True))[1]
     xs = np.ldexp(x, -e)
-    s2 = np.ldexp(1.0, -2 * e)
+    scaled_eps = np.ldexp(np.float64(eps), -2 * e)  # eps * s**2 (s**2 alone may overflow)
     mean = np.zeros_like(xs[:, :1]) if rms else xs.mean(axis=1, keepdims=True)
-    rstd = 1 / np.sqrt(((xs - mean) ** 2).mean(axis=1, keepdims=True) + eps * s2)
+    rstd = 1 / np.sqrt(((xs - mean) ** 2).mean(axis=1, keepdims=True) + scaled_eps)
     y = (xs - mean) * rstd * w.astype(np.float64)
     if not rms:
         y = y + b.astype(np.float64)
@@ -979,19 +980,22 @@ def _rescaled_reference(x, w, b, rms, eps):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("magnitude", ["huge", "tiny"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
-def test_emulation_rows_whose_squares_overflow(emulator, monkeypatch, dtype):
+def test_emulation_rows_whose_squares_overflow(emulator, monkeypatch, dtype, magnitude):
     """Rows scaled by 1e30 (float64: 1e300), whose sums of squares overflow the
-    accumulation dtype, are normalized as if scaled by a power of two first (API.md,
-    Arithmetic), through the row kernels (contiguous: a few lanes per row, and a block
-    per row), the strided-row kernels and the cols kernels; an ordinary row among them
-    keeps the bits it has alone, and big rows holding a NaN or an infinity keep their
-    rules (LayerNorm NaN, RMSNorm x * 0)."""
+    accumulation dtype, or by 1e-30 (1e-300) with eps = 0, whose squares underflow, are
+    normalized as if scaled by a power of two first (API.md, Arithmetic), through the
+    row kernels (contiguous: a few lanes per row, and a block per row), the strided-row
+    kernels and the cols kernels; an ordinary row among them keeps the bits it has
+    alone, and such rows holding a NaN or an infinity keep their rules (LayerNorm NaN,
+    RMSNorm x * 0)."""
     emulator.install(monkeypatch)
     emulator.cap = 1  # grid-stride loops: the rescaled rows are followed by others
-    big = 1e300 if dtype == "float64" else 1e30
+    big = {"huge": 1e300 if dtype == "float64" else 1e30,
+           "tiny": 1e-300 if dtype == "float64" else 1e-30}[magnitude]
     acc = np.float64 if dtype == "float64" else np.float32
-    eps = 1e-5
+    eps = 1e-5 if magnitude == "huge" else 0.0
     for n in (40, 1000):  # float32: 8 lanes per row (16 rows a block); 128 threads per row
         rng = np.random.default_rng(n)
         x = (0.5 + 2 * rng.standard_normal((8, n)))

@@ -473,20 +473,30 @@ def test_residual_out_over_a_parameter(rms, param):
     assert_bitwise(y, y_ref)
 
 
+#: Rows the fast arithmetic cannot compute (rescale.py): (factor of the rows, call
+#: arguments). Squares that overflow float32, or (with eps = 0) underflow it.
+OUT_OF_RANGE = {"overflow": (np.float32(1e19), {}),
+                "underflow": (np.float32(1e-25), {"eps": 0.0})}
+
+
+@pytest.mark.parametrize("magnitude", sorted(OUT_OF_RANGE))
 @pytest.mark.parametrize("shape", [(4, 300), (6, 200), (37, 64), (3000, 48)])
-def test_one_pass_kernel_rows_whose_squares_overflow(shape):
-    # A finite float32 row with a spread near 1e19 is normalized after an exact rescaling
-    # (rescale.py): the one-pass kernel stops before it (h of its block is written), and
-    # the driver normalizes the rest of the block from h. The same bits fused or not, for
-    # long rows, short rows and enough rows for the parallel kernels, in place too.
+def test_one_pass_kernel_rows_whose_squares_overflow(shape, magnitude):
+    # A finite float32 row with a spread near 1e19 (or near 1e-25, with eps = 0) is
+    # normalized after an exact rescaling (rescale.py): the one-pass kernel stops before
+    # it (h of its block is written), and the driver normalizes the rest of the block
+    # from h. The same bits fused or not, for long rows, short rows and enough rows for
+    # the parallel kernels, in place too.
+    factor, kwargs = OUT_OF_RANGE[magnitude]
     x = data(shape, "float32", 0)
-    x[1::3] *= np.float32(1e19)  # overflowing rows among ordinary ones, in every block
     r = data(shape, "float32", 1)
+    x[1::3] *= factor  # such rows of h among ordinary ones, in every block
+    r[1::3] *= factor
     for rms in (False, True):
-        y_ref, h_ref, stats_ref = unfused(x, r, "float32", rms)
+        y_ref, h_ref, stats_ref = unfused(x, r, "float32", rms, **kwargs)
         fn = ln.add_rms_norm if rms else ln.add_layer_norm
         with fused_calls() as calls:
-            y, h, *stats = fn(x, r, return_stats=True)
+            y, h, *stats = fn(x, r, return_stats=True, **kwargs)
         assert calls and np.isfinite(y).all()
         assert_bitwise(h, h_ref)
         assert_bitwise(y, y_ref)
@@ -494,14 +504,15 @@ def test_one_pass_kernel_rows_whose_squares_overflow(shape):
             assert_bitwise(s, s_ref)
         xi, ri = x.copy(), r.copy()
         with fused_calls() as calls:
-            fn(xi, ri, out=xi, residual_out=ri)
+            fn(xi, ri, out=xi, residual_out=ri, **kwargs)
         assert calls
         assert_bitwise(xi, y_ref)
         assert_bitwise(ri, h_ref)
 
 
+@pytest.mark.parametrize("magnitude", sorted(OUT_OF_RANGE))
 @pytest.mark.parametrize("shape", [(3000, 48), (400, 300)])
-def test_parallel_kernels_report_and_complete_overflowing_rows(monkeypatch, shape):
+def test_parallel_kernels_report_and_complete_overflowing_rows(monkeypatch, shape, magnitude):
     # The parallel kernels return the (stop, end) rows of only the blocks that stopped
     # before a row whose squares overflow; the driver finishes those from there. Forced
     # parallel (the default chooser runs a size's first calls serially), the plain and
@@ -512,19 +523,21 @@ def test_parallel_kernels_report_and_complete_overflowing_rows(monkeypatch, shap
 
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one Numba thread: no parallel kernels run")
+    factor, kwargs = OUT_OF_RANGE[magnitude]
     x = data(shape, "float32", 3)
-    x[7::97] *= np.float32(1e19)  # a few overflowing rows, most blocks without one
     r = data(shape, "float32", 4)
+    x[7::97] *= factor  # a few such rows, most blocks without one
+    r[7::97] *= factor
     calls = {}
     for policy in ("never", "always"):
         monkeypatch.setattr(backend, "chooser", schedule.Chooser(policy))
         threads = numba.get_num_threads()
         numba.set_num_threads(2)
         try:
-            calls[policy] = (ln.layer_norm(x, return_stats=True),
-                             ln.rms_norm(x, return_stats=True),
-                             ln.add_layer_norm(x, r, return_stats=True),
-                             ln.add_rms_norm(x, r, return_stats=True))
+            calls[policy] = (ln.layer_norm(x, return_stats=True, **kwargs),
+                             ln.rms_norm(x, return_stats=True, **kwargs),
+                             ln.add_layer_norm(x, r, return_stats=True, **kwargs),
+                             ln.add_rms_norm(x, r, return_stats=True, **kwargs))
         finally:
             numba.set_num_threads(threads)
     for got, want in zip(calls["always"], calls["never"], strict=True):
@@ -1508,22 +1521,25 @@ def test_quantize_short_path_is_the_composition(rms, fmt):
         norm(x, quantize=fmt, scale=-1.0, **params)
 
 
+@pytest.mark.parametrize("magnitude", sorted(OUT_OF_RANGE))
 @pytest.mark.parametrize("shape", [(4, 300), (37, 64), (3000, 48)])
-def test_quantize_kernel_rows_whose_squares_overflow(shape):
-    # Overflowing rows (see rescale.py) among ordinary ones, in every block: the kernel
-    # stops before such a row and the driver finishes the block (from h with a
-    # residual, here written over x itself); long rows, short rows, enough rows for the
-    # parallel kernels; dynamic and static scales.
+def test_quantize_kernel_rows_whose_squares_overflow(shape, magnitude):
+    # Overflowing (or, with eps = 0, underflowing) rows (see rescale.py) among ordinary
+    # ones, in every block: the kernel stops before such a row and the driver finishes
+    # the block (from h with a residual, here written over x itself); long rows, short
+    # rows, enough rows for the parallel kernels; dynamic and static scales.
+    factor, eps_kwargs = OUT_OF_RANGE[magnitude]
     x = data(shape, "float32", 0)
-    x[1::3] *= np.float32(1e19)
     r = data(shape, "float32", 1)
+    x[1::3] *= factor
+    r[1::3] *= factor
     scale = np.float32(0.03)
     for rms, add, static in itertools.product((False, True), repeat=3):
         base = x + r if add else x
-        y32 = (ln.rms_norm if rms else ln.layer_norm)(base)
+        y32 = (ln.rms_norm if rms else ln.layer_norm)(base, **eps_kwargs)
         assert np.isfinite(y32).all()
         q_ref, s_ref = qref(y32, "int8", scale if static else None)
-        kwargs = {"quantize": "int8", "scale": scale if static else None}
+        kwargs = {"quantize": "int8", "scale": scale if static else None, **eps_kwargs}
         with quantized_calls(strict=True) as calls:
             if add:
                 xi = x.copy()

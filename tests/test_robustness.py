@@ -221,6 +221,121 @@ def test_rows_with_nan_or_inf_keep_their_rules_beside_overflowing_rows():
     assert np.isfinite(r[2:]).all()
 
 
+# ------------------------------------------------------------------ 6b: underflowing rows
+
+
+def _scaled_ref(name, x, eps, axis=-1):
+    """Float64 ``(y, rstd)`` of rows of any magnitude: each row scaled first by the power
+    of two that brings max|x| into [0.5, 1), ``eps`` with it (exact; scale invariance)."""
+    x64 = np.moveaxis(np.asarray(x).astype(np.float64), axis, -1)
+    amax = np.abs(x64).max(-1, keepdims=True)
+    e = np.frexp(np.where(amax > 0, amax, 1.0))[1]
+    xs = np.ldexp(x64, -e)
+    mean = xs.mean(-1, keepdims=True) if name == "layer_norm" else 0.0
+    rstd = 1 / np.sqrt(((xs - mean) ** 2).mean(-1, keepdims=True)
+                       + np.ldexp(np.float64(eps), -2 * e))
+    with np.errstate(over="ignore"):  # a float64 row's rstd may exceed the range
+        return (np.moveaxis((xs - mean) * rstd, -1, axis),
+                np.moveaxis(np.ldexp(rstd, -e), -1, axis))
+
+
+@pytest.mark.parametrize("backend", [None, "array_api"])
+@pytest.mark.parametrize("dtype, scale", [("float32", 1e-20), ("float32", 1e-30),
+                                          ("float32", 1e-42), ("float64", 1e-160),
+                                          ("float64", 1e-300), ("float64", 1e-310)])
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_rows_whose_squares_underflow_are_normalized(name, dtype, scale, backend):
+    # With eps = 0 the squares of such rows are subnormal (1e-20: digits lost) or vanish
+    # (inf before the rescaling); 1e-42 and 1e-310 are subnormal inputs themselves.
+    rng = np.random.default_rng(18)
+    x = (rng.standard_normal((6, 33)) * scale).astype(DTYPES[dtype])
+    x[2] = (scale * (3 + rng.standard_normal(33))).astype(DTYPES[dtype])  # an offset
+    x[1] = random_rows(rng, 33, dtype)  # an ordinary row beside them
+    y = FUNCTIONS[name](x, eps=0.0, backend=backend)
+    assert np.isfinite(y).all()
+    y_ref, _ = _scaled_ref(name, x, 0.0)
+    # Subnormal inputs hold fewer digits; the result is exact for the values they hold.
+    np.testing.assert_allclose(y, y_ref, atol=ATOL[dtype] * 4)
+    assert np.array_equal(y[1], FUNCTIONS[name](x[1:2], eps=0.0, backend=backend)[0])
+
+
+def _tiny_layouts(rng):
+    """Float32 (x, axis) pairs of rows with a spread near 1e-30 on each kernel path."""
+    def rows(shape):
+        return (rng.standard_normal(shape) * 1e-30).astype(np.float32)
+
+    return {
+        "short": (rows((20, 40)), -1),
+        "long": (rows((5, 300)), -1),
+        "strided": (rows((5, 600))[:, ::2], -1),
+        "columns": (rows((3, 40, 7)), 1),
+        "parallel": (rows((300, 256)), -1),
+    }
+
+
+@pytest.mark.parametrize("layout", ["short", "long", "strided", "columns", "parallel"])
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_underflowing_rows_on_every_kernel_path(name, layout):
+    rng = np.random.default_rng(19)
+    x, axis = _tiny_layouts(rng)[layout]
+    x = x.copy() if layout != "strided" else x
+    sel = (slice(1, 2),) if axis == -1 else (slice(None), slice(None), slice(1, 2))
+    x[sel] = random_rows(rng, x[sel].shape, "float32")  # an ordinary row among them
+    ordinary = x[sel].copy()
+    kw = {"axis": axis, "return_stats": True, "eps": 0.0}
+    y, *stats = FUNCTIONS[name](x, **kw)
+    assert np.isfinite(y).all() and all(np.isfinite(s).all() for s in stats)
+    y_ref, rstd_ref = _scaled_ref(name, x, 0.0, axis)
+    np.testing.assert_allclose(y, y_ref, atol=ATOL["float32"] * 4)
+    np.testing.assert_allclose(stats[-1], rstd_ref, rtol=1e-5)
+    if name == "layer_norm":
+        mean64 = x.astype(np.float64).mean(axis, keepdims=True)
+        np.testing.assert_allclose(stats[0], mean64, rtol=1e-5, atol=1e-45)
+    # Ordinary rows beside them keep the fast path's bits.
+    assert np.array_equal(y[sel], FUNCTIONS[name](ordinary, axis=axis, eps=0.0))
+    if layout != "strided":
+        inplace = x.copy()
+        assert np.array_equal(FUNCTIONS[name](inplace, axis=axis, eps=0.0, out=inplace), y)
+
+
+@pytest.mark.parametrize("backend", [None, "array_api"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("n", [40, 300])
+def test_constant_and_zero_rows_keep_their_rules_with_eps_zero(dtype, n, backend):
+    # Their rstd is infinite, as for rows whose squares vanish, but these rows are
+    # exactly what it says: LayerNorm NaN for both (0 * inf), RMSNorm NaN for zeros and
+    # +-1 for a constant row; with a tiny eps > 0, LayerNorm gives exactly 0 (the bias).
+    x = np.empty((4, n), DTYPES[dtype])
+    x[0], x[1], x[2] = 3e-30, 0.0, -7.0
+    x[3] = np.linspace(1e-30, 2e-30, n)  # an underflowing row beside them
+    y = ln.layer_norm(x, eps=0.0, backend=backend)
+    assert np.isnan(y[:3]).all() and np.isfinite(y[3]).all()
+    r = ln.rms_norm(x, eps=0.0, backend=backend)
+    assert np.isnan(r[1]).all()
+    ulps = 4 * np.finfo(x.dtype).eps
+    np.testing.assert_allclose(r[0], np.ones(n), rtol=ulps)
+    np.testing.assert_allclose(r[2], -np.ones(n), rtol=ulps)
+    tiny_eps = 1e-44 if dtype == "float32" else 1e-320
+    assert np.array_equal(ln.layer_norm(x[:3], eps=tiny_eps, backend=backend),
+                          np.zeros((3, n), x.dtype))
+
+
+@pytest.mark.parametrize("backend", [None, "array_api"])
+def test_subnormal_rows_with_a_tiny_positive_eps(backend):
+    # float64 rows near 1e-310 (subnormal) with eps = 1e-305: var is negligible beside
+    # eps, so y = (x - mean) / sqrt(eps); scaling such a row to [0.5, 1) would make
+    # eps * s**2 overflow, so the rescaling caps s.
+    rng = np.random.default_rng(20)
+    x = rng.standard_normal((3, 64)) * 1e-310
+    y = ln.layer_norm(x, eps=1e-305, backend=backend)
+    expected = (x - x.mean(-1, keepdims=True)) / np.sqrt(1e-305)
+    # (x - mean) of subnormals is exact only to the smallest subnormal: an absolute bound.
+    np.testing.assert_allclose(y, expected, rtol=0, atol=1e-12 * np.abs(expected).max())
+    r = ln.rms_norm(x, eps=1e-305, backend=backend)
+    expected = x / np.sqrt(1e-305)
+    np.testing.assert_allclose(r, expected, rtol=0, atol=1e-12 * np.abs(expected).max())
+
+
 # ------------------------------------------------------------------ 7: torch lazy bits
 
 

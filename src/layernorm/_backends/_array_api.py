@@ -11,16 +11,20 @@ Two guards keep it as accurate as the native kernels:
   first element: for rows like ``1e4 + N(0, 1)`` in float32 the differences are exact
   and small, so neither the mean nor ``x - mean`` loses the digits a float32 mean of
   1e4 cannot hold (1.0e-3 error without the shift, ~6e-7 with it).
-* **Overflowing rows.** A finite row whose squares would overflow the accumulation
-  dtype is scaled by a power of two (exact) before its statistics, and before the
-  shift is subtracted (the difference of two huge values may itself overflow; the
-  spread that picks the scale is measured on halves); the normalized row
-  is scale invariant, so ``y`` is the same as with infinite range. Other rows are
-  multiplied by 1, which changes no bit.
+* **Overflowing and underflowing rows.** A finite row whose squares would overflow the
+  accumulation dtype is scaled by a power of two (exact) before its statistics, and
+  before the shift is subtracted (the difference of two huge values may itself
+  overflow; the spread that picks the scale is measured on halves); the normalized row
+  is scale invariant, so ``y`` is the same as with infinite range. With an ``eps``
+  too small to hide them (below ``2**-100``; float64: ``2**-980``), rows whose
+  deviations are so small that their squares would be subnormal or vanish are scaled
+  up likewise (``eps`` scaled with them, the scale capped so that it stays finite).
+  Other rows are multiplied by 1, which changes no bit.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -36,26 +40,49 @@ def _param(xp: Any, param: Any, shape: tuple[int, ...], acc: Any) -> Any:
 #: over up to 2**47 (float32) or 2**500 (float64) elements stay finite.
 _RESCALE_FROM = {"float32": 2.0**40, "float64": 2.0**250}
 
+#: With an ``eps`` below ``_TINY_EPS``, rows whose largest magnitude is below
+#: ``_TINY_BELOW`` (and not 0) are scaled up: smaller squares may be subnormal, off by
+#: up to 2**-149 (float64: 2**-1074) each, which an eps this small does not hide.
+_TINY_BELOW = {"float32": 2.0**-40, "float64": 2.0**-250}
+_TINY_EPS = {"float32": 2.0**-100, "float64": 2.0**-980}
+#: A scaled-up row's scale keeps ``eps * scale**2`` below ``2**_SCALED_EPS_EXPONENT``.
+_SCALED_EPS_EXPONENT = {"float32": 100, "float64": 1000}
+
 #: Exponent of the smallest normal number: a smaller scale would be subnormal, which
 #: XLA (JAX) flushes to zero. Rows in the top binade are then brought to [2, 4).
 _MIN_EXPONENT = {"float32": -126.0, "float64": -1022.0}
+#: Exponent of the largest power of two of the dtype (a scale for a tiny row).
+_MAX_EXPONENT = {"float32": 127.0, "float64": 1023.0}
 
 
-def _row_scale(xp: Any, d: Any, axes: tuple[int, ...], acc_name: str, *,
+def _row_scale(xp: Any, d: Any, axes: tuple[int, ...], acc_name: str, eps: float, *,
                halved: bool = False) -> Any:
-    """Per-row power of two that brings a huge finite row's magnitude to [1, 2), else 1.
+    """Per-row power of two that brings a huge finite row's magnitude to [1, 2), or a tiny
+    one's up (when ``eps`` is too small to hide its squares), else 1.
 
     With ``halved``, ``d`` holds half of the values measured (whose full size may
     overflow); the scale returned is still the one for the full values.
     """
     amax = xp.max(xp.abs(d), axis=axes, keepdims=True)
+    half = 1.0 if halved else 0.0
     threshold = _RESCALE_FROM[acc_name] / 2 if halved else _RESCALE_FROM[acc_name]
     huge = (amax >= threshold) & xp.isfinite(amax)
-    # Only huge rows reach log2 (others see 1.0): no -inf from zero rows, under jax.grad too.
-    safe = xp.where(huge, amax, xp.ones_like(amax))
-    exponent = xp.maximum(-xp.floor(xp.log2(safe)) - (1.0 if halved else 0.0),
-                          _MIN_EXPONENT[acc_name])
-    return xp.where(huge, xp.pow(2.0, exponent), xp.ones_like(amax))
+    if eps < _TINY_EPS[acc_name]:
+        tiny_below = _TINY_BELOW[acc_name] / 2 if halved else _TINY_BELOW[acc_name]
+        tiny = (amax < tiny_below) & (amax > 0)
+        most = _MAX_EXPONENT[acc_name]
+        if eps > 0:
+            most = min(most, float((_SCALED_EPS_EXPONENT[acc_name] - math.log2(eps)) // 2))
+    else:
+        tiny = xp.zeros_like(huge)
+        most = 0.0
+    scaled = huge | tiny
+    # Only scaled rows reach log2 (others see 1.0): no -inf from zero rows, under
+    # jax.grad too.
+    safe = xp.where(scaled, amax, xp.ones_like(amax))
+    exponent = xp.minimum(xp.maximum(-xp.floor(xp.log2(safe)) - half,
+                                     _MIN_EXPONENT[acc_name]), most)
+    return xp.where(scaled, xp.pow(2.0, exponent), xp.ones_like(amax))
 
 
 def _empty_rows(xp: Any, x: Any, axes: tuple[int, ...], acc: Any) -> tuple[Any, Any]:
@@ -88,14 +115,15 @@ def layer_norm(
     shift = _first_of_rows(xa, axes)
     # The difference of two huge finite values (3e38 - -3e38 in float32) overflows: the
     # scale is measured on halves, and both terms are scaled (exactly) before subtracting.
-    scale = _row_scale(xp, xa * 0.5 - shift * 0.5, axes, acc_name, halved=True)
+    scale = _row_scale(xp, xa * 0.5 - shift * 0.5, axes, acc_name, eps, halved=True)
     shift_scaled = shift * scale
     d = xa * scale - shift_scaled
     mean_d = xp.mean(d, axis=axes, keepdims=True)
     centred = d - mean_d
     var = xp.mean(centred * centred, axis=axes, keepdims=True)
-    # In the scaled units eps is eps * scale**2 (scale is 1 on every ordinary row).
-    rstd_scaled = 1.0 / xp.sqrt(var + eps * (scale * scale))
+    # In the scaled units eps is eps * scale**2 (scale is 1 on every ordinary row;
+    # multiplied one factor at a time, since scale**2 alone may leave the dtype's range).
+    rstd_scaled = 1.0 / xp.sqrt(var + (eps * scale) * scale)
     y = centred * rstd_scaled
     mean = (shift_scaled + mean_d) / scale
     rstd = rstd_scaled * scale
@@ -115,10 +143,10 @@ def rms_norm(
     if _is_empty_row(x, axes):
         return xp.astype(x, x.dtype, copy=True), _empty_rows(xp, x, axes, acc)[1]
     xa = xp.astype(x, acc)
-    scale = _row_scale(xp, xa, axes, acc_name)
+    scale = _row_scale(xp, xa, axes, acc_name, eps)
     xs = xa * scale
     rstd_scaled = 1.0 / xp.sqrt(xp.mean(xs * xs, axis=axes, keepdims=True)
-                                + eps * (scale * scale))
+                                + (eps * scale) * scale)
     y = xs * rstd_scaled
     rstd = rstd_scaled * scale
     if weight is not None:

@@ -378,7 +378,8 @@ def _pending(result: Any, rows: int) -> list[tuple[int, int]]:
 
 def _complete(result: Any, rescue: Any, writes: tuple[int, ...], positions: tuple[int, ...],
               args: tuple[Any, ...]) -> None:
-    """Finish a row kernel's call that stopped before finite rows whose squares overflow.
+    """Finish a row kernel's call that stopped before finite rows whose squares overflow
+    or underflow.
 
     The plain row kernels leave such a row unwritten and stop (see :mod:`.rescale`):
     here the rest of each stopped range goes through ``rescue``, the gathered kernel,
@@ -660,7 +661,7 @@ def complete_add_layer_norm_rows(pending: Any, args: tuple[Any, ...]) -> None:
     serial kernel's count of stopped blocks, a parallel one's (stop, end) rows of each
     block that stopped).
 
-    Blocks stopped before a finite row whose squares overflow: their ``h`` is complete,
+    Blocks stopped before a finite row whose squares overflow or underflow: their ``h`` is complete,
     and the rest of each such block is normalized from it by the gathered kernel, which
     rescales (see :func:`_complete`). Nothing to do if every block is done.
     """
@@ -729,9 +730,9 @@ def quantized_kernels(k: Any, n: int, rms: bool) -> tuple[Any, Any]:
 
 def complete_quantized_rows(stopped: int, args: tuple[Any, ...], rms: bool) -> None:
     """Finish a quantizing kernel's call (``args`` as the kernel took them) whose
-    ``stopped`` blocks (its result) met a finite row whose squares overflow: the call is
-    redone by the rescuing kernel, from ``h`` with a residual (complete by then), else
-    from ``x``. Nothing to do if no block stopped."""
+    ``stopped`` blocks (its result) met a finite row whose squares overflow or
+    underflow: the call is redone by the rescuing kernel, from ``h`` with a residual
+    (complete by then), else from ``x``. Nothing to do if no block stopped."""
     if not stopped:
         return
     k = load_kernels()

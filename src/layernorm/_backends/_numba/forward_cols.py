@@ -17,7 +17,7 @@ from numba import njit, prange
 from ._scalars import cast, imax, imin, widen
 from ._simd import WIDTH, alive, copy2, fma, load2, raw, runtime, splat, store2, wide
 from .diskcache import cached_njit
-from .rescale import ln_column_rescaled, rms_column_rescaled
+from .rescale import ln_column_rescaled, rms_column_rescaled, usable_rstd
 from .rowmath import (
     CHUNK,
     LANES,
@@ -158,7 +158,7 @@ def _ln_cols(x2, y2, c0, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out, r0
         v = fma(v, splat(widen(w[i])), splat(widen(b[i])))
         store2(y2, v, i, c0)
     for k in range(valid):
-        if not cs[1, k] > 0:  # a finite column whose squares overflow: redone rescaled
+        if not usable_rstd(cs[1, k]):  # squares overflow or underflow: redone rescaled
             ln_column_rescaled(x2, y2, c0 + k, eps, w, b, mean_out, rstd_out, r0 + k)
 
 
@@ -319,7 +319,7 @@ def _rms_cols(x2, y2, c0, w, eps, lanes, totals, cs, rstd_out, r0, valid):
         v = v * splat(widen(w[i]))
         store2(y2, v, i, c0)
     for k in range(valid):
-        if not cs[1, k] > 0:  # a finite column whose squares overflow: redone rescaled
+        if not usable_rstd(cs[1, k]):  # squares overflow or underflow: redone rescaled
             rms_column_rescaled(x2, y2, c0 + k, eps, w, rstd_out, r0 + k)
 
 

@@ -54,7 +54,7 @@ from ._simd import (
     wide,
 )
 from .diskcache import cached_njit
-from .rescale import finite_row, ln_row_rescaled, rms_row_rescaled
+from .rescale import ln_row_rescaled, needs_rescaling, rms_row_rescaled, usable_rstd
 from .rowmath import (
     BLOCK_CHUNKS,
     CHUNK,
@@ -207,7 +207,7 @@ def ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1,
     y). Correct for any ``n``; rows of at most ``SHORT_ROW_MAX`` run faster through
     :func:`ln_short_rows` (the same bits).
 
-    Returns ``r1``, or the first finite row whose squares overflow: that row is left
+    Returns ``r1``, or the first finite row whose squares overflow or underflow: that row is left
     unwritten and the rows after it are not done (see :mod:`.rescale`)."""
     stop = r1
     if r0 >= r1:
@@ -222,7 +222,7 @@ def ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1,
     shift = mean = mo = rstd = cast(0.0, eps)
     for r in range(r0 - 1, r1):
         write = r >= r0
-        if write and not rstd > 0 and finite_row(xv, r, n):
+        if write and needs_rescaling(xv, r, n, rstd):
             stop = r
             break
         rn = imin(r + 1, r1 - 1)
@@ -345,7 +345,7 @@ def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
             if cancelled(get(wv64, 0, i), get(wv64, 1, i), tv):
                 shift, mu2, m2r = redo(xv, first + i, n, shift, mean, tv)
                 mean, mo, rstd = finish(shift, mu2, m2r, n, eps)
-            if not rstd > 0 and finite_row(xv, first + i, n):
+            if needs_rescaling(xv, first + i, n, rstd):
                 stop = first + i
                 break
             ln_row_out(xv, yv, first + i, n, shift, mean, rstd, wv, bv)
@@ -393,7 +393,7 @@ def ln_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     plain stores (``nt`` unused: :func:`ln_stream_forward_serial` streams).
 
     Returns the number of rows done: all of them, or the index of a finite row whose
-    squares overflow, unwritten (the driver rescales it and resumes after it)."""
+    squares overflow or underflow, unwritten (the driver rescales it and resumes after it)."""
     stop = ln_long_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1], PLAIN,
                         mean_out, rstd_out, runtime(0), x.shape[0], runtime(0))
     alive(w)
@@ -648,7 +648,7 @@ def rms_raw_rows(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, s0):
     rstd = cast(0.0, eps)
     for r in range(r0 - 1, r1):
         write = r >= r0
-        if write and not rstd > 0 and finite_row(xv, r, n):
+        if write and needs_rescaling(xv, r, n, rstd):
             stop = r
             break
         rn = imin(r + 1, r1 - 1)
@@ -693,8 +693,8 @@ def _rms_gathered(x, w, eps, y, rstd_out, r0, r1):
     for r in range(r0, r1):
         copy_row(xs, 0, x, r)
         rstd = rms_rstd(xv, runtime(0), n, eps)
-        # A finite row whose squares overflow is written by rms_row_rescaled instead.
-        if rstd > 0 or not rms_row_rescaled(xv, yv, runtime(0), n, eps, wv, rstd_out, r):
+        # A finite row whose squares overflow or underflow is written by rms_row_rescaled instead.
+        if usable_rstd(rstd) or not rms_row_rescaled(xv, yv, runtime(0), n, eps, wv, rstd_out, r):
             _rms_row_out(xv, yv, runtime(0), n, rstd, wv, runtime(0))
             put_stat(rstd_out, r, rstd)
         copy_row(y, r, ys, 0)

@@ -8,8 +8,8 @@ as the unfused forward (:func:`.forward_rows.ln_long_rows` /
 :func:`.forward_rows.ln_short_rows` / :func:`.forward_rows.rms_raw_rows`) reading those
 just-stored, cache-resident ``h`` values. The same operations on the same values: ``y``
 is bit for bit ``layer_norm(h)`` / ``rms_norm(h)``, rounded to y's element type. A
-block whose row function stops before a finite row whose squares overflow (see
-:mod:`.rescale`) is finished by the driver from its ``h``.
+block whose row function stops before a finite row whose squares overflow or underflow
+(see :mod:`.rescale`) is finished by the driver from its ``h``.
 
 ``h`` is stored with plain stores and read back from the cache: streaming it to memory
 from the same vector while the row function read a scratch copy (so that h's lines are

@@ -90,7 +90,7 @@ from .forward_rows import (
     rms_rstd,
 )
 from .fused import PARALLEL_BLOCKS, add_block, block_rows
-from .rescale import finite_row
+from .rescale import needs_rescaling
 from .rowmath import (
     LANES,
     finish,
@@ -334,7 +334,7 @@ def ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, i
     # reading of the next row overlap the output pass. One inlined copy of each.
     shift = mean = mo = rstd = cast(0.0, eps)
     for k in range(-1 if rows > 0 else 0, rows):
-        if k >= 0 and not rstd > 0 and finite_row(xv, k, n):
+        if k >= 0 and needs_rescaling(xv, k, n, rstd):
             stop = k
             break
         nshift, mu, m2 = row_moments(xv, imin(k + 1, rows - 1), n, tv)
@@ -371,7 +371,7 @@ def rms_rows_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_ou
     stop = rows
     rstd = cast(0.0, eps)
     for k in range(-1 if rows > 0 else 0, rows):  # the next row's rstd first, as ln_rows_quant does
-        if k >= 0 and not rstd > 0 and finite_row(xv, k, n):
+        if k >= 0 and needs_rescaling(xv, k, n, rstd):
             stop = k
             break
         nrstd = rms_rstd(xv, imin(k + 1, rows - 1), n, eps)
@@ -582,7 +582,7 @@ def rms_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv
 def ln_quant_rescued_serial(x, w, b, eps, q, mean_out, rstd_out, tab, fmt, dynamic,
                             inv_rows, scale_out):
     """LayerNorm of the rows of ``x`` quantized into ``q``, every row done (finite rows
-    whose squares overflow rescaled, see :mod:`.rescale`): what redoes a call of the
+    whose squares overflow or underflow rescaled, see :mod:`.rescale`): what redoes a call of the
     kernels above that met such a row, so only such a call compiles it."""
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)

@@ -1,22 +1,29 @@
-"""Rows whose squares overflow the accumulation dtype, normalized after an exact rescaling.
+"""Rows the fast row arithmetic cannot compute: squares that overflow or underflow.
 
 A finite float32 row with a spread near ``1e19`` (float64: ``1e154``) has a sum of
 squared deviations beyond the largest float: the fast row arithmetic ends with
 ``rstd = 0`` (or NaN, when a partial sum overflows first) and a row of zeros or NaN.
-Yet the normalized row is well defined and finite, because normalization is scale
-invariant. The kernels therefore check each row's ``rstd`` (one comparison per row,
-nothing on rows that pass) and hand a row whose ``rstd`` is not positive to these
-functions, which:
+At the other end, with ``eps = 0`` (or an ``eps`` as small), a row with a spread below
+about ``1e-19`` (float64: ``1e-154``) has squares in the subnormal range or below it:
+they lose digits or vanish, and the row ends with a huge or infinite ``rstd`` and a row
+of wrong values or infinities. Yet the normalized row is well defined and finite,
+because normalization is scale invariant. The kernels therefore check each row's
+``rstd`` (:func:`usable_rstd`: one comparison per row, nothing on rows that pass) and
+hand a finite row whose ``rstd`` fails it to these functions, which:
 
 * return False without writing anything when the row holds a NaN or an infinity (its
   ordinary result, NaN for LayerNorm and ``x * 0`` for RMSNorm, stands), and otherwise
 * scale the row by the power of two ``s`` that brings its largest magnitude into
-  ``[0.5, 1)`` (exact: only the exponents change), compute its statistics two-pass in
-  float64, write the normalized row through the same affine step and rounding as the
-  fast path, and store the statistics of the unscaled row (``mean / s``, ``rstd * s``).
+  ``[0.5, 1)`` (exact: only the exponents change; ``eps`` becomes ``eps * s**2``, and
+  ``s`` is capped so that this stays finite), compute its statistics two-pass in
+  float64 (LayerNorm: of the differences from the row's first element, so a constant
+  row has exactly zero deviations, as on the fast path), write the normalized row
+  through the same affine step and rounding as the fast path, and store the statistics
+  of the unscaled row (``mean / s``, ``rstd * s``; a float32 ``rstd`` beyond the
+  largest float32 is stored as infinity). A row of zeros is normalized unscaled.
 
 The row loops of unit-stride rows stop before such a row (a finite row whose ``rstd``
-is not positive, :func:`finite_row`), leave it unwritten and return its index. Loops
+is not usable, :func:`needs_rescaling`), leave it unwritten and return its index. Loops
 that must finish every row (gathered rows, the fusions) rescale it and resume after it;
 the plain forward kernels return, and the driver finishes the call through the
 gathered-rows kernel, so that a first call never compiles these functions (about half
@@ -38,11 +45,34 @@ from numba import njit
 from ._scalars import cast, narrow, widen
 from ._simd import affine, alive, get, put, put_stat, raw, times_w
 
+#: The largest ``rstd`` of the fast row arithmetic that :func:`usable_rstd` accepts, for
+#: float32 and for float64 accumulation. A larger one means ``var + eps`` below
+#: ``2**-118`` (float64: ``2**-1000``), where squares of the row's deviations are
+#: subnormal or vanish: the sum of squares may then be off by up to ``2**-149`` per
+#: element (float64: ``2**-1074``), more than float32 (float64) rounding once the row
+#: gets there. Only ``eps`` below those values lets a row get there.
+RSTD_LIMIT_FLOAT32 = 2.0**59
+RSTD_LIMIT_FLOAT64 = 2.0**500
+#: Largest ``eps * s**2`` the rescaling lets ``s`` make (float64; see the module).
+_SCALED_EPS_MAX_EXPONENT = 1000
+
+
+@njit(inline="always", error_model="numpy")
+def usable_rstd(rstd):
+    """Whether the fast row arithmetic's ``rstd`` (float32 or float64) is the row's:
+    positive, finite and at most :data:`RSTD_LIMIT_FLOAT32` (float64:
+    :data:`RSTD_LIMIT_FLOAT64`). False for NaN."""
+    limit = cast(RSTD_LIMIT_FLOAT64, rstd)
+    if limit == math.inf:  # rstd is a float32 (known when compiling: folded away)
+        limit = cast(RSTD_LIMIT_FLOAT32, rstd)
+    return rstd > 0 and rstd <= limit
+
 
 @njit(error_model="numpy")
-def _power_of_two_scale(xr, r, n):
-    """``2**-e`` with ``max|x| * 2**-e`` in ``[0.5, 1)``; 0.0 for a row holding a NaN or an
-    infinity, or only zeros (no rescaling can help those)."""
+def _power_of_two_scale(xr, r, n, eps):
+    """``2**-e`` with ``max|x| * 2**-e`` in ``[0.5, 1)``, at most what keeps
+    ``eps * 2**-2e`` finite and at most ``2**1000``; 1.0 for a row of zeros; 0.0 for a
+    row holding a NaN or an infinity (no rescaling can help those)."""
     amax = 0.0
     for i in range(n):
         a = abs(np.float64(widen(get(xr, r, i))))
@@ -50,8 +80,15 @@ def _power_of_two_scale(xr, r, n):
             return 0.0
         amax = max(amax, a)
     if amax == 0.0:
-        return 0.0
-    return math.ldexp(1.0, -math.frexp(amax)[1])
+        return 1.0
+    exponent = -math.frexp(amax)[1]
+    if exponent > 0:  # a tiny row: scaled up, eps with it
+        limit = _SCALED_EPS_MAX_EXPONENT
+        e = np.float64(eps)
+        if e > 0.0:
+            limit = (_SCALED_EPS_MAX_EXPONENT - math.frexp(e)[1]) // 2
+        exponent = min(exponent, limit, _SCALED_EPS_MAX_EXPONENT)
+    return math.ldexp(1.0, exponent)
 
 
 @njit(inline="always", error_model="numpy")
@@ -67,22 +104,23 @@ def ln_row_rescaled(xr, yr, r, n, eps, w, b, mean_out, rstd_out, s):
     Statistics go to index ``s`` of ``mean_out``/``rstd_out`` (None: not stored).
     Returns False, having written nothing, if the row holds a NaN or an infinity.
     """
-    scale = _power_of_two_scale(xr, r, n)
+    scale = _power_of_two_scale(xr, r, n, eps)
     if scale == 0.0:
         return False
+    first = _scaled(xr, r, 0, scale)
     total = 0.0
     for i in range(n):
-        total += _scaled(xr, r, i, scale)
-    mean = total / n
+        total += _scaled(xr, r, i, scale) - first
+    shifted_mean = total / n
     m2 = 0.0
     for i in range(n):
-        d = _scaled(xr, r, i, scale) - mean
+        d = (_scaled(xr, r, i, scale) - first) - shifted_mean
         m2 += d * d
     rstd = 1.0 / math.sqrt(m2 / n + np.float64(eps) * scale * scale)
     for i in range(n):
-        v = cast((_scaled(xr, r, i, scale) - mean) * rstd, eps)
+        v = cast(((_scaled(xr, r, i, scale) - first) - shifted_mean) * rstd, eps)
         put(yr, r, i, narrow(affine(v, w, b, i), yr))
-    put_stat(mean_out, s, cast(mean / scale, eps))
+    put_stat(mean_out, s, cast((first + shifted_mean) / scale, eps))
     put_stat(rstd_out, s, cast(rstd * scale, eps))
     return True
 
@@ -93,7 +131,7 @@ def rms_row_rescaled(xr, yr, r, n, eps, w, rstd_out, s):
 
     Returns False, having written nothing, if the row holds a NaN or an infinity.
     """
-    scale = _power_of_two_scale(xr, r, n)
+    scale = _power_of_two_scale(xr, r, n, eps)
     if scale == 0.0:
         return False
     ss = 0.0
@@ -158,3 +196,11 @@ def finite_row(xr, r, n):
         if not abs(widen(get(xr, r, i))) < math.inf:
             return False
     return True
+
+
+@njit(inline="always", error_model="numpy")
+def needs_rescaling(xr, r, n, rstd):
+    """Whether row ``r``, whose fast-path ``rstd`` is ``rstd``, must be normalized by
+    :func:`ln_row_rescaled` / :func:`rms_row_rescaled` (which then accept it): a finite
+    row whose ``rstd`` is not usable (:func:`usable_rstd`)."""
+    return not usable_rstd(rstd) and finite_row(xr, r, n)

@@ -56,8 +56,9 @@ lane ``j + h`` for ``h = 8, 4, 2, 1``).
    combination. Float16/bfloat16 ``w`` and ``b`` are widened exactly to float32 before
    the kernels see them (:func:`widen_param`).
 
-A row whose ``rstd`` is not positive (its sums of squares overflow ``T``) is left to
-:mod:`.rescale` by the row loops.
+A finite row whose ``rstd`` is not usable (not positive: its sums of squares overflow
+``T``; or huge: they underflow, with ``eps`` near 0) is left to :mod:`.rescale` by the
+row loops.
 
 ``fma`` is IEEE fusedMultiplyAdd, written explicitly: one rounding, the same bits on
 every machine. The compiler is never allowed to contract or reorder anything itself.

@@ -76,9 +76,10 @@ __device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162flo
 __device__ __forceinline__ float to_acc(float v) { return v; }
 __device__ __forceinline__ double to_acc(double v) { return v; }
 
-// can_overflow: whether a finite row of T can overflow its accumulation dtype's sums of
-// squares (float16's largest value squared, 4.3e9, cannot reach float32's 3.4e38 in any
-// row that fits in memory), i.e. whether the forward kernels need the rescaled slow path.
+// can_overflow: whether a finite row of T can leave its accumulation dtype's range in its
+// sums of squares (float16's largest value squared, 4.3e9, cannot reach float32's 3.4e38
+// in any row that fits in memory, and its smallest, 2^-24, has a normal square), i.e.
+// whether the forward kernels need the rescaled slow path.
 template <typename T> struct Elem;
 template <> struct Elem<__half> {
   static constexpr bool can_overflow = false;
@@ -207,6 +208,15 @@ __device__ __forceinline__ double inv_sqrt(double v) {
   y = y * (1.5 - half_m * y * y);
   return y * __longlong_as_double((long long)(1023 - k + extra) << 52);
 }
+
+// Whether a row's rstd from the fast arithmetic is the row's: positive, finite and at
+// most 2^59 (double: 2^500). A larger one means var + eps below 2^-118 (2^-1000), where
+// the squares of the deviations are subnormal or vanish (only an eps that small lets a
+// row get there), off by up to 2^-149 (2^-1074) each: such a row is rescaled (below).
+__device__ __forceinline__ bool usable_rstd(float r) {
+  return r > 0.0f && r <= 576460752303423488.0f;  // 2^59
+}
+__device__ __forceinline__ bool usable_rstd(double r) { return r > 0.0 && r <= 0x1p500; }
 
 template <typename A>
 __device__ __forceinline__ A param_or(const A* p, i64 i, A dflt) {
@@ -605,24 +615,29 @@ struct MaxBitsOp {
   }
 };
 
-// ================================================== forward, rows whose squares overflow
+// ====================================== forward, rows whose squares overflow or underflow
 //
 // A finite row with a spread near 1e19 (float32 accumulation; float64: 1e154) has a sum
 // of squares beyond the largest float: the kernels' arithmetic ends with rstd = 0 (or
-// NaN, when a partial sum or a Chan delta overflows first). Normalization is scale
-// invariant, so such a row is normalized as if scaled by a power of two first, as on the
-// CPU backend (_numba/rescale.py). The forward kernels compare each row's rstd with 0
-// (one comparison; rows that pass keep their bits) and every thread of a failing row
+// NaN, when a partial sum or a Chan delta overflows first). With eps = 0 (or as small),
+// a row with a spread below about 1e-19 (float64: 1e-154) has squares that are subnormal
+// or vanish: rstd ends huge or infinite. Normalization is scale invariant, so such a row
+// is normalized as if scaled by a power of two first, as on the CPU backend
+// (_numba/rescale.py). The forward kernels check each row's rstd (usable_rstd: one
+// comparison; rows that pass keep their bits) and every thread of a failing row
 // calls rescaled_row, which is a scalar loop over the whole row (a rare path: each of
 // the row's threads computes the same statistics, in the same order, so no collective
 // is needed and the result depends on the row alone) and
 //  * returns false, writing nothing, if the row holds a NaN or an infinity: the fast
 //    path's result stands (LayerNorm NaN, RMSNorm x * 0);
 //  * else scales the row by s = 2^-e with max|x| * s in [0.5, 1) (exact: only exponents
-//    change), computes two-pass statistics of the scaled row in double, writes the
-//    elements i = part, part + parts, ... of y through the same affine step and rounding
-//    as the fast path, lets part 0 store the unscaled row's statistics (mean / s,
-//    rstd * s), and returns true.
+//    change; eps becomes eps * s^2, and a scaling up is capped so that this stays below
+//    2^1000; a row of zeros is not scaled), computes two-pass statistics of the scaled
+//    row in double (LayerNorm: of the differences from the row's first element, so a
+//    constant row has exactly zero deviations, as on the fast path), writes the elements
+//    i = part, part + parts, ... of y through the same affine step and rounding as the
+//    fast path, lets part 0 store the unscaled row's statistics (mean / s, rstd * s),
+//    and returns true.
 // y may have another element type than the row (TY: the fused kernels normalize h and
 // store y in x's type), rounded once from A as on the fast path.
 // __noinline__ keeps its registers out of the fast path's budget.
@@ -647,24 +662,34 @@ __device__ __noinline__ bool rescaled_row(const T* xr, i64 xs1, TY* yr, i64 ys1,
     if (!(a <= 1.7976931348623157e308)) return false;  // NaN or infinity
     amax = a > amax ? a : amax;
   }
-  // Zeros or subnormals only: no overflow to undo (such a row never gets here).
-  if (!(amax >= 2.2250738585072014e-308)) return false;
-  const int e = (int)((__double_as_longlong(amax) >> 52) & 0x7ff) - 1022;  // -1021..1024
+  int e = 0;  // s = 2^-e; a row of zeros stays unscaled
+  if (amax > 0.0) frexp(amax, &e);  // amax = m * 2^e, m in [0.5, 1): -1073..1024
+  if (e < 0) {  // a tiny row, scaled up: eps * s^2 must stay finite
+    int most = 1000;
+    if ((double)eps > 0.0) {
+      int eps_exponent;
+      frexp((double)eps, &eps_exponent);
+      const int by_eps = (1000 - eps_exponent) / 2;  // eps * 2^(2 by_eps) < 2^1000
+      most = by_eps < most ? by_eps : most;
+    }
+    e = -e > most ? -most : e;
+  }
   const double s = pow2(-e);
-  double mean = 0.0;
+  const double first = RMS ? 0.0 : (double)to_acc(xr[0]) * s;
+  double mean = 0.0;  // LayerNorm: of the differences from the first element
   if constexpr (!RMS) {
     double total = 0.0;
-    for (i64 i = 0; i < n; ++i) total = total + (double)to_acc(xr[i * xs1]) * s;
+    for (i64 i = 0; i < n; ++i) total = total + ((double)to_acc(xr[i * xs1]) * s - first);
     mean = ratio(total, (u64)n);
   }
   double m2 = 0.0;
   for (i64 i = 0; i < n; ++i) {
-    const double d = (double)to_acc(xr[i * xs1]) * s - mean;
+    const double d = ((double)to_acc(xr[i * xs1]) * s - first) - mean;
     m2 = m2 + d * d;
   }
   const double rstd = inv_sqrt(ratio(m2, (u64)n) + (double)eps * s * s);
   auto value = [&](i64 i) -> A {
-    const double d = (double)to_acc(xr[i * xs1]) * s - mean;
+    const double d = ((double)to_acc(xr[i * xs1]) * s - first) - mean;
     A v = A(d * rstd);
     v = v * param_or(w, i, A(1));
     if constexpr (!RMS) v = v + param_or(b, i, A(0));
@@ -689,8 +714,9 @@ __device__ __noinline__ bool rescaled_row(const T* xr, i64 xs1, TY* yr, i64 ys1,
   }
   if (part == 0) {
     // mean / s as two exact power-of-two steps (2^e alone overflows at e = 1024); the
-    // first is exact since |mean| < 1, so only the second rounds, like one division.
-    if constexpr (!RMS) mean_out[row] = A(mean * pow2(e / 2) * pow2(e - e / 2));
+    // first is exact since |first + mean| <= 1, so only the second rounds, like one
+    // division.
+    if constexpr (!RMS) mean_out[row] = A((first + mean) * pow2(e / 2) * pow2(e - e / 2));
     rstd_out[row] = A(rstd * s);
   }
   return true;
@@ -897,7 +923,7 @@ __device__ __forceinline__ void forward_rows(
     bool from_h = false;  // add_fwd_rows: the output pass reads the stored h, not x + r
     bool done = false;    // QUANT: the rescaled path finished the row
     if constexpr (Elem<TP>::can_overflow) {
-      const bool rescale = active && !(rstd > A(0));  // overflowed squares, or NaN / inf
+      const bool rescale = active && !usable_rstd(rstd);  // squares overflow or underflow
       if constexpr (ADD) {
         // rescaled_row reads the whole row while other lanes store y, which may be x or r:
         // so h is stored first (each lane its own elements, read just before), the group
@@ -1178,7 +1204,7 @@ fwd_cols(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
     }
     bool done = false;  // not `continue`: every thread must reach the __syncthreads below
     if constexpr (Elem<T>::can_overflow) {
-      if (active && !(rstd > A(0))) {  // overflowed squares, or a NaN / infinity
+      if (active && !usable_rstd(rstd)) {  // squares overflow or underflow, or NaN / inf
         done = rescaled_row<T, A, RMS>(xr, xs1, yr, ys1, n, eps, w, b, mean_out, rstd_out,
                                        row, ty, (int)blockDim.y);
       }
