@@ -408,6 +408,37 @@ def test_streaming_stores_are_chosen_for_large_outputs_of_long_enough_rows(monke
         assert backend.fused_add_streams(*arrays(3))
 
 
+def test_plain_forward_streams_long_rows_from_a_smaller_output(monkeypatch):
+    # Rows of at least LONG_ROW_STREAM_MIN_ROW stream y from LONG_ROW_STREAM_MIN_FRACTION
+    # of the last-level cache on (the plain forward only); shorter rows, and the fused
+    # add, from STREAM_MIN_FRACTION on. A 1 MiB cache stands for the machine's.
+    from layernorm._backends import _numba as backend
+
+    monkeypatch.setattr(backend, "_last_level_cache_bytes", lambda: 1 << 20)
+    long_n = backend.LONG_ROW_STREAM_MIN_ROW
+    assert backend.STREAM_MIN_ROW < long_n
+
+    def arrays(nbytes, n):
+        shape = (max(1, nbytes // (4 * n)), n)
+        return (np.empty(shape, np.float32), np.empty(shape, np.float32),
+                np.empty(shape, np.float32))
+
+    small = int(backend.LONG_ROW_STREAM_MIN_FRACTION * (1 << 20)) + (8 << 10)
+    big = int(backend.STREAM_MIN_FRACTION * (1 << 20)) + (8 << 10)
+    x, r, y = arrays(small, long_n)
+    assert backend.use_streaming_stores(x, y)
+    assert not backend.fused_add_streams(x, r, y)
+    assert not backend.use_streaming_stores(x, x)  # in place: y is cached already
+    x, r, y = arrays(small, long_n - 1)
+    assert not backend.use_streaming_stores(x, y)
+    x, r, y = arrays(small // 2, long_n)
+    assert not backend.use_streaming_stores(x, y)
+    x, r, y = arrays(big, backend.STREAM_MIN_ROW)
+    assert backend.use_streaming_stores(x, y) and backend.fused_add_streams(x, r, y)
+    x, r, y = arrays(big, long_n)
+    assert backend.use_streaming_stores(x, y) and backend.fused_add_streams(x, r, y)
+
+
 def test_one_pass_kernel_in_place_on_views():
     # Rows of a larger array (a row stride that is not n) and out= the same view of x.
     base_x, base_r = data((12, 64), "bfloat16", 0), data((12, 64), "float32", 1)
