@@ -408,10 +408,10 @@ def test_streaming_stores_are_chosen_for_large_outputs_of_long_enough_rows(monke
         assert backend.fused_add_streams(*arrays(3))
 
 
-def test_plain_forward_streams_long_rows_from_a_smaller_output(monkeypatch):
+def test_forward_streams_long_rows_from_a_smaller_output(monkeypatch):
     # Rows of at least LONG_ROW_STREAM_MIN_ROW stream y from LONG_ROW_STREAM_MIN_FRACTION
-    # of the last-level cache on (the plain forward only); shorter rows, and the fused
-    # add, from STREAM_MIN_FRACTION on. A 1 MiB cache stands for the machine's.
+    # of the last-level cache on, plain and fused; shorter rows from STREAM_MIN_FRACTION
+    # on. A 1 MiB cache stands for the machine's.
     from layernorm._backends import _numba as backend
 
     monkeypatch.setattr(backend, "_last_level_cache_bytes", lambda: 1 << 20)
@@ -426,13 +426,13 @@ def test_plain_forward_streams_long_rows_from_a_smaller_output(monkeypatch):
     small = int(backend.LONG_ROW_STREAM_MIN_FRACTION * (1 << 20)) + (8 << 10)
     big = int(backend.STREAM_MIN_FRACTION * (1 << 20)) + (8 << 10)
     x, r, y = arrays(small, long_n)
-    assert backend.use_streaming_stores(x, y)
-    assert not backend.fused_add_streams(x, r, y)
+    assert backend.use_streaming_stores(x, y) and backend.fused_add_streams(x, r, y)
     assert not backend.use_streaming_stores(x, x)  # in place: y is cached already
+    assert not backend.fused_add_streams(x, r, r)
     x, r, y = arrays(small, long_n - 1)
-    assert not backend.use_streaming_stores(x, y)
+    assert not backend.use_streaming_stores(x, y) and not backend.fused_add_streams(x, r, y)
     x, r, y = arrays(small // 2, long_n)
-    assert not backend.use_streaming_stores(x, y)
+    assert not backend.use_streaming_stores(x, y) and not backend.fused_add_streams(x, r, y)
     x, r, y = arrays(big, backend.STREAM_MIN_ROW)
     assert backend.use_streaming_stores(x, y) and backend.fused_add_streams(x, r, y)
     x, r, y = arrays(big, long_n)

@@ -232,10 +232,10 @@ def _last_level_cache_bytes() -> int:
 #: ends are stored one element at a time, 1.04-1.22x).
 STREAM_MIN_FRACTION = 0.5
 STREAM_MIN_ROW = 256
-#: The plain forward (not the fused add) also streams rows of at least
-#: ``LONG_ROW_STREAM_MIN_ROW`` elements from ``LONG_ROW_STREAM_MIN_FRACTION`` of the
-#: last-level cache on (4 MiB here), as the backward does: y's reader then finds it in
-#: memory, not in the cache, yet the pair is faster. Measured, float32, x rotated from
+#: The forward also streams rows of at least ``LONG_ROW_STREAM_MIN_ROW`` elements from
+#: ``LONG_ROW_STREAM_MIN_FRACTION`` of the last-level cache on (4 MiB here), as the
+#: backward does: y's reader then finds it in memory, not in the cache, yet the pair is
+#: faster. Measured, float32, x rotated from
 #: DRAM, the forward into one ``out=`` and then a reader of it, time plain / streaming in
 #: us, 1 thread: (2048, 768) 6 MiB forward 585 / 376, then a column sum 697 / 605, then
 #: ``y @ W`` (W 768 x 256) 4689 / 4597; (4096, 768) 12 MiB 1128-1374 / 688-957, 1375-1680
@@ -244,7 +244,11 @@ STREAM_MIN_ROW = 256
 #: 434 / 277, 568 / 410; RMSNorm alike ((3072, 1024) 1152 / 769, 1636 / 1257). At
 #: 2 threads the pairs were 0.71-0.91x with streaming ((4096, 768) sum 1664 / 1403,
 #: (3072, 1024) 1984 / 1414). Shorter rows gained nothing or lost: (12288, 256) forward
-#: 1070 / 1362 and sum 1705 / 2025; (6144, 512) at 2 threads sum 1731 / 2415.
+#: 1070 / 1362 and sum 1705 / 2025; (6144, 512) at 2 threads sum 1731 / 2415. The fused
+#: add-and-normalize (y streamed, h not) alike, into ``out=``/``residual_out=``, alone /
+#: then a column sum of y: (4096, 768) 2311 / 2114 and 2877 / 2670, (768, 4096) 3925 /
+#: 3328 and 5623 / 4594, (1536, 1024) 968 / 866; 2 threads (4096, 768) 1677 / 1346 and
+#: 2035 / 1746; add_rms_norm (4096, 768) 3180 / 2599 and 3774 / 3307.
 LONG_ROW_STREAM_MIN_FRACTION = 1 / 8
 LONG_ROW_STREAM_MIN_ROW = 768
 
@@ -654,11 +658,8 @@ ADD_RMS_WRITES = (4, 5, 6)  # h, y, rstd
 def fused_add_streams(x: Any, res: Any, y: Any) -> bool:
     """Whether the fused add-and-normalize of ``x`` and ``res`` into ``y`` should write
     ``y`` with streaming stores (its streaming entry kernels)."""
-    # Only from STREAM_MIN_FRACTION on (LONG_ROW_STREAM_MIN_FRACTION was measured for
-    # the plain forward). y in place of either input is in the cache already (see
-    # use_streaming_stores).
-    return (_large_output(y, STREAM_MIN_FRACTION, STREAM_MIN_ROW)
-            and not np.may_share_memory(x, y) and not np.may_share_memory(res, y))
+    # y in place of either input is in the cache already (see use_streaming_stores).
+    return use_streaming_stores(x, y) and not np.may_share_memory(res, y)
 
 
 def _add_arrays(x3, r3, h3, y3, dtypes):
