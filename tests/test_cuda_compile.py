@@ -963,6 +963,28 @@ def test_emulation_subnormal_variance_is_normalized(emulator, monkeypatch, dtype
                                atol=_ATOL[dtype] * np.abs(y_ref).max())
 
 
+@pytest.mark.slow
+def test_emulation_constant_rows_with_a_tiny_eps(emulator, monkeypatch):
+    """float64 constant rows with eps = 1e-305: their rstd, 1 / sqrt(eps), is beyond the
+    fast path's limit (2**500), so the rescaled path takes them; it must not scale them
+    down by their values (eps * s**2 would vanish): y is exactly the bias and rstd
+    1 / sqrt(eps), in the row and the cols kernels. With eps = 0 they are NaN."""
+    emulator.install(monkeypatch)
+    n = 40
+    x = np.empty((3, n))
+    x[0], x[1], x[2] = 1e10, -7e200, 3.0
+    b = np.linspace(-1.0, 1.0, n)
+    layouts = {"rows": (x.reshape(3, n, 1), lambda a: a[:, :, 0]),
+               "cols": (np.ascontiguousarray(x.T)[None], lambda a: a[0].T)}
+    for name, (x3, back) in layouts.items():
+        y, mean, rstd = _emu_forward(x3, "float64", False, None, b, eps=1e-305)
+        assert np.array_equal(back(y), np.broadcast_to(b, (3, n))), name
+        assert np.array_equal(mean, x[:, 0]), name
+        np.testing.assert_allclose(rstd, 1 / np.sqrt(1e-305), rtol=1e-12, err_msg=name)
+        y, _, _ = _emu_forward(x3, "float64", False, None, b, eps=0.0)
+        assert np.isnan(back(y)).all(), name
+
+
 def _rescaled_reference(x, w, b, rms, eps):
     """Float64 LayerNorm/RMSNorm of finite rows of any magnitude: each row scaled by the
     power of two that brings max|x| into [0.5, 1) (scale invariance), as the contract

@@ -304,9 +304,10 @@ def test_underflowing_rows_on_every_kernel_path(name, layout):
 def test_constant_and_zero_rows_keep_their_rules_with_eps_zero(dtype, n, backend):
     # Their rstd is infinite, as for rows whose squares vanish, but these rows are
     # exactly what it says: LayerNorm NaN for both (0 * inf), RMSNorm NaN for zeros and
-    # +-1 for a constant row; with a tiny eps > 0, LayerNorm gives exactly 0 (the bias).
+    # +-1 for a constant row; with a tiny eps > 0, LayerNorm gives exactly 0 (the bias),
+    # also for a constant row of large values (a rescaling by them would make eps vanish).
     x = np.empty((4, n), DTYPES[dtype])
-    x[0], x[1], x[2] = 3e-30, 0.0, -7.0
+    x[0], x[1], x[2] = 3e-30, 0.0, -7e10
     x[3] = np.linspace(1e-30, 2e-30, n)  # an underflowing row beside them
     y = ln.layer_norm(x, eps=0.0, backend=backend)
     assert np.isnan(y[:3]).all() and np.isfinite(y[3]).all()
@@ -316,8 +317,12 @@ def test_constant_and_zero_rows_keep_their_rules_with_eps_zero(dtype, n, backend
     np.testing.assert_allclose(r[0], np.ones(n), rtol=ulps)
     np.testing.assert_allclose(r[2], -np.ones(n), rtol=ulps)
     tiny_eps = 1e-44 if dtype == "float32" else 1e-320
-    assert np.array_equal(ln.layer_norm(x[:3], eps=tiny_eps, backend=backend),
-                          np.zeros((3, n), x.dtype))
+    y, mean, rstd = ln.layer_norm(x[:3], eps=tiny_eps, backend=backend, return_stats=True)
+    assert np.array_equal(y, np.zeros((3, n), x.dtype))
+    assert np.array_equal(mean.ravel(), x[:3, 0])
+    eps_acc = x.dtype.type(tiny_eps)  # as the accumulation dtype holds it
+    np.testing.assert_allclose(rstd.astype(np.float64), 1 / np.sqrt(np.float64(eps_acc)),
+                               rtol=1e-6)
 
 
 @pytest.mark.parametrize("backend", [None, "array_api"])

@@ -13,14 +13,17 @@ hand a finite row whose ``rstd`` fails it to these functions, which:
 
 * return False without writing anything when the row holds a NaN or an infinity (its
   ordinary result, NaN for LayerNorm and ``x * 0`` for RMSNorm, stands), and otherwise
-* scale the row by the power of two ``s`` that brings its largest magnitude into
-  ``[0.5, 1)`` (exact: only the exponents change; ``eps`` becomes ``eps * s**2``, and
-  ``s`` is capped so that this stays finite), compute its statistics two-pass in
-  float64 (LayerNorm: of the differences from the row's first element, so a constant
-  row has exactly zero deviations, as on the fast path), write the normalized row
-  through the same affine step and rounding as the fast path, and store the statistics
-  of the unscaled row (``mean / s``, ``rstd * s``; a float32 ``rstd`` beyond the
-  largest float32 is stored as infinity). A row of zeros is normalized unscaled.
+* scale the row by the power of two ``s`` that brings its largest magnitude
+  (LayerNorm: of its differences from its first element) into ``[0.5, 1)`` (exact: only
+  the exponents change; ``eps`` becomes ``eps * s**2``, and ``s`` is capped so that
+  this stays finite), compute its statistics two-pass in float64 (LayerNorm: of the
+  differences from the row's first element, so a constant row has exactly zero
+  deviations, as on the fast path), write the normalized row through the same affine
+  step and rounding as the fast path, and store the statistics of the unscaled row
+  (``mean / s``, ``rstd * s``; a float32 ``rstd`` beyond the largest float32 is stored
+  as infinity). A row of zeros, and for LayerNorm a constant row (whose ``rstd`` is
+  ``1 / sqrt(eps)``, beyond the limit for an ``eps`` that small), is normalized
+  unscaled.
 
 The row loops of unit-stride rows stop before such a row (a finite row whose ``rstd``
 is not usable, :func:`needs_rescaling`), leave it unwritten and return its index. Loops
@@ -69,19 +72,23 @@ def usable_rstd(rstd):
 
 
 @njit(error_model="numpy")
-def _power_of_two_scale(xr, r, n, eps):
-    """``2**-e`` with ``max|x| * 2**-e`` in ``[0.5, 1)``, at most what keeps
-    ``eps * 2**-2e`` finite and at most ``2**1000``; 1.0 for a row of zeros; 0.0 for a
-    row holding a NaN or an infinity (no rescaling can help those)."""
-    amax = 0.0
+def _power_of_two_scale(xr, r, n, eps, shifted):
+    """``2**-e`` with ``m * 2**-e`` in ``[0.5, 1)``, ``m`` the largest ``|x|`` of the row
+    (with ``shifted``, the largest ``|x - x[0]|``, measured on halves so that it cannot
+    overflow), at most what keeps ``eps * 2**-2e`` finite and at most ``2**1000``; 1.0 when
+    ``m`` is 0 (a row of zeros, or with ``shifted`` a constant row: nothing to scale, and
+    a scaling down could only make ``eps`` underflow); 0.0 for a row holding a NaN or an
+    infinity (no rescaling can help those)."""
+    first = np.float64(widen(get(xr, r, 0))) * 0.5 if shifted else 0.0
+    half_max = 0.0
     for i in range(n):
-        a = abs(np.float64(widen(get(xr, r, i))))
-        if not a < math.inf:  # NaN or infinity
+        v = np.float64(widen(get(xr, r, i)))
+        if not abs(v) < math.inf:  # NaN or infinity
             return 0.0
-        amax = max(amax, a)
-    if amax == 0.0:
+        half_max = max(half_max, abs(v * 0.5 - first))
+    if half_max == 0.0:
         return 1.0
-    exponent = -math.frexp(amax)[1]
+    exponent = -(math.frexp(half_max)[1] + 1)
     if exponent > 0:  # a tiny row: scaled up, eps with it
         limit = _SCALED_EPS_MAX_EXPONENT
         e = np.float64(eps)
@@ -104,7 +111,7 @@ def ln_row_rescaled(xr, yr, r, n, eps, w, b, mean_out, rstd_out, s):
     Statistics go to index ``s`` of ``mean_out``/``rstd_out`` (None: not stored).
     Returns False, having written nothing, if the row holds a NaN or an infinity.
     """
-    scale = _power_of_two_scale(xr, r, n, eps)
+    scale = _power_of_two_scale(xr, r, n, eps, True)
     if scale == 0.0:
         return False
     first = _scaled(xr, r, 0, scale)
@@ -131,7 +138,7 @@ def rms_row_rescaled(xr, yr, r, n, eps, w, rstd_out, s):
 
     Returns False, having written nothing, if the row holds a NaN or an infinity.
     """
-    scale = _power_of_two_scale(xr, r, n, eps)
+    scale = _power_of_two_scale(xr, r, n, eps, False)
     if scale == 0.0:
         return False
     ss = 0.0

@@ -630,9 +630,10 @@ struct MaxBitsOp {
 // is needed and the result depends on the row alone) and
 //  * returns false, writing nothing, if the row holds a NaN or an infinity: the fast
 //    path's result stands (LayerNorm NaN, RMSNorm x * 0);
-//  * else scales the row by s = 2^-e with max|x| * s in [0.5, 1) (exact: only exponents
-//    change; eps becomes eps * s^2, and a scaling up is capped so that this stays below
-//    2^1000; a row of zeros is not scaled), computes two-pass statistics of the scaled
+//  * else scales the row by s = 2^-e with max|x| * s (LayerNorm: max|x - x[0]| * s) in
+//    [0.5, 1) (exact: only exponents change; eps becomes eps * s^2, and a scaling up is
+//    capped so that this stays below 2^1000; a row of zeros, or for LayerNorm a
+//    constant one, is not scaled), computes two-pass statistics of the scaled
 //    row in double (LayerNorm: of the differences from the row's first element, so a
 //    constant row has exactly zero deviations, as on the fast path), writes the elements
 //    i = part, part + parts, ... of y through the same affine step and rounding as the
@@ -656,14 +657,22 @@ __device__ __noinline__ bool rescaled_row(const T* xr, i64 xs1, TY* yr, i64 ys1,
                                           const A* w, const A* b, A* mean_out, A* rstd_out,
                                           i64 row, int part, int parts,
                                           QuantOut<A> qz = QuantOut<A>()) {
-  double amax = 0.0;
+  // The largest |x| (LayerNorm: |x - x[0]|), measured on halves: it cannot overflow.
+  const double half_first = RMS ? 0.0 : (double)to_acc(xr[0]) * 0.5;
+  double half_max = 0.0;
   for (i64 i = 0; i < n; ++i) {
-    const double a = fabs((double)to_acc(xr[i * xs1]));
-    if (!(a <= 1.7976931348623157e308)) return false;  // NaN or infinity
-    amax = a > amax ? a : amax;
+    const double v = (double)to_acc(xr[i * xs1]);
+    if (!(fabs(v) <= 1.7976931348623157e308)) return false;  // NaN or infinity
+    const double a = fabs(v * 0.5 - half_first);
+    half_max = a > half_max ? a : half_max;
   }
-  int e = 0;  // s = 2^-e; a row of zeros stays unscaled
-  if (amax > 0.0) frexp(amax, &e);  // amax = m * 2^e, m in [0.5, 1): -1073..1024
+  // s = 2^-e. Nothing to scale (zeros; LayerNorm: a constant row, whose rstd is
+  // 1 / sqrt(eps)): unscaled, since a scaling down could only make eps underflow.
+  int e = 0;
+  if (half_max > 0.0) {
+    frexp(half_max, &e);  // half_max = m * 2^e, m in [0.5, 1): the largest is m * 2^(e + 1)
+    e += 1;               // -1073..1025
+  }
   if (e < 0) {  // a tiny row, scaled up: eps * s^2 must stay finite
     int most = 1000;
     if ((double)eps > 0.0) {
@@ -713,9 +722,8 @@ __device__ __noinline__ bool rescaled_row(const T* xr, i64 xs1, TY* yr, i64 ys1,
     for (i64 i = part; i < n; i += parts) yr[i * ys1] = Elem<TY>::from(value(i));
   }
   if (part == 0) {
-    // mean / s as two exact power-of-two steps (2^e alone overflows at e = 1024); the
-    // first is exact since |first + mean| <= 1, so only the second rounds, like one
-    // division.
+    // mean / s as two power-of-two steps (2^e alone overflows at e >= 1024), exact
+    // unless the result is subnormal, like one division.
     if constexpr (!RMS) mean_out[row] = A((first + mean) * pow2(e / 2) * pow2(e - e / 2));
     rstd_out[row] = A(rstd * s);
   }
