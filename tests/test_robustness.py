@@ -232,9 +232,11 @@ def _scaled_ref(name, x, eps, axis=-1):
     e = np.frexp(np.where(amax > 0, amax, 1.0))[1]
     xs = np.ldexp(x64, -e)
     mean = xs.mean(-1, keepdims=True) if name == "layer_norm" else 0.0
-    rstd = 1 / np.sqrt(((xs - mean) ** 2).mean(-1, keepdims=True)
-                       + np.ldexp(np.float64(eps), -2 * e))
-    with np.errstate(over="ignore"):  # a float64 row's rstd may exceed the range
+    # A float64 row's rstd may exceed the range, and so may eps * s**2 of a tiny row
+    # (then eps alone matters, and y, far below 1, comes out as 0: within tolerance).
+    with np.errstate(over="ignore"):
+        rstd = 1 / np.sqrt(((xs - mean) ** 2).mean(-1, keepdims=True)
+                           + np.ldexp(np.float64(eps), -2 * e))
         return (np.moveaxis((xs - mean) * rstd, -1, axis),
                 np.moveaxis(np.ldexp(rstd, -e), -1, axis))
 
@@ -257,6 +259,52 @@ def test_rows_whose_squares_underflow_are_normalized(name, dtype, scale, backend
     # Subnormal inputs hold fewer digits; the result is exact for the values they hold.
     np.testing.assert_allclose(y, y_ref, atol=ATOL[dtype] * 4)
     assert np.array_equal(y[1], FUNCTIONS[name](x[1:2], eps=0.0, backend=backend)[0])
+
+
+def _scaled_ref_rows(name, x, eps):
+    """:func:`_scaled_ref`'s y over the last axis, with LayerNorm's constant rows as the
+    contract has them (NaN for eps = 0, else 0: the float64 mean of equal values may
+    round, the kernels' differences from the first element do not)."""
+    with np.errstate(divide="ignore", invalid="ignore"):  # eps = 0: 0 * inf, as meant
+        y, _ = _scaled_ref(name, x, eps)
+    if name == "layer_norm":
+        const = (x == x[:, :1]).all(axis=1, keepdims=True)
+        y = np.where(const, np.nan if eps == 0 else 0.0, y)
+    return y
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(["float32", "float64"]), exponent=st.integers(-320, 300),
+       eps=st.sampled_from([0.0, 1e-5, 1e-40]), n=st.sampled_from([1, 3, 40, 129, 300]),
+       layout=st.sampled_from(["rows", "strided", "columns"]),
+       name=st.sampled_from(sorted(FUNCTIONS)), seed=st.integers(0, 2**16))
+def test_rows_of_any_magnitude_property(dtype, exponent, eps, n, layout, name, seed):
+    # Rows from subnormal to near overflow, with eps = 0, a common eps, and one below
+    # the squares of tiny rows; a constant row among them. Every kernel path gives the
+    # rescaled float64 reference, and the same non-finite rows (the contract's NaN).
+    scale = 10.0**exponent
+    lo, hi = (1e-44, 1e36) if dtype == "float32" else (1e-320, 1e300)
+    if not lo < scale < hi:
+        scale = 10.0 ** (exponent % 30)
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((5, n)) * scale).astype(DTYPES[dtype])
+    x[3] = x[3, 0]
+    if layout == "strided":
+        wide = np.zeros((5, 2 * n), x.dtype)
+        wide[:, ::2] = x
+        y = FUNCTIONS[name](wide[:, ::2], eps=eps)
+    elif layout == "columns":
+        y = FUNCTIONS[name](np.ascontiguousarray(x.T)[None], axis=1, eps=eps)[0].T
+    else:
+        y = FUNCTIONS[name](x, eps=eps)
+    ref = _scaled_ref_rows(name, x, eps)
+    finite = np.isfinite(ref)
+    assert np.array_equal(np.isfinite(y), finite)
+    if not finite.any():  # n = 1 with eps = 0: every row constant
+        return
+    # Subnormal inputs hold fewer digits: an absolute bound at the reference's scale.
+    np.testing.assert_allclose(y[finite], ref[finite], rtol=0,
+                               atol=ATOL[dtype] * 4 * max(1.0, np.abs(ref[finite]).max()))
 
 
 def _tiny_layouts(rng):
