@@ -275,13 +275,16 @@ def _scaled_ref_rows(name, x, eps):
 
 @settings(max_examples=60, deadline=None)
 @given(dtype=st.sampled_from(["float32", "float64"]), exponent=st.integers(-320, 300),
-       eps=st.sampled_from([0.0, 1e-5, 1e-40]), n=st.sampled_from([1, 3, 40, 129, 300]),
+       eps=st.sampled_from([0.0, 1e-5, 1e-40, "tiny"]), n=st.sampled_from([1, 3, 40, 129, 300]),
        layout=st.sampled_from(["rows", "strided", "columns"]),
        name=st.sampled_from(sorted(FUNCTIONS)), seed=st.integers(0, 2**16))
 def test_rows_of_any_magnitude_property(dtype, exponent, eps, n, layout, name, seed):
-    # Rows from subnormal to near overflow, with eps = 0, a common eps, and one below
-    # the squares of tiny rows; a constant row among them. Every kernel path gives the
-    # rescaled float64 reference, and the same non-finite rows (the contract's NaN).
+    # Rows from subnormal to near overflow, with eps = 0, a common eps, and ones below
+    # the squares of tiny rows (the smallest near the dtype's subnormals); a constant row
+    # among them. Every kernel path gives the rescaled float64 reference, and the same
+    # non-finite rows (the contract's NaN).
+    if eps == "tiny":
+        eps = 1e-44 if dtype == "float32" else 1e-305
     scale = 10.0**exponent
     lo, hi = (1e-44, 1e36) if dtype == "float32" else (1e-320, 1e300)
     if not lo < scale < hi:
