@@ -235,13 +235,13 @@ STREAM_MIN_ROW = 256
 #: The forward also streams rows of at least ``LONG_ROW_STREAM_MIN_ROW`` elements from
 #: ``LONG_ROW_STREAM_MIN_FRACTION`` of the last-level cache on (4 MiB here), as the
 #: backward does: y's reader then finds it in memory, not in the cache, yet the pair is
-#: faster. Measured, float32, x rotated from
-#: DRAM, the forward into one ``out=`` and then a reader of it, time plain / streaming in
-#: us, 1 thread: (2048, 768) 6 MiB forward 585 / 376, then a column sum 697 / 605, then
-#: ``y @ W`` (W 768 x 256) 4689 / 4597; (4096, 768) 12 MiB 1128-1374 / 688-957, 1375-1680
-#: / 1113-1646, 9519-11519 / 9103-10575; (1536, 1024) 558 / 347, 724 / 581; (768, 4096)
-#: 1665 / 1281, 2143 / 1914; (1536, 2048) 1560 / 1214, 1940 / 1790; (1365, 768) 4 MiB
-#: 434 / 277, 568 / 410; RMSNorm alike ((3072, 1024) 1152 / 769, 1636 / 1257). At
+#: faster. Measured, float32, x rotated from DRAM, the forward into one ``out=`` and
+#: then a reader of it, time plain / streaming in us, 1 thread: (2048, 768) 6 MiB
+#: forward 585 / 376, then a column sum 697 / 605, then ``y @ W`` (W 768 x 256) 4689 /
+#: 4597; (4096, 768) 12 MiB 1128-1374 / 688-957, 1375-1680 / 1113-1646, 9519-11519 /
+#: 9103-10575; (1536, 1024) 558 / 347, 724 / 581; (768, 4096) 1665 / 1281, 2143 / 1914;
+#: (1536, 2048) 1560 / 1214, 1940 / 1790; (1365, 768) 4 MiB 434 / 277, 568 / 410;
+#: RMSNorm alike ((3072, 1024) 1152 / 769, 1636 / 1257). At
 #: 2 threads the pairs were 0.71-0.91x with streaming ((4096, 768) sum 1664 / 1403,
 #: (3072, 1024) 1984 / 1414). Shorter rows gained nothing or lost: (12288, 256) forward
 #: 1070 / 1362 and sum 1705 / 2025; (6144, 512) at 2 threads sum 1731 / 2415. The fused
@@ -686,9 +686,10 @@ def complete_add_layer_norm_rows(pending: Any, args: tuple[Any, ...]) -> None:
     serial kernel's count of stopped blocks, a parallel one's (stop, end) rows of each
     block that stopped).
 
-    Blocks stopped before a finite row whose squares overflow or underflow: their ``h`` is complete,
-    and the rest of each such block is normalized from it by the gathered kernel, which
-    rescales (see :func:`_complete`). Nothing to do if every block is done.
+    Blocks stopped before a finite row whose squares overflow or underflow: their ``h``
+    is complete, and the rest of each such block is normalized from it by the gathered
+    kernel, which rescales (see :func:`_complete`). Nothing to do if every block is
+    done.
     """
     if _all_done(pending):
         return
