@@ -160,11 +160,12 @@ def test_rows_whose_squares_overflow_are_normalized(name, dtype, scale, backend)
     assert np.array_equal(y[1], FUNCTIONS[name](x[1:2], backend=backend)[0])
 
 
-def _overflow_layouts(rng, dtype):
-    """(x, axis) pairs reaching each kernel path: short rows, long rows, strided rows
-    (gathered), columns (inner > 1), and enough elements for the parallel kernels."""
+def _kernel_path_layouts(rng, dtype, scale):
+    """(x, axis) pairs of random rows times ``scale`` reaching each kernel path: short
+    rows, long rows, strided rows (gathered), columns (inner > 1), and enough elements
+    for the parallel kernels."""
     def rows(shape):
-        return (rng.standard_normal(shape) * 1e30).astype(DTYPES[dtype])
+        return (rng.standard_normal(shape) * scale).astype(DTYPES[dtype])
 
     return {
         "short": (rows((20, 40)), -1),
@@ -179,7 +180,7 @@ def _overflow_layouts(rng, dtype):
 @pytest.mark.parametrize("name", sorted(FUNCTIONS))
 def test_overflowing_rows_on_every_kernel_path(name, layout):
     rng = np.random.default_rng(16)
-    x, axis = _overflow_layouts(rng, "float32")[layout]
+    x, axis = _kernel_path_layouts(rng, "float32", 1e30)[layout]
     x = x.copy() if layout != "strided" else x
     ordinary = np.take(x, [1], axis=0 if axis == -1 else 2).copy()
     sel = (slice(1, 2),) if axis == -1 else (slice(None), slice(None), slice(1, 2))
@@ -310,25 +311,11 @@ def test_rows_of_any_magnitude_property(dtype, exponent, eps, n, layout, name, s
                                atol=ATOL[dtype] * 4 * max(1.0, np.abs(ref[finite]).max()))
 
 
-def _tiny_layouts(rng):
-    """Float32 (x, axis) pairs of rows with a spread near 1e-30 on each kernel path."""
-    def rows(shape):
-        return (rng.standard_normal(shape) * 1e-30).astype(np.float32)
-
-    return {
-        "short": (rows((20, 40)), -1),
-        "long": (rows((5, 300)), -1),
-        "strided": (rows((5, 600))[:, ::2], -1),
-        "columns": (rows((3, 40, 7)), 1),
-        "parallel": (rows((300, 256)), -1),
-    }
-
-
 @pytest.mark.parametrize("layout", ["short", "long", "strided", "columns", "parallel"])
 @pytest.mark.parametrize("name", sorted(FUNCTIONS))
 def test_underflowing_rows_on_every_kernel_path(name, layout):
     rng = np.random.default_rng(19)
-    x, axis = _tiny_layouts(rng)[layout]
+    x, axis = _kernel_path_layouts(rng, "float32", 1e-30)[layout]
     x = x.copy() if layout != "strided" else x
     sel = (slice(1, 2),) if axis == -1 else (slice(None), slice(None), slice(1, 2))
     x[sel] = random_rows(rng, x[sel].shape, "float32")  # an ordinary row among them

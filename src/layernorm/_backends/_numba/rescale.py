@@ -79,13 +79,13 @@ def _power_of_two_scale(xr, r, n, eps, shifted):
     ``m`` is 0 (a row of zeros, or with ``shifted`` a constant row: nothing to scale, and
     a scaling down could only make ``eps`` underflow); 0.0 for a row holding a NaN or an
     infinity (no rescaling can help those)."""
-    first = np.float64(widen(get(xr, r, 0))) * 0.5 if shifted else 0.0
+    half_first = np.float64(widen(get(xr, r, 0))) * 0.5 if shifted else 0.0
     half_max = 0.0
     for i in range(n):
         v = np.float64(widen(get(xr, r, i)))
         if not abs(v) < math.inf:  # NaN or infinity
             return 0.0
-        half_max = max(half_max, abs(v * 0.5 - first))
+        half_max = max(half_max, abs(v * 0.5 - half_first))
     if half_max == 0.0:
         return 1.0
     exponent = -(math.frexp(half_max)[1] + 1)
