@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -663,6 +664,45 @@ def test_cuda_route_choice(monkeypatch):
     assert ln.backend_name(cuda_x) == "array_api"
     with pytest.raises(ImportError, match="CuPy"):
         _dispatch.route(cuda_x, "cupy")
+
+
+class _RecordingStream:
+    """Stands in for a CuPy stream: records how it was made; a context manager."""
+
+    def __init__(self, *args) -> None:
+        self.args = args
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+@pytest.mark.parametrize("new_api", [True, False])
+def test_torch_streams_reach_cupy_without_deprecated_calls(new_api):
+    """CuPy 14 deprecates ``ExternalStream`` (a DeprecationWarning, an error in this
+    suite, failed every CUDA tensor call on the first GPU run): ``Stream.from_external``
+    gets an object in the CUDA stream protocol; older CuPy still gets ``ExternalStream``."""
+    import types
+
+    from layernorm._adapters import torch as adapter
+
+    def external(handle, device):
+        warnings.warn("ExternalStream is deprecated", DeprecationWarning, stacklevel=2)
+        return _RecordingStream("external", handle, device)
+
+    stream_cls = type("Stream", (), {})
+    if new_api:
+        stream_cls.from_external = staticmethod(
+            lambda obj: _RecordingStream("from_external", obj.__cuda_stream__()))
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Stream=stream_cls,
+                                                            ExternalStream=external))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        made = adapter._cupy_stream(fake, 0x7F00, 1)
+    assert made.args == (("from_external", (0, 0x7F00)) if new_api else
+                         ("external", 0x7F00, 1))
 
 
 def _cuda_or_skip():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Any
 
 import numpy as np
@@ -193,6 +194,33 @@ def _cuda_bridge() -> Bridge:
     return Bridge(cupy, cupy.from_dlpack, torch.from_dlpack, bfloat16_as_bits=True)
 
 
+class _StreamHandle:
+    """A raw ``cudaStream_t`` in the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def _cupy_stream(cupy: Any, handle: int, device_index: int) -> Any:
+    """CuPy's view of torch's stream ``handle``.
+
+    CuPy 14 deprecates ``ExternalStream`` for ``Stream.from_external`` (an object with
+    ``__cuda_stream__``); older CuPy has only the former.
+    """
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        try:
+            return from_external(_StreamHandle(handle))
+        except TypeError:  # another signature: the old class still works
+            pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle, device_index)
+
+
 @contextlib.contextmanager
 def _cuda_scope(x: Any) -> Any:
     """Run CuPy on the tensor's device and on torch's current stream there."""
@@ -200,7 +228,7 @@ def _cuda_scope(x: Any) -> Any:
 
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(x.device)
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
+    with cupy.cuda.Device(index), _cupy_stream(cupy, stream.cuda_stream, index):
         yield
 
 
