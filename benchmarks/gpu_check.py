@@ -221,17 +221,38 @@ def _pytest_summary(text: str) -> str:
     return lines[-1] if lines else "no output"
 
 
+def pytest_options(workers: int, per_test_timeout: int) -> list[str]:
+    """Options of every pytest run on the GPU machine.
+
+    pytest-benchmark, when installed there, warns under xdist, and the project's
+    ``filterwarnings = error`` turns that into an INTERNALERROR before any test runs: it
+    is disabled. With pytest-timeout, a test that runs past ``per_test_timeout`` fails
+    with its stack instead of stopping the whole run silently.
+    """
+    opts = ["-q", "-rs", "-p", "no:cacheprovider", "-p", "no:benchmark", "--durations=10"]
+    if importlib.util.find_spec("xdist") is not None and workers > 1:
+        opts += ["-n", str(workers)]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        opts += [f"--timeout={per_test_timeout}", "--timeout-method=thread"]
+    return opts
+
+
+#: The tests that need the device. tests/test_cuda_compile.py otherwise compiles every
+#: instantiation in one NVRTC program per dtype (minutes of one core each; CI runs it):
+#: the compile section has already compiled every kernel, in parallel, on this machine.
+CUDA_TESTS = ("tests/test_cupy_backend.py",
+              "tests/test_cuda_compile.py::test_kernel_compiles_caches_and_loads_through_cupy")
+
+
 def run_tests(timeout: int, workers: int) -> list[Check]:
-    """The GPU test suite: our two files, then every cupy-parametrized test elsewhere."""
+    """The GPU test suite: the CUDA tests, then every cupy-parametrized test elsewhere."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    have_xdist = importlib.util.find_spec("xdist") is not None
-    par = ["-n", str(workers)] if have_xdist and workers > 1 else []
+    opts = pytest_options(workers, per_test_timeout=max(30, timeout // 2))
     runs = [
-        ("tests: cuda", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                         *par, "tests/test_cupy_backend.py", "tests/test_cuda_compile.py",
-                         "-k", "not numpy and not emulation"]),
-        ("tests: cupy params", [sys.executable, "-m", "pytest", "-q", "-rs", "-p",
-                                "no:cacheprovider", *par, "--continue-on-collection-errors",
+        ("tests: cuda", [sys.executable, "-m", "pytest", *opts, *CUDA_TESTS,
+                         "-k", "not numpy"]),
+        ("tests: cupy params", [sys.executable, "-m", "pytest", *opts,
+                                "--continue-on-collection-errors",
                                 "tests", "-k", "cupy and not test_cupy_backend",
                                 "--ignore=tests/test_cupy_backend.py",
                                 "--ignore=tests/test_cuda_compile.py"]),
@@ -972,7 +993,9 @@ def bench_case(cp, backend, torch, timer, op: str, dtype: str, n: int, rows: int
 
         F = torch.nn.functional
         tx = [to_torch(x) for x in xs]
-        tw, tb = torch.from_dlpack(w), torch.from_dlpack(b)
+        # Parameters in x's dtype, as a module cast with .to(bfloat16) holds them (torch's
+        # CUDA LayerNorm backward takes no float32 weight beside a bfloat16 input).
+        tw, tb = (torch.from_dlpack(p).to(tx[0].dtype) for p in (w, b))
         if op == "ln_fwd":
             tfns = [lambda t=t: F.layer_norm(t, (n,), tw, tb, EPS) for t in tx]
         elif op == "rms_fwd":

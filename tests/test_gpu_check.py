@@ -61,6 +61,32 @@ def test_a_failing_section_is_a_row_not_a_crash(gpu_check):
     assert ok.splitlines()[-1] == "VERDICT: all sections passed or skipped"
 
 
+def test_pytest_options_survive_the_gpu_image(gpu_check, monkeypatch):
+    """The GPU image has pytest-benchmark, xdist and pytest-timeout: benchmark's xdist
+    warning (an error under filterwarnings) is disabled, a slow test fails alone."""
+    import importlib.util
+
+    found = {"xdist": True, "pytest_timeout": True}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: found.get(name))
+    opts = gpu_check.pytest_options(8, per_test_timeout=90)
+    assert opts[opts.index("no:benchmark") - 1] == "-p"
+    assert opts[opts.index("-n") + 1] == "8"
+    assert "--timeout=90" in opts and "--timeout-method=thread" in opts
+    found.clear()
+    bare = gpu_check.pytest_options(8, per_test_timeout=90)
+    assert "-n" not in bare and not any(o.startswith("--timeout") for o in bare)
+
+
+def test_cuda_tests_exist_and_skip_the_slow_compiles(gpu_check):
+    """Each node id of the GPU run names a test file or function that exists, and the
+    every-instantiation compiles (the compile section's job there) are not among them."""
+    for node in gpu_check.CUDA_TESTS:
+        path, _, func = node.partition("::")
+        text = (ROOT / path).read_text()
+        assert not func or f"def {func}(" in text, node
+        assert "every_instantiation" not in node
+
+
 def test_pytest_summary_line(gpu_check):
     text = "....F\n=== 1 failed, 4 passed, 3 skipped in 2.0s ===\n"
     assert gpu_check._pytest_summary(text) == "1 failed, 4 passed, 3 skipped in 2.0s"
