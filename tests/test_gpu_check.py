@@ -160,3 +160,32 @@ def test_device_checks_logic_on_numba(gpu_check):
     assert status == "PASS", detail
     status, detail = gpu_check.check_quantized(np, _numba, dtypes=("bfloat16",), max_n=70)
     assert status == "PASS", detail
+
+
+@pytest.mark.slow
+def test_shell_wrapper_bundles_the_logs(tmp_path):
+    """gpu_check.sh keeps the exit status and leaves the result files plus one archive
+    of the per-run logs (the device tool brings back few files)."""
+    import tarfile
+
+    (tmp_path / "pytest-cuda.log").write_text("4 passed")
+    (tmp_path / "sanitizer-memcheck.log").write_text("ERROR SUMMARY: 0 errors")
+    import os
+
+    # The wrapper runs the python3 on PATH: make it this interpreter's (a venv's).
+    env = dict(os.environ, OUT=str(tmp_path),
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run",
+                           "--sections", "bench", "--rows", "8", "--widths", "64", "--ops",
+                           "ln_fwd", "--dtypes", "float32", "--layouts", "contig"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "gpu_check.log" in names and "logs.tar.gz" in names
+    assert not any(n.startswith(("pytest-", "sanitizer-")) for n in names), names
+    with tarfile.open(tmp_path / "logs.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["pytest-cuda.log", "sanitizer-memcheck.log"]
+    failing = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"),
+                              "--sections", "nonsense"], capture_output=True, text=True,
+                             timeout=120, env=env)
+    assert failing.returncode == 2  # argparse's error status comes through the tee
