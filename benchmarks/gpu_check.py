@@ -837,6 +837,8 @@ class Row:
     rows: int
     bytes: int
     ours_us: float | None = None
+    #: Host time to issue one of our calls (see host_issue_us).
+    host_us: float | None = None
     torch_us: float | None = None
     copy_us: float | None = None
     error: str = ""
@@ -910,6 +912,21 @@ def copy_bytes(dst, src) -> None:
         dst[...] = src
 
 
+def host_issue_us(fns, calls: int = 200) -> float:
+    """Host time (us) to issue one call, without waiting for the device.
+
+    The Python side of a launch (argument checks, CuPy's kernel call): where it is about
+    as long as the device time per call, the launches, not the kernel, set the speed.
+    """
+    fns = list(fns)
+    for fn in fns:
+        fn()
+    t0 = time.perf_counter()
+    for k in range(calls):
+        fns[k % len(fns)]()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
 def bench_case(cp, backend, torch, timer, op: str, dtype: str, n: int, rows: int,
                layout: str = "contig") -> Row:
     """Time one case. ``layout="strided"``: x and dy are ``[:, ::2]`` views of rows twice
@@ -978,6 +995,9 @@ def bench_case(cp, backend, torch, timer, op: str, dtype: str, n: int, rows: int
                 x3[k], gy3[k], w, None, EPS, hs[k], qs[k], None, rstd, "float8_e4m3fn", None,
                 scale, (dtype,) * 3) for k in range(sets)]
     row.ours_us = timer(fns)
+    row.host_us = host_issue_us(fns)
+    if hasattr(cp, "cuda"):
+        cp.cuda.Device().synchronize()
 
     # Device-to-device copy of the same bytes (half read, half written).
     half = row.bytes // 2
@@ -1030,7 +1050,7 @@ def fmt(value: float | None, spec: str, suffix: str = "") -> str:
 def table(rows: list[Row], header: str) -> str:
     lines = [header,
              f"{'op':<11}{'dtype':<10}{'layout':<9}{'rows x n':>14}{'ours us':>11}{'GB/s':>9}"
-             f"{'% copy':>8}{'torch us':>11}{'speed-up':>10}{'copy us':>10}"]
+             f"{'% copy':>8}{'torch us':>11}{'speed-up':>10}{'copy us':>10}{'host us':>9}"]
     for r in rows:
         shape = f"{r.rows}x{r.n}"
         head = f"{r.op:<11}{r.dtype:<10}{r.layout:<9}{shape:>14}"
@@ -1040,9 +1060,11 @@ def table(rows: list[Row], header: str) -> str:
         lines.append(
             f"{head}{fmt(r.ours_us, '11.1f')}"
             f"{fmt(r.gbps, '9.0f')}{fmt(r.pct_copy, '7.0f', '%')}{fmt(r.torch_us, '11.1f')}"
-            f"{fmt(r.speedup, '9.2f', 'x')}{fmt(r.copy_us, '10.1f')}")
+            f"{fmt(r.speedup, '9.2f', 'x')}{fmt(r.copy_us, '10.1f')}{fmt(r.host_us, '9.1f')}")
     lines.append("GB/s counts each input read once and each output written once; % copy is "
-                 "the copy's time for the same bytes over ours; speed-up is torch us / ours us.")
+                 "the copy's time for the same bytes over ours; speed-up is torch us / ours us;"
+                 " host us is the Python time to issue one of our calls (near ours us: "
+                 "launch-bound).")
     return "\n".join(lines)
 
 
@@ -1052,7 +1074,7 @@ def save(rows: list[Row], info: dict, name: str = "bench") -> None:
                for r in rows]
     (out / f"{name}.json").write_text(json.dumps({"env": info, "rows": records}, indent=1))
     keys = ["op", "dtype", "layout", "rows", "n", "bytes", "ours_us", "gbps", "pct_copy",
-            "torch_us", "speedup", "copy_us", "error"]
+            "torch_us", "speedup", "copy_us", "host_us", "error"]
     csv = [",".join(keys)] + [",".join("" if rec[k] is None else str(rec[k]) for k in keys)
                               for rec in records]
     (out / f"{name}.csv").write_text("\n".join(csv) + "\n")

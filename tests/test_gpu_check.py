@@ -143,6 +143,11 @@ def test_dry_run(gpu_check, capsys):
     assert code == 0, "\n".join(out[-30:])
     assert out[-1] == "VERDICT: all sections passed or skipped"
     assert any("strided" in line and "ln_bwd" in line for line in out)
+    import json
+    import os
+
+    saved = json.loads((Path(os.environ["OUT"]) / "bench-dry-run.json").read_text())["rows"]
+    assert saved and all(r["host_us"] > 0 for r in saved if not r["error"])
 
 
 @pytest.mark.slow
