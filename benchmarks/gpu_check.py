@@ -912,7 +912,7 @@ def copy_bytes(dst, src) -> None:
         dst[...] = src
 
 
-def host_issue_us(fns, calls: int = 200) -> float:
+def host_issue_us(fns, calls: int = 50) -> float:
     """Host time (us) to issue one call, without waiting for the device.
 
     The Python side of a launch (argument checks, CuPy's kernel call): where it is about
