@@ -1006,36 +1006,40 @@ def bench_case(cp, backend, torch, timer, op: str, dtype: str, n: int, rows: int
     row.copy_us = timer([lambda s=s: copy_bytes(dst, s) for s in src])
 
     if torch is not None and torch.cuda.is_available() and op not in FUSED_OPS:
-        def to_torch(a):
-            if dtype == "bfloat16":  # uint16 bits -> int16 (DLPack-safe) -> bfloat16 view
-                return torch.from_dlpack(a.view(cp.int16)).view(torch.bfloat16)
-            return torch.from_dlpack(a)
+        # torch's failure (a dtype it does not take, say) leaves our numbers standing.
+        try:
+            def to_torch(a):
+                if dtype == "bfloat16":  # uint16 bits -> int16 (DLPack-safe) -> bfloat16 view
+                    return torch.from_dlpack(a.view(cp.int16)).view(torch.bfloat16)
+                return torch.from_dlpack(a)
 
-        F = torch.nn.functional
-        tx = [to_torch(x) for x in xs]
-        # Parameters in x's dtype, as a module cast with .to(bfloat16) holds them (torch's
-        # CUDA LayerNorm backward takes no float32 weight beside a bfloat16 input).
-        tw, tb = (torch.from_dlpack(p).to(tx[0].dtype) for p in (w, b))
-        if op == "ln_fwd":
-            tfns = [lambda t=t: F.layer_norm(t, (n,), tw, tb, EPS) for t in tx]
-        elif op == "rms_fwd":
-            tfns = [lambda t=t: F.rms_norm(t, (n,), tw, EPS) for t in tx]
-        else:
-            tg = [to_torch(g) for g in gys]
-            xr = [t.detach().requires_grad_(True) for t in tx]
-            twr = tw.detach().requires_grad_(True)
-            tbr = tb.detach().requires_grad_(True)
-            if op == "ln_bwd":
-                outs = [F.layer_norm(t, (n,), twr, tbr, EPS) for t in xr]
-                tfns = [lambda k=k: torch.autograd.grad(outs[k], (xr[k], twr, tbr), tg[k],
-                                                        retain_graph=True)
-                        for k in range(sets)]
+            F = torch.nn.functional
+            tx = [to_torch(x) for x in xs]
+            # Parameters in x's dtype, as a module cast with .to(bfloat16) holds them (torch's
+            # CUDA LayerNorm backward takes no float32 weight beside a bfloat16 input).
+            tw, tb = (torch.from_dlpack(p).to(tx[0].dtype) for p in (w, b))
+            if op == "ln_fwd":
+                tfns = [lambda t=t: F.layer_norm(t, (n,), tw, tb, EPS) for t in tx]
+            elif op == "rms_fwd":
+                tfns = [lambda t=t: F.rms_norm(t, (n,), tw, EPS) for t in tx]
             else:
-                outs = [F.rms_norm(t, (n,), twr, EPS) for t in xr]
-                tfns = [lambda k=k: torch.autograd.grad(outs[k], (xr[k], twr), tg[k],
-                                                        retain_graph=True)
-                        for k in range(sets)]
-        row.torch_us = timer(tfns)
+                tg = [to_torch(g) for g in gys]
+                xr = [t.detach().requires_grad_(True) for t in tx]
+                twr = tw.detach().requires_grad_(True)
+                tbr = tb.detach().requires_grad_(True)
+                if op == "ln_bwd":
+                    outs = [F.layer_norm(t, (n,), twr, tbr, EPS) for t in xr]
+                    tfns = [lambda k=k: torch.autograd.grad(outs[k], (xr[k], twr, tbr), tg[k],
+                                                            retain_graph=True)
+                            for k in range(sets)]
+                else:
+                    outs = [F.rms_norm(t, (n,), twr, EPS) for t in xr]
+                    tfns = [lambda k=k: torch.autograd.grad(outs[k], (xr[k], twr), tg[k],
+                                                            retain_graph=True)
+                            for k in range(sets)]
+            row.torch_us = timer(tfns)
+        except Exception as exc:
+            row.extra["torch_error"] = f"{type(exc).__name__}: {exc}"
     return row
 
 
@@ -1113,7 +1117,8 @@ def run_bench(rows_n: int, widths, dtypes, ops, budget_s: float, dry: bool = Fal
         rows.append(row)
         log(f"  {op} {dtype} {layout} {rows_n}x{n}: ours {fmt(row.ours_us, '.1f')} us, "
             f"torch {fmt(row.torch_us, '.1f')} us, copy {fmt(row.copy_us, '.1f')} us"
-            + (f" [{row.error}]" if row.error else ""))
+            + (f" [{row.error}]" if row.error else "")
+            + (f" [torch: {row.extra['torch_error']}]" if "torch_error" in row.extra else ""))
         cupy.get_default_memory_pool().free_all_blocks()
         if torch is not None:
             torch.cuda.empty_cache()

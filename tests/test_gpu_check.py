@@ -194,3 +194,24 @@ def test_shell_wrapper_bundles_the_logs(tmp_path):
                               "--sections", "nonsense"], capture_output=True, text=True,
                              timeout=120, env=env)
     assert failing.returncode == 2  # argparse's error status comes through the tee
+
+
+@pytest.mark.slow
+def test_a_failing_torch_peer_keeps_our_numbers(gpu_check):
+    """On the first GPU run torch raised for bfloat16 x beside float32 parameters, and
+    the whole row was lost; now only the torch column is, with the reason."""
+    import types
+
+    from layernorm._backends import _numba
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("expected scalar type BFloat16 but found Float")
+
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True),
+                                  nn=types.SimpleNamespace(functional=None),
+                                  from_dlpack=refuse)
+    cupy = gpu_check.FakeCupy()
+    row = gpu_check.bench_case(cupy, _numba, torch, gpu_check.Timer(cupy), "ln_fwd",
+                               "float32", 64, 8, "contig")
+    assert not row.error and row.ours_us > 0 and row.copy_us > 0
+    assert row.torch_us is None and "BFloat16" in row.extra["torch_error"]
