@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
 import subprocess
 import sys
+import tarfile
+import types
 from pathlib import Path
 
 import pytest
@@ -64,8 +69,6 @@ def test_a_failing_section_is_a_row_not_a_crash(gpu_check):
 def test_pytest_options_survive_the_gpu_image(gpu_check, monkeypatch):
     """The GPU image has pytest-benchmark, xdist and pytest-timeout: benchmark's xdist
     warning (an error under filterwarnings) is disabled, a slow test fails alone."""
-    import importlib.util
-
     found = {"xdist": True, "pytest_timeout": True}
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: found.get(name))
     opts = gpu_check.pytest_options(8, per_test_timeout=90)
@@ -143,9 +146,6 @@ def test_dry_run(gpu_check, capsys):
     assert code == 0, "\n".join(out[-30:])
     assert out[-1] == "VERDICT: all sections passed or skipped"
     assert any("strided" in line and "ln_bwd" in line for line in out)
-    import json
-    import os
-
     saved = json.loads((Path(os.environ["OUT"]) / "bench-dry-run.json").read_text())["rows"]
     assert saved and all(r["host_us"] > 0 for r in saved if not r["error"])
 
@@ -170,13 +170,9 @@ def test_device_checks_logic_on_numba(gpu_check):
 @pytest.mark.slow
 def test_shell_wrapper_bundles_the_logs(tmp_path):
     """gpu_check.sh keeps the exit status and leaves the result files plus one archive
-    of the per-run logs (the device tool brings back few files)."""
-    import tarfile
-
+    of the per-run logs (a remote GPU machine may hand back only a few files)."""
     (tmp_path / "pytest-cuda.log").write_text("4 passed")
     (tmp_path / "sanitizer-memcheck.log").write_text("ERROR SUMMARY: 0 errors")
-    import os
-
     # The wrapper runs the python3 on PATH: make it this interpreter's (a venv's).
     env = dict(os.environ, OUT=str(tmp_path),
                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
@@ -200,8 +196,6 @@ def test_shell_wrapper_bundles_the_logs(tmp_path):
 def test_a_failing_torch_peer_keeps_our_numbers(gpu_check):
     """On the first GPU run torch raised for bfloat16 x beside float32 parameters, and
     the whole row was lost; now only the torch column is, with the reason."""
-    import types
-
     from layernorm._backends import _numba
 
     def refuse(*args, **kwargs):
