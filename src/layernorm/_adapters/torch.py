@@ -208,14 +208,12 @@ def _cupy_stream(cupy: Any, handle: int, device_index: int) -> Any:
     """CuPy's view of torch's stream ``handle``.
 
     CuPy 14 deprecates ``ExternalStream`` for ``Stream.from_external`` (an object with
-    ``__cuda_stream__``); older CuPy has only the former.
+    ``__cuda_stream__``; the stream's device is the current one); older CuPy has only
+    the former.
     """
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None:
-        try:
-            return from_external(_StreamHandle(handle))
-        except TypeError:  # another signature: the old class still works
-            pass
+        return from_external(_StreamHandle(handle))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return cupy.cuda.ExternalStream(handle, device_index)
