@@ -1619,7 +1619,8 @@ def test_quantize_kernel_float8_codes_of_every_kind_of_value(fmt):
 
 def test_quantize_kernel_int8_ties_saturation_and_nan():
     values = np.float32([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.5, 1e30, -128.5, -1e30,
-                         np.nan, np.inf, -np.inf, -0.0, 3.4999998, 2**-140])
+                         np.nan, np.inf, -np.inf, -0.0, 3.4999998, 2**-140, -127.5, -129.0,
+                         128.0, -2.0**31, 2.0**31, -3e9, 3e9, 127.49999, -128.49998, 0.49999997])
     n = values.size + 1
     values = np.resize(values, n).astype(np.float32)
     x = np.tile(np.float32([1.0, -1.0]), n // 2)[None, :]

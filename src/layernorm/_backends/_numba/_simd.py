@@ -906,10 +906,13 @@ def hmax_bits(typingctx, vec):
     return types.float32(vec), codegen
 
 
-def _store_bytes(context, builder, view, args, r, i, codes_i32):
+def _store_bytes(context, builder, view, args, r, i, codes_i32, narrowed=False):
+    """Store the low bytes of the ``<WIDTH x i32>`` codes (``narrowed``: ``codes_i32`` is
+    already the ``<WIDTH x i8>`` vector) at ``[r, i]`` of the uint8 view."""
     ptr = _raw_pointer(context, builder, view, args[0], _as_i64(builder, args[2], r),
                        _as_i64(builder, args[3], i))
-    codes = builder.trunc(codes_i32, ir.VectorType(ir.IntType(8), WIDTH))
+    codes = codes_i32 if narrowed else builder.trunc(codes_i32,
+                                                     ir.VectorType(ir.IntType(8), WIDTH))
     # An empty asm keeps the truncation in a register: folded into the store, it is a
     # truncating store (vpmovdb to memory), several times slower on some x86 cores.
     if platform.machine().lower() in ("x86_64", "amd64"):
@@ -925,6 +928,32 @@ def _saturate(builder, v, low: float, high: float):
     return builder.select(builder.fcmp_ordered(">", v, _f32_splat(high)), _f32_splat(high), v)
 
 
+def _int8_codes_avx512(builder, v):
+    """:func:`store_int8`'s codes of ``v`` in four AVX-512 instructions.
+
+    ``vcmpordps`` marks the lanes that are not NaN; ``vminps`` lowers the rest to at most
+    127 (NaN passes); ``vcvtps2dq`` rounds each to an integer in the current rounding
+    mode (half to even, as the portable path's addition; a NaN lane, masked off, becomes
+    0, and one below ``-2**31`` the integer indefinite ``-2**31``); ``vpmovsdb`` narrows
+    with signed saturation (everything below -128 becomes -128). The same integer as the
+    portable path's saturate-then-round in every lane, in 5 micro-operations instead of 8.
+    """
+    i16 = ir.IntType(16)
+    i32x = ir.VectorType(_I32, WIDTH)
+    i8x = ir.VectorType(ir.IntType(8), WIDTH)
+    ordered = builder.bitcast(builder.fcmp_ordered("ord", v, v), i16)
+    v = builder.select(builder.fcmp_ordered(">", v, _f32_splat(127.0)), _f32_splat(127.0), v)
+    cvt = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(i32x, [v.type, i32x, i16, _I32]),
+        "llvm.x86.avx512.mask.cvtps2dq.512")
+    # Rounding argument 4: the current direction (MXCSR), as any float32 arithmetic.
+    ints = builder.call(cvt, [v, ir.Constant(i32x, None), ordered, ir.Constant(_I32, 4)])
+    narrow = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(i8x, [i32x, i8x, i16]),
+        "llvm.x86.avx512.mask.pmovs.db.512")
+    return builder.call(narrow, [ints, ir.Constant(i8x, None), ir.Constant(i16, -1)])
+
+
 @intrinsic
 def store_int8(typingctx, view, vec, r, i):
     """Store int8 codes of a float32 vector at ``[r, i]`` of a uint8 :class:`Raw`.
@@ -938,6 +967,9 @@ def store_int8(typingctx, view, vec, r, i):
 
     def codegen(context, builder, sig, args):
         v = args[1]
+        if WIDTH == 16 and _has_feature("avx512f"):
+            return _store_bytes(context, builder, view, args, r, i,
+                                _int8_codes_avx512(builder, v), narrowed=True)
         v = builder.select(builder.fcmp_unordered("uno", v, v), _f32_splat(0.0), v)
         # v + 1.5 * 2**23 rounds v half to even to an integer k in [-128, 127] whose bit
         # pattern is 0x4B400000 + k: its low byte is k's two's-complement byte (no
