@@ -1439,9 +1439,11 @@ KERNEL_DTYPES = [("float32", "float32", "float32"), ("bfloat16", "bfloat16", "bf
 @pytest.mark.parametrize("add", [False, True])
 @pytest.mark.parametrize("rms", [False, True])
 def test_quantize_kernel_is_the_composition(rms, add, fmt, static):
-    # Row lengths around a vector (16 lanes) and blocks of rows (BLOCK_ELEMENTS) apart.
-    for (xd, rd, hd), (rows, n) in zip(KERNEL_DTYPES * 2, [(3, 1), (5, 15), (70, 300),
-                                                          (9, 16), (4, 17), (2, 2100)],
+    # Row lengths around a vector (16 lanes), blocks of rows (BLOCK_ELEMENTS) apart, and
+    # on each row path (LayerNorm: short rows, pipelined rows, rows one by one).
+    for (xd, rd, hd), (rows, n) in zip(KERNEL_DTYPES * 3, [(3, 1), (5, 15), (70, 300),
+                                                          (9, 16), (4, 17), (2, 2100),
+                                                          (90, 200), (3, 256), (3, 257)],
                                        strict=True):
         x = data((rows, n), xd, 0, 3.0)
         x[0, n // 2] = np.nan if rows > 2 else x[0, n // 2]
@@ -1477,11 +1479,12 @@ def test_quantize_kernel_is_the_composition(rms, add, fmt, static):
             assert_bitwise(got_stat, want)
 
 
+@pytest.mark.parametrize("shape", [(300, 1000), (700, 200)])  # rows one by one, pipelined
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_quantize_kernel_serial_and_parallel_agree(fmt):
+def test_quantize_kernel_serial_and_parallel_agree(fmt, shape):
     numba = pytest.importorskip("numba")
-    x = data((300, 1000), "float32", 0)  # above PARALLEL_MIN_ELEMENTS; a partial vector
-    r = data((300, 1000), "float32", 1)
+    x = data(shape, "float32", 0)  # above PARALLEL_MIN_ELEMENTS; a partial vector
+    r = data(shape, "float32", 1)
     threads = numba.get_num_threads()
     got = []
     try:
@@ -1658,17 +1661,20 @@ def test_quantize_kernel_leaves_other_calls_to_the_composition(case):
     assert_bitwise(s, want_s)
 
 
+@pytest.mark.parametrize("pipelined", [True, False])
 @pytest.mark.parametrize("rms", [False, True])
-def test_quantize_row_path_y32_is_the_plain_forward(rms):
+def test_quantize_row_path_y32_is_the_plain_forward(rms, pipelined):
     # The quantizing row path computes y32 in its own output pass (quantized.py), which
     # must be bit for bit the plain forward's: every kind of row (ordinary, constant,
     # NaN, cancelling with an outlying first element so the statistics are redone, and
-    # a finite row whose squares overflow, where the rows stop), with a vector tail.
+    # a finite row whose squares overflow, where the rows stop), with a vector tail;
+    # with the output pass a row behind the statistics (pipelined) and right after them.
     numba = pytest.importorskip("numba")
     from layernorm._backends._numba import quantized as qz
     from layernorm._backends._numba import rowmath
     from layernorm._backends._numba._simd import raw
 
+    lag = qz.PIPELINED if pipelined else qz.ROW_BY_ROW
     rows, n = 6, 300
     x = data((rows, n), "float32", 0, 3.0)
     x[1] = np.float32(0.75)
@@ -1682,12 +1688,12 @@ def test_quantize_row_path_y32_is_the_plain_forward(rms):
     pad = -(-n // rowmath.LANES) * rowmath.LANES
 
     @numba.njit
-    def run(x, w, b, tab, eps, q, fmt, dynamic, inv, scale, mean, rstd, bufs):
+    def run(x, w, b, tab, eps, q, fmt, dynamic, inv, scale, mean, rstd, bufs, lag):
         if rms:
             return qz.rms_rows_quant(raw(x), raw(w), eps, x.shape[1], rstd, q, fmt, dynamic,
-                                     inv, scale, bufs, 0, x.shape[0])
+                                     inv, scale, bufs, 0, x.shape[0], lag)
         return qz.ln_rows_quant(raw(x), raw(w), raw(b), raw(tab), eps, x.shape[1], mean,
-                                rstd, q, fmt, dynamic, inv, scale, bufs, 0, x.shape[0])
+                                rstd, q, fmt, dynamic, inv, scale, bufs, 0, x.shape[0], lag)
 
     ref_fn = ln.rms_norm if rms else ln.layer_norm
     params = {"weight": w} if rms else {"weight": w, "bias": b}
@@ -1701,7 +1707,7 @@ def test_quantize_row_path_y32_is_the_plain_forward(rms):
         scale = np.empty(rows, np.float32)
         inv = np.full(rows, np.float32(1 / 0.04), np.float32)
         stop = run(x, w, b, tab, eps, q, qz.FORMAT_TAGS["int8"], dynamic, inv, scale, mean,
-                   rstd, bufs)
+                   rstd, bufs, lag)
         assert stop == 5  # stopped before the overflowing row
         want_q, want_s = qref(y_ref, "int8", None if dynamic else np.float32(0.04))
         assert_bitwise(q[:5].view(np.int8), want_q)

@@ -12,8 +12,9 @@ each layout that selects a different kernel in the Numba backend's
 drivers (``layernorm._backends._numba``):
 
 * rows (the normalized axis last): the serial row kernel, on contiguous rows of at most
-  128 elements (the short-row path), longer rows, rows of at least 2048 elements (the
-  backward's tiles), and strided rows; and the parallel row
+  128 elements (the short-row path), rows of 256 (the quantizing kernels' pipelined
+  rows), longer rows, rows of at least 2048 elements (the backward's tiles), and strided
+  rows; and the parallel row
   kernel on inputs of at least ``PARALLEL_MIN_ELEMENTS`` elements, when Numba has more
   than one thread (a process with one thread never runs it);
 * columns (the normalized axis not last, so inner size > 1): the serial and parallel
@@ -66,13 +67,16 @@ def layouts(threads: int) -> list[Layout]:
     Examples
     --------
     >>> [lay.name for lay in layouts(1)]  # doctest: +NORMALIZE_WHITESPACE
-    ['short rows', 'long rows', 'tiled rows', 'strided rows', 'columns',
+    ['short rows', 'rows of 256', 'long rows', 'tiled rows', 'strided rows', 'columns',
      'streamed long rows', 'streamed tiled rows']
     >>> all(np.prod(lay.shape) // lay.step >= 1 << 16 for lay in layouts(2) if lay.parallel)
     True
     """
     out = [
         Layout("short rows", (8, 64)),
+        # Rows of at most PIPELINED_ROW_ELEMENTS (256): the quantizing kernels' pipelined
+        # row loop (the plain forward's kernel is the long rows').
+        Layout("rows of 256", (8, 256)),
         Layout("long rows", (8, 1024)),
         # Rows of at least TILE_MIN_N (2048): the LayerNorm backward's tiles, RMSNorm's
         # pairs (the forward's kernel is the long rows').
@@ -85,6 +89,7 @@ def layouts(threads: int) -> list[Layout]:
     if threads > 1:
         out += [
             Layout("parallel short rows", (1024, 64), parallel=True),
+            Layout("parallel rows of 256", (256, 256), parallel=True),
             Layout("parallel long rows", (64, 1024), parallel=True),
             Layout("parallel tiled rows", (32, 2048), parallel=True),
             Layout("parallel columns", (4, 128, 128), axis=1, parallel=True),

@@ -5,8 +5,10 @@ block of rows (``BLOCK_ELEMENTS``; with a residual, the block's ``h = x + res`` 
 computed and stored first, exactly as in :mod:`.fused`). Per row the statistics are
 computed as the plain forward computes them (:func:`.rowmath.row_moments` and
 :func:`.rowmath.finish`, as :func:`.forward_rows.ln_long_rows` does;
-:func:`.forward_rows.rms_rstd` for RMSNorm; the next row's before a row's output pass,
-so that their latency and the next row's reads overlap it), then one output pass forms
+:func:`.forward_rows.rms_rstd` for RMSNorm; for rows of at most
+:data:`PIPELINED_ROW_ELEMENTS`, the next row's before a row's output pass, so that their
+latency overlaps it; for longer rows, a row's own just before its output pass, the row
+still in L1), then one output pass forms
 each vector of ``y32`` (the output in the accumulation precision before any rounding)
 with the plain forward's operations (:func:`ln_row_y32`, :func:`rms_row_y32`: those of
 :func:`.forward_rows.ln_row_out` and of the RMSNorm output pass), so ``y32`` is bit for
@@ -110,6 +112,22 @@ BLOCK_ELEMENTS = 1 << 14
 #: are only instructions, a static scale unchanged and per-row scales up to about 10%
 #: slower).
 PREFETCH_BYTES = 8192
+
+#: Rows of at most this many elements are software pipelined on the row path (a row's
+#: output pass one row behind the statistics: :func:`ln_rows_quant`, the
+#: ``ln_quant_forward_*``/``rms_quant_forward_*`` kernels); longer rows take each row's
+#: statistics, then its output pass (the ``*_long_quant_forward_*`` kernels). Measured,
+#: int8 with a static scale into ``out=``, the kernel alone, float32, 1 thread, pipelined
+#: / not: in cache (512, 256) 33 / 38 us, (128, 1024) 28 / 26, (32, 4096) 29 / 24.5; from
+#: DRAM (8192, 1024) 2774 / 2071 us, (2048, 4096) 3322 / 3036 (the plain norm 1824 and
+#: 2898).
+PIPELINED_ROW_ELEMENTS = 256
+#: The ``pipelined`` argument of the row loops: ``PIPELINED`` (True) or ``ROW_BY_ROW``
+#: (None), chosen by type as ``DYNAMIC``/``STATIC`` are, so that a kernel compiles one
+#: loop (a lag chosen at run time inside one loop cost 15% at (512, 256) in cache; both
+#: loops in one kernel doubled a cold quantized call's compile time).
+PIPELINED = True
+ROW_BY_ROW = None
 
 #: The format tags the kernels take: an empty array whose dtype (not its contents)
 #: selects the format when a kernel is compiled, one specialization per format.
@@ -318,30 +336,37 @@ def rms_row_codes(xv, r, qv, qr, fv, bv8, n, rstd, w, fmt, inv, pf):
 
 @njit(error_model="numpy")
 def ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, inv_rows,
-                  scale_out, bufs, r0, rows):
+                  scale_out, bufs, r0, rows, pipelined):
     """LayerNorm rows ``0 .. rows`` of the view ``xv`` (rows ``r0 ..`` of the call)
     quantized into ``q``: per row the statistics as :func:`.forward_rows.ln_long_rows`
-    computes them, then one output pass. Static scale: the codes straight from the
-    pass. Dynamic: the pass stores ``y32`` into row ``k`` of ``y32`` (a block small
-    enough for L1) and tracks ``amax``; the codes of the block's rows follow (their
-    ``amax``/scale chains overlap). Returns the rows done (stops as ``ln_long_rows``)."""
+    computes them, then one output pass (a row behind with ``pipelined``). Static scale:
+    the codes straight from the pass. Dynamic: the pass stores ``y32`` into row ``k`` of
+    ``y32`` (a block small enough for L1) and tracks ``amax``; the codes of the block's
+    rows follow (their ``amax``/scale chains overlap). Returns the rows done (stops as
+    ``ln_long_rows``)."""
     qv = raw(q)
     y32, fbuf, bbuf, invs = bufs
     yv, fv, bv8 = raw(y32), raw(fbuf), raw(bbuf)
+    # With ``pipelined``, iteration k computes row k + 1's statistics, then row k's output
+    # (iteration -1 only computes row 0's; the last row's next row is itself,
+    # recomputed), so that their latency overlaps an output pass; otherwise a row's
+    # statistics, then its output pass, the row still in L1. The lag is a constant once
+    # Numba prunes the test of ``pipelined``'s type (see PIPELINED).
+    lag = 1 if pipelined is not None else 0
     stop = rows
-    # Row k + 1's statistics before row k's output pass (iteration -1 only computes
-    # row 0's; the last row's next row is itself, recomputed): their latency and the
-    # reading of the next row overlap the output pass. One inlined copy of each.
     shift = mean = mo = rstd = cast(0.0, eps)
-    for k in range(-1 if rows > 0 else 0, rows):
-        if k >= 0 and needs_rescaling(xv, k, n, rstd):
-            stop = k
-            break
-        nshift, mu, m2 = row_moments(xv, imin(k + 1, rows - 1), n, tv)
+    for k in range(-lag if rows > 0 else 0, rows):
+        nshift, mu, m2 = row_moments(xv, imin(k + lag, rows - 1), n, tv)
         nmean, nmo, nrstd = finish(nshift, mu, m2, n, eps)
+        if lag == 0:
+            shift, mean, mo, rstd = nshift, nmean, nmo, nrstd
         if k >= 0:
+            if needs_rescaling(xv, k, n, rstd):
+                stop = k
+                break
             r = r0 + k
-            soon = vaddress(xv, imin(k + 2, rows - 1), 0)  # what row k + 1's pass reads next
+            # What the next iteration's statistics pass reads.
+            soon = vaddress(xv, imin(k + 1 + lag, rows - 1), 0)
             if dynamic is not None:
                 top = ln_row_y32(xv, k, yv, k, n, shift, mean, rstd, wv, bv, soon)
                 invs[k] = inverse_of(top, r, fmt, scale_out)
@@ -362,22 +387,25 @@ def ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, i
 
 @njit(error_model="numpy")
 def rms_rows_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_out, bufs,
-                   r0, rows):
+                   r0, rows, pipelined):
     """:func:`ln_rows_quant` for RMSNorm (statistics as
     :func:`.forward_rows.rms_raw_rows`)."""
     qv = raw(q)
     y32, fbuf, bbuf, invs = bufs
     yv, fv, bv8 = raw(y32), raw(fbuf), raw(bbuf)
+    lag = 1 if pipelined is not None else 0  # as in ln_rows_quant
     stop = rows
     rstd = cast(0.0, eps)
-    for k in range(-1 if rows > 0 else 0, rows):  # the next row's rstd first, as ln_rows_quant does
-        if k >= 0 and needs_rescaling(xv, k, n, rstd):
-            stop = k
-            break
-        nrstd = rms_rstd(xv, imin(k + 1, rows - 1), n, eps)
+    for k in range(-lag if rows > 0 else 0, rows):
+        nrstd = rms_rstd(xv, imin(k + lag, rows - 1), n, eps)
+        if lag == 0:
+            rstd = nrstd
         if k >= 0:
+            if needs_rescaling(xv, k, n, rstd):
+                stop = k
+                break
             r = r0 + k
-            soon = vaddress(xv, imin(k + 2, rows - 1), 0)  # as in ln_rows_quant
+            soon = vaddress(xv, imin(k + 1 + lag, rows - 1), 0)
             if dynamic is not None:
                 top = rms_row_y32(xv, k, yv, k, n, rstd, wv, soon)
                 invs[k] = inverse_of(top, r, fmt, scale_out)
@@ -446,12 +474,12 @@ def _block_input_typed(x, res, h, r0, r1):
 
 @njit(error_model="numpy")
 def _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt, dynamic, inv_rows,
-              scale_out, bufs, r0, r1):
+              scale_out, bufs, r0, r1, pipelined):
     """Rows ``r0 .. r1`` on the row path; returns the row the norm stopped at (``r1``:
     all done; see :func:`.forward_rows.ln_long_rows`)."""
     return r0 + ln_rows_quant(_block_input(x, res, h, r0, r1), raw(w), raw(b), raw(tab), eps,
                               q.shape[1], mean_out, rstd_out, q, fmt, dynamic, inv_rows,
-                              scale_out, bufs, r0, r1 - r0)
+                              scale_out, bufs, r0, r1 - r0, pipelined)
 
 
 @njit(error_model="numpy")
@@ -467,11 +495,11 @@ def _ln_short_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt, dynam
 
 @njit(error_model="numpy")
 def _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows, scale_out, bufs,
-               r0, r1):
+               r0, r1, pipelined):
     """:func:`_ln_block` for RMSNorm."""
     return r0 + rms_rows_quant(_block_input(x, res, h, r0, r1), raw(w), eps, q.shape[1],
                                rstd_out, q, fmt, dynamic, inv_rows, scale_out, bufs, r0,
-                               r1 - r0)
+                               r1 - r0, pipelined)
 
 
 # Entry kernels, one per row path and written out one by one (see .kernels): a call
@@ -480,12 +508,9 @@ def _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows, scale_out
 # *_rescued kernels below (from h with a residual: it is complete).
 
 
-@cached_njit(error_model="numpy")
-def ln_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
-                            dynamic, inv_rows, scale_out):
-    """LayerNorm of the rows of ``x`` (of ``h = x + res`` with a residual; ``res`` and
-    ``h`` None without) quantized into ``q``, on the calling thread: rows longer than
-    ``SHORT_ROW_MAX``."""
+@njit(inline="always", error_model="numpy")
+def _ln_quant_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt, dynamic,
+                     inv_rows, scale_out, pipelined):
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     bufs = _row_buffers(rb, n, dynamic)
@@ -493,14 +518,26 @@ def ln_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fm
     for r0 in range(0, rows, rb):
         r1 = imin(rows, r0 + rb)
         stopped += _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
-                             dynamic, inv_rows, scale_out, bufs, r0, r1) < r1
+                             dynamic, inv_rows, scale_out, bufs, r0, r1, pipelined) < r1
     return stopped
+
+
+@cached_njit(error_model="numpy")
+def ln_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
+                            dynamic, inv_rows, scale_out):
+    """LayerNorm of the rows of ``x`` (of ``h = x + res`` with a residual; ``res`` and
+    ``h`` None without) quantized into ``q``, on the calling thread: rows longer than
+    ``SHORT_ROW_MAX`` and at most ``PIPELINED_ROW_ELEMENTS``."""
+    return _ln_quant_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt, dynamic,
+                            inv_rows, scale_out, PIPELINED)
 
 
 @cached_njit(parallel=True, error_model="numpy")
 def ln_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
                               dynamic, inv_rows, scale_out):
     """:func:`ln_quant_forward_serial` with blocks of rows over Numba's threads."""
+    # Written out: a prange in an inlined function failed to type a buffer's shape
+    # (Numba's parfor lowering) where the serial loop inlines fine.
     rows, n = x.shape
     rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
     blocks = (rows + rb - 1) // rb
@@ -510,7 +547,35 @@ def ln_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, 
         r1 = imin(rows, r0 + rb)
         bufs = _row_buffers(rb, n, dynamic)
         done[blk] = _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
-                              dynamic, inv_rows, scale_out, bufs, r0, r1) == r1
+                              dynamic, inv_rows, scale_out, bufs, r0, r1, PIPELINED) == r1
+    return blocks - done.sum()
+
+
+@cached_njit(error_model="numpy")
+def ln_long_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
+                                 dynamic, inv_rows, scale_out):
+    """:func:`ln_quant_forward_serial` for rows longer than ``PIPELINED_ROW_ELEMENTS``
+    (row by row)."""
+    return _ln_quant_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt, dynamic,
+                            inv_rows, scale_out, ROW_BY_ROW)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def ln_long_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
+                                   dynamic, inv_rows, scale_out):
+    """:func:`ln_long_quant_forward_serial` with blocks of rows over Numba's threads."""
+    # Written out: a prange in an inlined function failed to type a buffer's shape
+    # (Numba's parfor lowering) where the serial loop inlines fine.
+    rows, n = x.shape
+    rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
+    blocks = (rows + rb - 1) // rb
+    done = np.empty(blocks, dtype=np.bool_)
+    for blk in prange(blocks):
+        r0 = blk * rb
+        r1 = imin(rows, r0 + rb)
+        bufs = _row_buffers(rb, n, dynamic)
+        done[blk] = _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
+                              dynamic, inv_rows, scale_out, bufs, r0, r1, ROW_BY_ROW) == r1
     return blocks - done.sum()
 
 
@@ -546,11 +611,9 @@ def ln_short_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out,
     return blocks - done.sum()
 
 
-@cached_njit(error_model="numpy")
-def rms_quant_forward_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                             scale_out):
-    """RMSNorm of the rows of ``x`` (of ``h = x + res``) quantized into ``q``, on the
-    calling thread (returns as :func:`ln_quant_forward_serial`)."""
+@njit(inline="always", error_model="numpy")
+def _rms_quant_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows, scale_out,
+                      pipelined):
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
     bufs = _row_buffers(rb, n, dynamic)
@@ -558,15 +621,24 @@ def rms_quant_forward_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_r
     for r0 in range(0, rows, rb):
         r1 = imin(rows, r0 + rb)
         stopped += _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                              scale_out, bufs, r0, r1) < r1
+                              scale_out, bufs, r0, r1, pipelined) < r1
     return stopped
 
 
+@cached_njit(error_model="numpy")
+def rms_quant_forward_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
+                             scale_out):
+    """RMSNorm of the rows of ``x`` (of ``h = x + res``) quantized into ``q``, on the
+    calling thread (returns as :func:`ln_quant_forward_serial`): rows of at most
+    ``PIPELINED_ROW_ELEMENTS``."""
+    return _rms_quant_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
+                             scale_out, PIPELINED)
+
+
 @cached_njit(parallel=True, error_model="numpy")
-def rms_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                               scale_out):
+def rms_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows, scale_out):
     """:func:`rms_quant_forward_serial` with blocks of rows over Numba's threads."""
-    rows, n = x.shape
+    rows, n = x.shape  # written out, as ln_quant_forward_parallel
     rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
     blocks = (rows + rb - 1) // rb
     done = np.empty(blocks, dtype=np.bool_)
@@ -574,7 +646,33 @@ def rms_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv
         r0 = blk * rb
         r1 = imin(rows, r0 + rb)
         done[blk] = _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                               scale_out, _row_buffers(rb, n, dynamic), r0, r1) == r1
+                               scale_out, _row_buffers(rb, n, dynamic), r0, r1, PIPELINED) == r1
+    return blocks - done.sum()
+
+
+@cached_njit(error_model="numpy")
+def rms_long_quant_forward_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
+                                  scale_out):
+    """:func:`rms_quant_forward_serial` for rows longer than ``PIPELINED_ROW_ELEMENTS``
+    (row by row)."""
+    return _rms_quant_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
+                             scale_out, ROW_BY_ROW)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def rms_long_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
+                                    scale_out):
+    """:func:`rms_long_quant_forward_serial` with blocks of rows over Numba's threads."""
+    rows, n = x.shape  # written out, as ln_quant_forward_parallel
+    rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
+    blocks = (rows + rb - 1) // rb
+    done = np.empty(blocks, dtype=np.bool_)
+    for blk in prange(blocks):
+        r0 = blk * rb
+        r1 = imin(rows, r0 + rb)
+        done[blk] = _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
+                               scale_out, _row_buffers(rb, n, dynamic), r0, r1,
+                               ROW_BY_ROW) == r1
     return blocks - done.sum()
 
 
