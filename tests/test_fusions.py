@@ -1017,6 +1017,24 @@ def test_add_quantize_and_out(fmt):
     assert_bitwise(mean, mean_ref)
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_quantize_float32_dtype_objects_other_than_numpys_own(static):
+    # The short path recognises float32 by NumPy's own dtype object; an equal dtype
+    # that is another object (native order spelled out, metadata) takes the general
+    # path, with the same codes and scales.
+    x = data((6, 40), "float32", 0)
+    w = data((40,), "float32", 2)
+    scale = 0.05 if static else None
+    want_q, want_s = ln.layer_norm(x, weight=w, quantize="int8", scale=scale)
+    native = np.dtype(np.float32).newbyteorder("=")
+    for dtype in (native, np.dtype(np.float32, metadata={"unit": "m"})):
+        other = x.astype(dtype)
+        for _ in range(2):  # a first and a planned call
+            q, s = ln.layer_norm(other, weight=w, quantize="int8", scale=scale)
+            assert_bitwise(q, want_q)
+            assert_bitwise(np.asarray(s), np.asarray(want_s))
+
+
 def test_quantize_errors():
     x = np.ones((2, 4), np.float32)
     with pytest.raises(ValueError, match=r"quantize must be None, 'int8'.*got 'int4'"):

@@ -123,6 +123,9 @@ class Plan:
 
 
 _PLANS: dict[tuple[Any, ...], Plan | None] = {}
+#: NumPy's dtype singletons (native byte order), compared by identity on the short paths.
+_FLOAT32 = np.dtype(np.float32)
+_UINT8 = np.dtype(np.uint8)
 
 
 def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
@@ -332,6 +335,7 @@ class QuantPlan:
         "rows",
         "run_dynamic",
         "run_static",
+        "same_shape",
         "shape2",
         "static",
         "stats_shape",
@@ -339,10 +343,13 @@ class QuantPlan:
         "tag",
     )
 
-    def __init__(self, rows: int, n: int, stats_shape: tuple[int, ...], quantize: str,
-                 kernels: Any, rms: bool) -> None:
+    def __init__(self, shape: tuple[int, ...], rows: int, n: int,
+                 stats_shape: tuple[int, ...], quantize: str, kernels: Any,
+                 rms: bool) -> None:
         self.rows, self.n, self.stats_shape, self.rms = rows, n, stats_shape, rms
         self.shape2 = (rows, n)
+        #: x and the codes go to the kernel as they are (no reshape).
+        self.same_shape = tuple(shape) == self.shape2
         acc = self.acc = np.dtype(np.float32)
         self.qdtype = _engine.dtype_of(np, quantize)
         self.tag = kernels.FORMAT_TAGS[quantize]
@@ -390,7 +397,7 @@ def _quant_plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any
             or layout.n == 0 or layout.rows == 0
             or any(p is not None and p.dtype != np.float32 for p in params.values())):
         return None
-    return QuantPlan(layout.rows, layout.n, layout.stats_shape, quantize,
+    return QuantPlan(layout.shape, layout.rows, layout.n, layout.stats_shape, quantize,
                      _numba.load_kernels(), rms)
 
 
@@ -398,7 +405,7 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
               return_stats: bool, out: Any, quantize: Any, scale: Any, rms: bool) -> Any:
     """The result of a known small ``quantize=`` call of :func:`layernorm.layer_norm`
     (``rms``: :func:`layernorm.rms_norm`, ``bias`` None), else None."""
-    if (x.dtype != np.float32 or type(quantize) is not str
+    if (x.dtype is not _FLOAT32 or type(quantize) is not str
             or not (scale is None or type(scale) is float)
             or (normalized_shape is not None and type(normalized_shape) is not int
                 and not plain_axes(normalized_shape))
@@ -433,8 +440,8 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
         scale = np.empty(plan.stats_shape, np.float32)
         scale_rows = scale.reshape(-1)
     else:
-        inv = plan.inverse(scale)
-        if inv is None:
+        inv = plan.inverses.get(scale)
+        if inv is None and (inv := plan.inverse(scale)) is None:
             return None
         scale_rows = plan.no_stats
     if out is None:
@@ -443,9 +450,13 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
         q = out
     else:
         return None
-    q2 = q.reshape(plan.shape2).view(np.uint8)
-    x2 = x.reshape(plan.shape2)
-    w = plan.ones if weight is None else weight.reshape(-1)
+    # Every reshape skipped where the shapes already fit: at one (1, 256) row each costs
+    # about a tenth of a microsecond, a thirtieth of the call.
+    if plan.same_shape:
+        q2, x2 = q.view(_UINT8), x
+    else:
+        q2, x2 = q.reshape(plan.shape2).view(_UINT8), x.reshape(plan.shape2)
+    w = plan.ones if weight is None else weight if weight.ndim == 1 else weight.reshape(-1)
     if return_stats:
         mean = None if rms else np.empty(plan.stats_shape, np.float32)
         rstd = np.empty(plan.stats_shape, np.float32)
@@ -460,9 +471,11 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
     if rms:
         args = (x2, None, w, e, None, q2, r, *tail)
     else:
-        b = plan.negative_zeros if bias is None else bias.reshape(-1)
+        b = plan.negative_zeros if bias is None else bias if bias.ndim == 1 else bias.reshape(-1)
         args = (x2, None, w, b, e, None, q2, m, r, plan.tab, *tail)
-    _numba.complete_quantized_rows(run(*args), args, rms)
+    stopped = run(*args)
+    if stopped:
+        _numba.complete_quantized_rows(stopped, args, rms)
     if not return_stats:
         return q, scale
     return (q, scale, rstd) if rms else (q, scale, mean, rstd)
