@@ -936,7 +936,9 @@ def _int8_codes_avx512(builder, v):
     mode (half to even, as the portable path's addition; a NaN lane, masked off, becomes
     0, and one below ``-2**31`` the integer indefinite ``-2**31``); ``vpmovsdb`` narrows
     with signed saturation (everything below -128 becomes -128). The same integer as the
-    portable path's saturate-then-round in every lane, in 5 micro-operations instead of 8.
+    portable path's saturate-then-round in every lane, in four instructions where that
+    path compiles to six (NaN mask and zeroing, two clamps, the rounding addition, the
+    narrowing).
     """
     i16 = ir.IntType(16)
     i32x = ir.VectorType(_I32, WIDTH)
