@@ -894,3 +894,27 @@ def test_short_rows_of_a_call_that_prefetches_equal_rows_alone(monkeypatch, n):
         _same_bits(y1, y[start:start + 40])
         _same_bits(m1, mean[start:start + 40])
         _same_bits(r1, rstd[start:start + 40])
+
+
+@pytest.mark.parametrize("granule", [1, 16])
+def test_parallel_forward_blocks_share_rows_evenly(granule):
+    """The parallel forward kernels' blocks (rowmath.even_blocks / block_span) cover the
+    rows once, in order, each starting on a multiple of ``granule``, and any 1, 2, 3, 4,
+    6 or 8 threads, each running an equal run of consecutive blocks, get equal shares
+    (each boundary moved down by less than a granule)."""
+    from layernorm._backends._numba import rowmath
+
+    for rows, n in ((1, 4096), (10, 16384), (37, 300), (44, 4096), (90, 2048),
+                    (2883, 64), (100_000, 64), (7, 1)):
+        blocks = rowmath.even_blocks(rows, n)
+        assert blocks % rowmath.BLOCK_MULTIPLE == 0
+        assert blocks * rowmath.WORK_ELEMENTS >= rows * n  # no block above its share
+        spans = [rowmath.block_span(blk, blocks, rows, granule) for blk in range(blocks)]
+        assert spans[0][0] == 0 and spans[-1][1] == rows
+        for (r0, r1), (s0, _) in zip(spans, [*spans[1:], (rows, rows)], strict=True):
+            assert r0 <= r1 == s0 and r0 % granule == 0
+        for threads in (1, 2, 3, 4, 6, 8):
+            per = blocks // threads
+            shares = [spans[t * per + per - 1][1] - spans[t * per][0] for t in range(threads)]
+            assert sum(shares) == rows
+            assert max(shares) - min(shares) <= 2 * granule, (rows, n, threads, shares)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._scalars import cast, imax, imin, narrow, widen
+from ._scalars import cast, imin, narrow, widen
 from ._simd import (
     affine,
     alive,
@@ -62,12 +62,13 @@ from .rowmath import (
     PER_LANE,
     PLAIN,
     STREAM,
-    WORK_ELEMENTS,
     block_end,
+    block_span,
     blocked,
     cancelled,
     checked_moments,
     copy_row,
+    even_blocks,
     finish,
     lane_sums,
     lane_sums_from,
@@ -376,11 +377,6 @@ def _ln_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1):
     alive(ys)
 
 
-@njit(inline="always", error_model="numpy")
-def _row_block(rows, n):
-    return imax(1, imin(rows, WORK_ELEMENTS // imax(n, 1)))
-
-
 # Entry kernels, one per path, so that a call compiles only the path it takes: rows of
 # unit stride (x and y) longer than SHORT_ROW_MAX, short rows of unit stride, and rows
 # of any stride. The driver picks; each computes every row the same way whatever it is
@@ -433,12 +429,10 @@ def stopped_blocks(pending):
 def _ln_rows_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, stream):
     rows, n = x.shape
     xv, yv, wv, bv, tv = raw(x), raw(y), raw(w), raw(b), raw(tab)
-    rb = _row_block(rows, n)
-    blocks = (rows + rb - 1) // rb
+    blocks = even_blocks(rows, n)
     pending = np.empty((blocks, 2), dtype=np.int64)
     for blk in prange(blocks):
-        r0 = blk * rb
-        r1 = imin(rows, r0 + rb)
+        r0, r1 = block_span(blk, blocks, rows, runtime(1))
         pending[blk, 0] = ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out,
                                        rstd_out, r0, r1, r0)
         pending[blk, 1] = r1
@@ -477,12 +471,10 @@ def ln_short_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     (returns as :func:`ln_forward_parallel`)."""
     rows, n = x.shape
     xv, yv, wv, bv, tv = raw(x), raw(y), raw(w), raw(b), raw(tab)
-    rb = _row_block(rows, n)
-    blocks = (rows + rb - 1) // rb
+    blocks = even_blocks(rows, n)
     pending = np.empty((blocks, 2), dtype=np.int64)
     for blk in prange(blocks):
-        r0 = blk * rb
-        r1 = imin(rows, r0 + rb)
+        r0, r1 = block_span(blk, blocks, rows, runtime(LANES))
         pending[blk, 0] = ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0,
                                         r1, r0)
         pending[blk, 1] = r1
@@ -501,10 +493,10 @@ def ln_gathered_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
 def ln_gathered_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     """:func:`ln_gathered_forward_serial`, blocks of rows spread over Numba's threads."""
     rows = x.shape[0]
-    rb = _row_block(rows, x.shape[1])
-    for blk in prange((rows + rb - 1) // rb):
-        r0 = blk * rb
-        _ln_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, imin(rows, r0 + rb))
+    blocks = even_blocks(rows, x.shape[1])
+    for blk in prange(blocks):
+        r0, r1 = block_span(blk, blocks, rows, runtime(LANES))
+        _ln_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1)
 
 
 @njit(error_model="numpy")
@@ -733,12 +725,10 @@ def rms_stream_forward_serial(x, w, eps, y, rstd_out, nt):
 def _rms_rows_parallel(x, w, eps, y, rstd_out, stream):
     rows, n = x.shape
     xv, yv, wv = raw(x), raw(y), raw(w)
-    rb = _row_block(rows, n)
-    blocks = (rows + rb - 1) // rb
+    blocks = even_blocks(rows, n)
     pending = np.empty((blocks, 2), dtype=np.int64)
     for blk in prange(blocks):
-        r0 = blk * rb
-        r1 = imin(rows, r0 + rb)
+        r0, r1 = block_span(blk, blocks, rows, runtime(1))
         pending[blk, 0] = rms_raw_rows(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, r0)
         pending[blk, 1] = r1
     alive(w)
@@ -768,7 +758,7 @@ def rms_gathered_forward_serial(x, w, eps, y, rstd_out, nt):
 def rms_gathered_forward_parallel(x, w, eps, y, rstd_out, nt):
     """:func:`rms_gathered_forward_serial`, blocks of rows spread over Numba's threads."""
     rows = x.shape[0]
-    rb = _row_block(rows, x.shape[1])
-    for blk in prange((rows + rb - 1) // rb):
-        r0 = blk * rb
-        _rms_gathered(x, w, eps, y, rstd_out, r0, imin(rows, r0 + rb))
+    blocks = even_blocks(rows, x.shape[1])
+    for blk in prange(blocks):
+        r0, r1 = block_span(blk, blocks, rows, runtime(1))
+        _rms_gathered(x, w, eps, y, rstd_out, r0, r1)

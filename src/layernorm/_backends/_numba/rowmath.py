@@ -78,7 +78,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from ._scalars import cast, imin, widen
+from ._scalars import cast, imax, imin, widen
 from ._simd import (
     WIDTH,
     down1,
@@ -115,6 +115,36 @@ CHUNK = LANES * PER_LANE
 BLOCK_CHUNKS = 64
 #: Elements per parallel work item (no effect on results).
 WORK_ELEMENTS = 1 << 15
+
+
+#: The parallel forward kernels cut a call into a multiple of this many blocks (of about
+#: ``WORK_ELEMENTS`` or fewer), rows spread evenly over them: Numba's ``prange`` gives each
+#: thread an equal run of consecutive iterations, so 1, 2, 3, 4, 6, 8, 12 or 24 threads
+#: get equal shares of rows (no effect on results).
+BLOCK_MULTIPLE = 24
+
+
+@njit(inline="always", error_model="numpy")
+def even_blocks(rows, n):
+    """The number of blocks :func:`block_span` cuts ``rows`` rows of ``n`` elements into.
+
+    A fixed ``WORK_ELEMENTS`` per block split cache-resident calls unevenly between two
+    threads: (10, 16384) was 5 blocks of two rows, 6 rows on one thread and 4 on the
+    other; (44, 4096) 24 and 20. The thread count is not asked (Numba's
+    ``get_num_threads`` in a kernel keeps it out of the disk cache). The backward's
+    blocks, which fix its reduction order, are its own."""
+    work = -(-rows * imax(n, 1) // WORK_ELEMENTS)
+    return -(-imax(work, 1) // BLOCK_MULTIPLE) * BLOCK_MULTIPLE
+
+
+@njit(inline="always", error_model="numpy")
+def block_span(blk, blocks, rows, granule):
+    """Rows ``(r0, r1)`` of block ``blk`` of ``blocks`` (:func:`even_blocks`): an even
+    share of ``rows``, starting on a multiple of ``granule`` (possibly empty)."""
+    r0 = blk * rows // blocks // granule * granule
+    if blk + 1 == blocks:
+        return r0, rows
+    return r0, (blk + 1) * rows // blocks // granule * granule
 #: Columns of row 0 of the table of ``n``-dependent constants (:func:`merge_table`):
 #: ``1/n`` and the cancellation threshold ``CANCEL``.
 TAB_ROWS = 1
