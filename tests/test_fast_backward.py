@@ -233,13 +233,15 @@ def test_large_calls_run_the_backends_serial_or_parallel_choice(monkeypatch, gen
     rows = -(-_numba.PARALLEL_MIN_ELEMENTS // 256) + 3  # not a multiple of the row block
     x, grad_y, stats, w = _inputs(rng, (rows, 256), "float32", True, rms)
     chosen = []
-    real = _numba._choose
 
-    def spy(*args):
-        chosen.append(args[0])
-        return real(*args)
+    class Spy(_numba.PlannedRows):
+        __slots__ = ()
 
-    monkeypatch.setattr(_numba, "_choose", spy)
+        def __call__(self, *args):
+            chosen.append(self.serial)
+            return super().__call__(*args)
+
+    monkeypatch.setattr(_numba, "PlannedRows", Spy)
     monkeypatch.setattr(_fast_backward, "_PLANS", {})  # the next call plans with the spy
     for _ in range(2):
         fast = _backward(rms, grad_y, x, stats, w)

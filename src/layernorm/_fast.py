@@ -246,11 +246,11 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
         rstd = np.empty(plan.stats_shape, plan.acc)
         m, r = mean.reshape(-1), rstd.reshape(-1)
         done = run(x2, w, b, e, y2, m, r, plan.tab, nt)
-        if type(done) is not int or done != plan.rows:
+        if (done != plan.rows) if type(done) is int else len(done):
             _numba.complete_layer_norm_rows(done, (x2, w, b, e, y2, m, r, plan.tab, nt))
         return y, mean, rstd
     done = run(x2, w, b, e, y2, plan.no_stats, plan.no_stats, plan.tab, nt)
-    if type(done) is not int or done != plan.rows:
+    if (done != plan.rows) if type(done) is int else len(done):
         _numba.complete_layer_norm_rows(done, (x2, w, b, e, y2, plan.no_stats, plan.no_stats,
                                                plan.tab, nt))
     return y
@@ -297,11 +297,11 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
         rstd = np.empty(plan.stats_shape, plan.acc)
         r = rstd.reshape(-1)
         done = run(x2, w, e, y2, r, nt)
-        if type(done) is not int or done != plan.rows:
+        if (done != plan.rows) if type(done) is int else len(done):
             _numba.complete_rms_norm_rows(done, (x2, w, e, y2, r, nt))
         return y, rstd
     done = run(x2, w, e, y2, plan.no_stats, nt)
-    if type(done) is not int or done != plan.rows:
+    if (done != plan.rows) if type(done) is int else len(done):
         _numba.complete_rms_norm_rows(done, (x2, w, e, y2, plan.no_stats, nt))
     return y
 

@@ -276,7 +276,7 @@ out, residual_out
         else:
             args = (x2, r2, w, e, h2, y2, plan.no_stats, nt)
         stopped = run(*args)
-        if type(stopped) is not int or stopped:
+        if stopped if type(stopped) is int else len(stopped):
             _numba.complete_add_rms_norm_rows(stopped, args)
         return (y, h, rstd) if return_stats else (y, h)
     if bias is None:
@@ -290,6 +290,7 @@ out, residual_out
     else:
         args = (x2, r2, w, b, e, h2, y2, plan.no_stats, plan.no_stats, plan.tab, nt)
     stopped = run(*args)
-    if type(stopped) is not int or stopped:  # a serial kernel's count, or parallel pairs
+    # A serial kernel's count of stopped blocks, or a parallel one's (stop, end) pairs.
+    if stopped if type(stopped) is int else len(stopped):
         _numba.complete_add_layer_norm_rows(stopped, args)
     return (y, h, mean, rstd) if return_stats else (y, h)

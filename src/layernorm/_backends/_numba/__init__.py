@@ -105,10 +105,17 @@ def _choose(serial: Any, elements: int, args: tuple[Any, ...], serial_entry: Any
             parallel_entry: Any) -> Any:
     """:func:`_run` with the compiled entry points given by two functions of ``args``
     (called only for the variant that runs)."""
-    global _parallel_ran
     if elements < PARALLEL_MIN_ELEMENTS or _serial_only or _num_threads() < 2:
         return serial_entry(args)(*args)
-    key = chooser.key(serial, args[0].dtype, elements)
+    return _choose_class(chooser.key(serial, args[0].dtype, elements), elements, args,
+                         serial_entry, parallel_entry)
+
+
+def _choose_class(key: Any, elements: int, args: tuple[Any, ...], serial_entry: Any,
+                  parallel_entry: Any) -> Any:
+    """:func:`_choose` of a call of more than one thread's work, of the chooser's class
+    ``key``."""
+    global _parallel_ran
     known = len(entry.entry_points)
     ran_parallel = False
     if chooser.parallel(key) and _parallel_lock.acquire(blocking=False):
@@ -153,16 +160,27 @@ class PlannedRows:
         Positions of the arrays the kernels write.
     """
 
-    __slots__ = ("_parallel", "_serial", "parallel", "serial", "writes")
+    __slots__ = ("_elements", "_key", "_parallel", "_serial", "parallel", "serial", "writes")
 
     def __init__(self, serial: Any, parallel: Any, writes: tuple[int, ...]) -> None:
         self.serial, self.parallel, self.writes = serial, parallel, writes
         self._serial: Any = None
         self._parallel: Any = None
+        #: The chooser's class of the plan's calls and their size (x's dtype and shape
+        #: are the plan's): set on the first call.
+        self._key: Any = None
+        self._elements = 0
 
     def __call__(self, *args: Any) -> Any:
-        return _choose(self.serial, args[0].size, args, self._serial_entry,
-                       self._parallel_entry)
+        key = self._key
+        if key is None:
+            x = args[0]
+            self._elements = x.size
+            key = self._key = chooser.key(self.serial, x.dtype, x.size)
+        if self._elements < PARALLEL_MIN_ELEMENTS or _serial_only or _num_threads() < 2:
+            return self._serial_entry(args)(*args)
+        return _choose_class(key, self._elements, args, self._serial_entry,
+                             self._parallel_entry)
 
     def _serial_entry(self, args: tuple[Any, ...]) -> Any:
         if self._serial is None:
@@ -253,8 +271,6 @@ LONG_ROW_STREAM_MIN_FRACTION = 1 / 8
 LONG_ROW_STREAM_MIN_ROW = 768
 
 
-def _large_output(y: Any, fraction: float, least_row: int) -> bool:
-    return y.shape[-1] >= least_row and y.nbytes >= fraction * _last_level_cache_bytes()
 
 
 @contextlib.contextmanager
@@ -278,8 +294,11 @@ def streaming_stores_everywhere() -> Iterator[None]:
 def use_streaming_stores(x: Any, y: Any) -> bool:
     """Whether the forward of ``x`` into ``y`` should write ``y`` with streaming stores
     (:data:`STREAM_MIN_FRACTION`, :data:`LONG_ROW_STREAM_MIN_FRACTION`)."""
-    if not (_large_output(y, STREAM_MIN_FRACTION, STREAM_MIN_ROW)
-            or _large_output(y, LONG_ROW_STREAM_MIN_FRACTION, LONG_ROW_STREAM_MIN_ROW)):
+    # Written out (asked on every large planned call): the two size tests as helper
+    # calls cost a third of a microsecond.
+    n, size = y.shape[-1], y.nbytes / _last_level_cache_bytes()
+    if not ((n >= STREAM_MIN_ROW and size >= STREAM_MIN_FRACTION)
+            or (n >= LONG_ROW_STREAM_MIN_ROW and size >= LONG_ROW_STREAM_MIN_FRACTION)):
         return False
     # In place, the lines are already cached: a streaming store would only evict them.
     return not np.may_share_memory(x, y)
