@@ -108,8 +108,8 @@ class Plan:
         self.tab = None if rms else kernels.merge_table(n, self.acc)
         # The kernels of contiguous rows (the plan's checks keep x and y contiguous).
         if rms:
-            serial, parallel = _numba.rms_unit_row_kernels(kernels)
-            streamed = _numba.rms_unit_row_kernels(kernels, True)
+            serial, parallel = _numba.rms_unit_row_kernels(kernels, n)
+            streamed = _numba.rms_unit_row_kernels(kernels, n, True)
         else:
             serial, parallel = _numba.ln_unit_row_kernels(kernels, n)
             streamed = _numba.ln_unit_row_kernels(kernels, n, True)

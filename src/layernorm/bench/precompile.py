@@ -13,8 +13,9 @@ drivers (``layernorm._backends._numba``):
 
 * rows (the normalized axis last): the serial row kernel, on contiguous rows of at most
   128 elements (the short-row path), rows of 256 (the quantizing kernels' pipelined
-  rows), longer rows, rows of at least 2048 elements (the backward's tiles), and strided
-  rows; and the parallel row
+  rows), longer rows, rows of at least 2048 elements (the backward's tiles; the
+  forward's rows written whole, ``SEQUENTIAL_MIN_ROW``), and strided rows; and the
+  parallel row
   kernel on inputs of at least ``PARALLEL_MIN_ELEMENTS`` elements, when Numba has more
   than one thread (a process with one thread never runs it);
 * columns (the normalized axis not last, so inner size > 1): the serial and parallel
@@ -79,7 +80,7 @@ def layouts(threads: int) -> list[Layout]:
         Layout("rows of 256", (8, 256)),
         Layout("long rows", (8, 1024)),
         # Rows of at least TILE_MIN_N (2048): the LayerNorm backward's tiles, RMSNorm's
-        # pairs (the forward's kernel is the long rows').
+        # pairs; the forward's rows written whole (at least SEQUENTIAL_MIN_ROW).
         Layout("tiled rows", (4, 2048)),
         Layout("strided rows", (8, 2048), step=2),
         Layout("columns", (2, 16, 8), axis=1),

@@ -366,6 +366,8 @@ def ln_unit_row_kernels(k: Any, n: int, stream: bool = False) -> tuple[Any, Any]
         return k.ln_short_forward_serial, k.ln_short_forward_parallel
     if stream:
         return k.ln_stream_forward_serial, k.ln_stream_forward_parallel
+    if n >= k.SEQUENTIAL_MIN_ROW:
+        return k.ln_seq_forward_serial, k.ln_seq_forward_parallel
     return k.ln_forward_serial, k.ln_forward_parallel
 
 
@@ -374,13 +376,15 @@ def rms_row_kernels(k: Any, x: Any, y: Any, stream: bool = False) -> tuple[Any, 
     :func:`ln_row_kernels`)."""
     if not (_unit_stride(x) and _unit_stride(y)):
         return k.rms_gathered_forward_serial, k.rms_gathered_forward_parallel
-    return rms_unit_row_kernels(k, stream)
+    return rms_unit_row_kernels(k, x.shape[1], stream)
 
 
-def rms_unit_row_kernels(k: Any, stream: bool = False) -> tuple[Any, Any]:
-    """:func:`rms_row_kernels` for rows of unit stride (x and y)."""
+def rms_unit_row_kernels(k: Any, n: int, stream: bool = False) -> tuple[Any, Any]:
+    """:func:`rms_row_kernels` for rows of ``n`` elements of unit stride (x and y)."""
     if stream:
         return k.rms_stream_forward_serial, k.rms_stream_forward_parallel
+    if n >= k.SEQUENTIAL_MIN_ROW:
+        return k.rms_seq_forward_serial, k.rms_seq_forward_parallel
     return k.rms_forward_serial, k.rms_forward_parallel
 
 

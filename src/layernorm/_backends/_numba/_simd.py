@@ -639,15 +639,19 @@ def store_fence(typingctx):
     """Order earlier streaming stores before later stores (``sfence`` on x86)."""
 
     def codegen(context, builder, sig, args):
-        if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                                "llvm.x86.sse.sfence")
-            builder.call(fn, [])
-        else:
-            builder.fence("seq_cst")
+        _fence(builder)
         return context.get_dummy_value()
 
     return types.none(), codegen
+
+
+def _fence(builder) -> None:
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                            "llvm.x86.sse.sfence")
+        builder.call(fn, [])
+    else:
+        builder.fence("seq_cst")
 
 
 def _vstore(typingctx, view, vec, r, i):
@@ -662,6 +666,65 @@ def _vstore_nt(typingctx, view, vec, r, i):
 vstore = intrinsic(_vstore)
 #: Non-temporal :func:`vstore`; the address must be aligned to ``min(64, vector bytes)``.
 vstore_nt = intrinsic(_vstore_nt)
+
+
+def _streams(order: types.Type) -> bool | None:
+    # A bool order streams, an integer one does not (see vstore_by), anything else: no.
+    if isinstance(order, types.Boolean):
+        return True
+    if isinstance(order, types.Integer):
+        return False
+    return None
+
+
+@intrinsic
+def vstore_by(typingctx, order, view, vec, r, i):
+    """:func:`vstore_nt` if ``order`` is a bool, :func:`vstore` if it is an integer: the
+    row loops' ``STREAM`` and ``SEQUENTIAL`` tags (:mod:`.rowmath`), told apart by
+    their *type*, so that a loop compiles only its own store."""
+    nontemporal = _streams(order)
+    if nontemporal is None:
+        return None
+    typed = _vstore_impl(nontemporal)(typingctx, view, vec, r, i)
+    if typed is None:
+        return None
+    _sig, store = typed
+
+    def codegen(context, builder, sig, args):
+        return store(context, builder, sig, args[1:])
+
+    return types.none(order, view, vec, r, i), codegen
+
+
+@intrinsic
+def store_alignment(typingctx, order, view):
+    """The alignment :func:`vstore_by` needs for ``order`` (a constant): ``min(64,
+    vector bytes)`` for streaming stores, 1 for plain ones."""
+    nontemporal = _streams(order)
+    if nontemporal is None or not isinstance(view, Raw):
+        return None
+    value = min(64, WIDTH * view.dtype.bitwidth // 8) if nontemporal else 1
+
+    def codegen(context, builder, sig, args):
+        return context.get_constant(types.intp, value)
+
+    return types.intp(order, view), codegen
+
+
+@intrinsic
+def store_fence_by(typingctx, order):
+    """:func:`store_fence` after streaming stores (``order`` a bool), nothing after
+    plain ones (an integer)."""
+    nontemporal = _streams(order)
+    if nontemporal is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        if nontemporal:
+            _fence(builder)
+        return context.get_dummy_value()
+
+    return types.none(order), codegen
 
 
 @intrinsic

@@ -44,13 +44,14 @@ from ._simd import (
     runtime,
     splat,
     sqrt,
-    store_fence,
+    store_alignment,
+    store_fence_by,
     times_w,
     vaddress,
     vload,
     vload_tail,
     vstore,
-    vstore_nt,
+    vstore_by,
     wide,
 )
 from .diskcache import cached_njit
@@ -61,6 +62,7 @@ from .rowmath import (
     LANES,
     PER_LANE,
     PLAIN,
+    SEQUENTIAL,
     STREAM,
     block_end,
     block_span,
@@ -96,6 +98,21 @@ SHORT_ROW_MAX = 128
 #: (724, 256) 0.51 / 0.56 / 0.55 / 0.56, (362, 512) 0.60 / 0.63 / 0.58 / 0.58,
 #: (90, 2048) 0.56 / 0.60 / 0.57 / 0.55, (46, 4096) 0.52 / 0.52 / 0.52 / 0.48.
 SUMS_PER_OUTPUT_CHUNK = 2
+#: Unit-stride rows of at least this many elements, written with plain stores, take the
+#: ``SEQUENTIAL`` order (:data:`.rowmath.PLAIN`; kernels ``ln_seq_forward_*``,
+#: ``rms_seq_forward_*``): each row written whole, then the next one read (no effect on
+#: results). The pipelined loop keeps two rows of x, a row of y, w and b in flight: from
+#: 6 KiB rows on (float32 n = 1536) that is more than a 32 KiB L1. Measured, float32, 1
+#: thread, kernel alone, x of 0.7 MiB (in L2), time sequential / pipelined: LayerNorm
+#: n = 768 1.10, 1024 1.03, 1280 1.03, 1536 0.89, 2048 0.79, 3072 0.93, 4096 0.95,
+#: 8192-16384 0.99-1.00; RMSNorm 1.11, 1.05, 1.08, 0.97, 0.82, 0.86, 0.86, 0.97-0.99;
+#: x of 2 MiB (L3) LayerNorm 1536-4096 0.75-0.93, RMSNorm 0.79-0.94; 128 KiB (L1/L2)
+#: 0.81-1.03; in place from DRAM (x rotated over 160 MiB; out-of-place outputs that
+#: large take streaming stores, which write rows whole already) 0.63-0.91 and RMSNorm
+#: 0.84-1.00 for n = 1536-16384 (also 0.57-0.88 at 768-1280). Two threads, 1.4 MiB:
+#: 0.94-0.96 at 1536-3072, 1.00-1.04 at 4096-16384. float64 gained from n = 1024
+#: (8 KiB rows: 0.82-0.92) and lost 6% (RMSNorm) at 768.
+SEQUENTIAL_MIN_ROW = 1536
 #: The short-row path prefetches (a hint, no effect on results) the rows two blocks of
 #: ``LANES`` rows ahead, x for reading and y for writing, in runs of rows of at least
 #: this many bytes of x (beyond a core's L2, so read from L3 or DRAM: a serial call;
@@ -178,13 +195,15 @@ def ln_row_out_and_sums(xr, yr, r, n, shift, mean, rstd, w, b, rn, nshift, write
 
 
 @njit(inline="always", error_model="numpy")
-def ln_row_out_streamed(xr, yr, r, n, shift, mean, rstd, w, b):
-    """:func:`ln_row_out` with streaming stores (the same values)."""
+def ln_row_out_whole(xr, yr, r, n, shift, mean, rstd, w, b, order):
+    """:func:`ln_row_out` with the stores of ``order`` (``STREAM``: streaming stores,
+    ``SEQUENTIAL``: plain ones; :func:`._simd.vstore_by`), the same values."""
     kv = splat(shift)
     mv = splat(mean)
     rv = splat(rstd)
-    # Streaming stores need aligned addresses: peel elements up to the boundary.
-    align = imin(64, LANES * itemsize(yr))
+    # Streaming stores need aligned addresses: peel elements up to the boundary (none
+    # for plain stores, whose alignment is 1).
+    align = store_alignment(order, yr)
     i = 0
     while i < n and vaddress(yr, r, i) % align != 0:
         v = ((widen(get(xr, r, i)) - shift) - mean) * rstd
@@ -193,7 +212,7 @@ def ln_row_out_streamed(xr, yr, r, n, shift, mean, rstd, w, b):
     body = i + (n - i) // LANES * LANES
     while i < body:
         v = ((vload(xr, r, i) - kv) - mv) * rv
-        vstore_nt(yr, affine(v, w, b, i), r, i)
+        vstore_by(order, yr, affine(v, w, b, i), r, i)
         i += LANES
     while i < n:
         v = ((widen(get(xr, r, i)) - shift) - mean) * rstd
@@ -201,11 +220,18 @@ def ln_row_out_streamed(xr, yr, r, n, shift, mean, rstd, w, b):
         i += 1
 
 
+@njit(inline="always", error_model="numpy")
+def ln_row_out_streamed(xr, yr, r, n, shift, mean, rstd, w, b):
+    """:func:`ln_row_out` with streaming stores (the same values)."""
+    ln_row_out_whole(xr, yr, r, n, shift, mean, rstd, w, b, STREAM)
+
+
 @njit(error_model="numpy")
 def ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1, s0):
     """Rows ``r0 .. r1`` of unit-stride :class:`._simd.Raw` views on the row path; their
-    statistics go to ``s0 ..``; ``stream`` is ``PLAIN`` or ``STREAM`` (the stores of
-    y). Correct for any ``n``; rows of at most ``SHORT_ROW_MAX`` run faster through
+    statistics go to ``s0 ..``; ``stream`` is ``PLAIN``, ``STREAM`` or ``SEQUENTIAL``
+    (:data:`.rowmath.PLAIN`: the stores of y and the order of the passes). Correct for
+    any ``n``; rows of at most ``SHORT_ROW_MAX`` run faster through
     :func:`ln_short_rows` (the same bits).
 
     Returns ``r1``, or the first finite row whose squares overflow or underflow: that row is left
@@ -216,8 +242,9 @@ def ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1,
     # Software pipelined: iteration r reads row r + 1 (its first pass) while it writes
     # row r, so that reading the next row from L2 or memory overlaps writing this one,
     # and finishes the next row's statistics before the rest of row r's output pass,
-    # which hides their latency. Streaming stores (rows from memory) write row r whole,
-    # then read row r + 1. Iteration r0 - 1 only reads row r0, and the last row's next
+    # which hides their latency. Streaming stores (rows from memory), and long rows in
+    # cache (SEQUENTIAL), write row r whole, then read row r + 1. Iteration r0 - 1 only
+    # reads row r0, and the last row's next
     # row is itself again (its sums discarded): one loop, one inlined copy of the row
     # arithmetic (each copy costs a cold call compile time).
     shift = mean = mo = rstd = cast(0.0, eps)
@@ -233,7 +260,7 @@ def ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1,
                                                      bv, rn, nshift, write)
         else:
             if write:
-                ln_row_out_streamed(xv, yv, r, n, shift, mean, rstd, wv, bv)
+                ln_row_out_whole(xv, yv, r, n, shift, mean, rstd, wv, bv, stream)
             a, q, ta, tq = lane_sums(xv, rn, n, nshift)
             done = n
         nshift, mu, m2 = checked_moments(xv, rn, n, nshift, a, q, ta, tq, tv)
@@ -245,7 +272,7 @@ def ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1,
             put_stat(rstd_out, s0 + (r - r0), rstd)
         shift, mean, mo, rstd = nshift, nmean, nmo, nrstd
     if stream is not None:
-        store_fence()  # streaming stores done before another thread reads y
+        store_fence_by(stream)  # streaming stores done before another thread reads y
     return stop
 
 
@@ -398,6 +425,17 @@ def ln_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
 
 
 @cached_njit(error_model="numpy")
+def ln_seq_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
+    """:func:`ln_forward_serial` writing each row whole before reading the next
+    (``SEQUENTIAL``: rows of at least ``SEQUENTIAL_MIN_ROW``; ``nt`` unused)."""
+    stop = ln_long_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1], SEQUENTIAL,
+                        mean_out, rstd_out, runtime(0), x.shape[0], runtime(0))
+    alive(w)
+    alive(b)
+    return stop
+
+
+@cached_njit(error_model="numpy")
 def ln_stream_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     """:func:`ln_forward_serial` writing ``y`` with streaming stores (``nt`` unused)."""
     stop = ln_long_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1], STREAM,
@@ -447,6 +485,12 @@ def ln_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     the ``(stop, end)`` rows of each block that stopped before an overflowing row (as
     the serial kernel does), an empty array when none did."""
     return _ln_rows_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, PLAIN)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def ln_seq_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
+    """:func:`ln_forward_parallel` in the order of :func:`ln_seq_forward_serial`."""
+    return _ln_rows_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, SEQUENTIAL)
 
 
 @cached_njit(parallel=True, error_model="numpy")
@@ -610,17 +654,17 @@ def _rms_row_out_and_squares(xr, yr, r, n, rstd, w, rn, write):
 
 
 @njit(inline="always", error_model="numpy")
-def _rms_row_out_streamed(xr, yr, r, n, rstd, w):
-    """:func:`_rms_row_out` with streaming stores (the same values)."""
+def _rms_row_out_whole(xr, yr, r, n, rstd, w, order):
+    """:func:`_rms_row_out` with the stores of ``order`` (see :func:`ln_row_out_whole`)."""
     rv = splat(rstd)
-    align = imin(64, LANES * itemsize(yr))
+    align = store_alignment(order, yr)
     i = 0
     while i < n and vaddress(yr, r, i) % align != 0:
         put(yr, r, i, narrow(times_w(widen(get(xr, r, i)) * rstd, w, i), yr))
         i += 1
     body = i + (n - i) // LANES * LANES
     while i < body:
-        vstore_nt(yr, times_w(vload(xr, r, i) * rv, w, i), r, i)
+        vstore_by(order, yr, times_w(vload(xr, r, i) * rv, w, i), r, i)
         i += LANES
     while i < n:
         put(yr, r, i, narrow(times_w(widen(get(xr, r, i)) * rstd, w, i), yr))
@@ -648,7 +692,7 @@ def rms_raw_rows(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, s0):
             ss, done = _rms_row_out_and_squares(xv, yv, r, n, rstd, wv, rn, write)
         else:
             if write:
-                _rms_row_out_streamed(xv, yv, r, n, rstd, wv)
+                _rms_row_out_whole(xv, yv, r, n, rstd, wv, stream)
             zero = splat(cast(0.0, eps))
             ss = row_sum_of_squares(xv, rn, n, zero, runtime(0), eps)
             done = n
@@ -659,7 +703,7 @@ def rms_raw_rows(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, s0):
             put_stat(rstd_out, s0 + (r - r0), rstd)
         rstd = nrstd
     if stream is not None:
-        store_fence()
+        store_fence_by(stream)
     return stop
 
 
@@ -713,6 +757,16 @@ def rms_forward_serial(x, w, eps, y, rstd_out, nt):
 
 
 @cached_njit(error_model="numpy")
+def rms_seq_forward_serial(x, w, eps, y, rstd_out, nt):
+    """:func:`rms_forward_serial` writing each row whole before reading the next
+    (see :func:`ln_seq_forward_serial`)."""
+    stop = rms_raw_rows(raw(x), raw(y), raw(w), eps, x.shape[1], SEQUENTIAL, rstd_out,
+                        runtime(0), x.shape[0], runtime(0))
+    alive(w)
+    return stop
+
+
+@cached_njit(error_model="numpy")
 def rms_stream_forward_serial(x, w, eps, y, rstd_out, nt):
     """:func:`rms_forward_serial` writing ``y`` with streaming stores."""
     stop = rms_raw_rows(raw(x), raw(y), raw(w), eps, x.shape[1], STREAM, rstd_out,
@@ -740,6 +794,12 @@ def rms_forward_parallel(x, w, eps, y, rstd_out, nt):
     """:func:`rms_forward_serial`, blocks of rows spread over Numba's threads (returns
     as :func:`ln_forward_parallel`)."""
     return _rms_rows_parallel(x, w, eps, y, rstd_out, PLAIN)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def rms_seq_forward_parallel(x, w, eps, y, rstd_out, nt):
+    """:func:`rms_forward_parallel` in the order of :func:`rms_seq_forward_serial`."""
+    return _rms_rows_parallel(x, w, eps, y, rstd_out, SEQUENTIAL)
 
 
 @cached_njit(parallel=True, error_model="numpy")

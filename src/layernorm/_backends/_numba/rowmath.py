@@ -105,9 +105,14 @@ LANES = WIDTH
 #: ``PLAIN`` (None) writes the output with plain stores, ``STREAM`` with streaming stores. The
 #: choice is made by the argument's *type* (Numba prunes ``stream is None`` before
 #: typing), so a kernel passing one of them compiles only that output loop: the
-#: streaming loop cost a tenth of a cold first call that never uses it.
+#: streaming loop cost a tenth of a cold first call that never uses it. ``PLAIN``
+#: overlaps a row's output pass with the next row's first pass; ``STREAM`` writes each
+#: row whole, then reads the next, and so does ``SEQUENTIAL`` (an integer: the forward
+#: row loops store with :func:`._simd.vstore_by`, which picks plain stores for it), for
+#: long cache-resident rows, whose two rows in flight no longer fit in L1.
 PLAIN = None
 STREAM = True
+SEQUENTIAL = 0
 PER_LANE = 8
 CHUNK = LANES * PER_LANE
 #: Full chunks summed in ``T`` before a long row's lane sums are closed into float64
