@@ -109,9 +109,11 @@ SUMS_PER_OUTPUT_CHUNK = 2
 #: x of 2 MiB (L3) LayerNorm 1536-4096 0.75-0.93, RMSNorm 0.79-0.94; 128 KiB (L1/L2)
 #: 0.81-1.03; in place from DRAM (x rotated over 160 MiB; out-of-place outputs that
 #: large take streaming stores, which write rows whole already) 0.63-0.91 and RMSNorm
-#: 0.84-1.00 for n = 1536-16384 (also 0.57-0.88 at 768-1280). Two threads, 1.4 MiB:
-#: 0.94-0.96 at 1536-3072, 1.00-1.04 at 4096-16384. float64 gained from n = 1024
-#: (8 KiB rows: 0.82-0.92) and lost 6% (RMSNorm) at 768.
+#: 0.84-1.00 for n = 1536-16384, but at 2 threads 0.93-0.97 and 0.99-1.10 at 2048-4096
+#: and 1.06-1.21 at 256-1024 (1 thread there: 0.58-1.35, noisy), so shorter rows in
+#: place keep the pipelined loop too. Two threads, 1.4 MiB: 0.90-0.99 at 1536-3072,
+#: 1.00-1.04 at 4096-16384. float64 gained from n = 1024 (8 KiB rows: 0.82-0.92) and
+#: lost 6% (RMSNorm) at 768.
 SEQUENTIAL_MIN_ROW = 1536
 #: The short-row path prefetches (a hint, no effect on results) the rows two blocks of
 #: ``LANES`` rows ahead, x for reading and y for writing, in runs of rows of at least
