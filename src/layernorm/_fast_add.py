@@ -106,8 +106,8 @@ class AddPlan:
         #: The LayerNorm kernels' table of n-dependent weights (None for RMSNorm).
         self.tab = None if rms else kernels.merge_table(n, self.acc)
         if rms:
-            serial, parallel = _numba.add_rms_kernels(kernels)
-            streamed = _numba.add_rms_kernels(kernels, True)
+            serial, parallel = _numba.add_rms_kernels(kernels, n)
+            streamed = _numba.add_rms_kernels(kernels, n, True)
             writes = _numba.ADD_RMS_WRITES
         else:
             serial, parallel = _numba.add_ln_kernels(kernels, n)

@@ -395,13 +395,17 @@ def add_ln_kernels(k: Any, n: int, stream: bool = False) -> tuple[Any, Any]:
         return k.add_ln_short_forward_serial, k.add_ln_short_forward_parallel
     if stream:
         return k.add_ln_stream_forward_serial, k.add_ln_stream_forward_parallel
+    if n >= k.SEQUENTIAL_MIN_ROW:
+        return k.add_ln_seq_forward_serial, k.add_ln_seq_forward_parallel
     return k.add_ln_forward_serial, k.add_ln_forward_parallel
 
 
-def add_rms_kernels(k: Any, stream: bool = False) -> tuple[Any, Any]:
+def add_rms_kernels(k: Any, n: int, stream: bool = False) -> tuple[Any, Any]:
     """:func:`add_ln_kernels` for RMSNorm."""
     if stream:
         return k.add_rms_stream_forward_serial, k.add_rms_stream_forward_parallel
+    if n >= k.SEQUENTIAL_MIN_ROW:
+        return k.add_rms_seq_forward_serial, k.add_rms_seq_forward_parallel
     return k.add_rms_forward_serial, k.add_rms_forward_parallel
 
 
@@ -753,7 +757,7 @@ def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
     e = _acc_scalar(eps, dtypes[2])
     w = kernel_params(weight, None, x.shape[1], rstd.dtype)[0]
     nt = fused_add_streams(x, r, y)
-    serial, parallel = add_rms_kernels(k, nt)
+    serial, parallel = add_rms_kernels(k, x.shape[1], nt)
     args = (x, r, w, e, h, y, rstd, nt)
     complete_add_rms_norm_rows(_run(serial, parallel, x.size, ADD_RMS_WRITES, *args), args)
 

@@ -113,7 +113,15 @@ SUMS_PER_OUTPUT_CHUNK = 2
 #: and 1.06-1.21 at 256-1024 (1 thread there: 0.58-1.35, noisy), so shorter rows in
 #: place keep the pipelined loop too. Two threads, 1.4 MiB: 0.90-0.99 at 1536-3072,
 #: 1.00-1.04 at 4096-16384. float64 gained from n = 1024 (8 KiB rows: 0.82-0.92) and
-#: lost 6% (RMSNorm) at 768.
+#: lost 6% (RMSNorm) at 768. Rows of a multiple of 4 KiB are sensitive to where x and y
+#: start in their pages (stores and later loads 4 KiB apart look dependent), so the
+#: choice was checked over 8 random placements of x and y each, 1 thread, 0.7 MiB:
+#: LayerNorm median (range) 1.07 (1.02-1.13) at 1024, 0.94 (0.85-1.05) at 1536, 0.76-0.93
+#: at 2048-4096, 0.99 (0.98-1.02) at 8192; RMSNorm 1.03, 1.01 (0.98-1.11), 0.76-0.90,
+#: 0.99. The fused add-and-normalize kernels (``.fused``) take the same order from the
+#: same length (x, residual, h, y placed at random, 0.5 MiB each): LayerNorm 0.95 at
+#: 1536, 0.88 at 2048, 0.98 at 4096, 1.01 at 8192; RMSNorm 1.00, 0.94, 0.93, 1.00;
+#: 1.00-1.02 at 1024.
 SEQUENTIAL_MIN_ROW = 1536
 #: The short-row path prefetches (a hint, no effect on results) the rows two blocks of
 #: ``LANES`` rows ahead, x for reading and y for writing, in runs of rows of at least

@@ -50,7 +50,7 @@ from .forward_rows import (
     rms_raw_rows,
     stopped_blocks,
 )
-from .rowmath import LANES, PLAIN, STREAM
+from .rowmath import LANES, PLAIN, SEQUENTIAL, STREAM
 
 #: Elements per block of rows (no effect on results): the block's ``h`` stays in L2
 #: between the add and the two passes of the row function over it.
@@ -170,6 +170,20 @@ def add_ln_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt
 
 
 @cached_njit(error_model="numpy")
+def add_ln_seq_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
+    """:func:`add_ln_forward_serial` writing each row of ``y`` whole before reading the
+    next row of ``h`` (rows of at least ``SEQUENTIAL_MIN_ROW``, see
+    :data:`.rowmath.PLAIN`)."""
+    return _add_ln_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, SEQUENTIAL)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def add_ln_seq_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
+    """:func:`add_ln_forward_parallel` in the order of :func:`add_ln_seq_forward_serial`."""
+    return _add_ln_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, SEQUENTIAL)
+
+
+@cached_njit(error_model="numpy")
 def add_ln_stream_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
     """:func:`add_ln_forward_serial` writing ``y`` with streaming stores."""
     return _add_ln_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, STREAM)
@@ -245,6 +259,18 @@ def add_rms_forward_serial(x, res, w, eps, h, y, rstd_out, nt):
 def add_rms_forward_parallel(x, res, w, eps, h, y, rstd_out, nt):
     """:func:`add_rms_forward_serial` with blocks of rows over Numba's threads."""
     return _add_rms_parallel(x, res, w, eps, h, y, rstd_out, PLAIN)
+
+
+@cached_njit(error_model="numpy")
+def add_rms_seq_forward_serial(x, res, w, eps, h, y, rstd_out, nt):
+    """:func:`add_rms_forward_serial` in the order of :func:`add_ln_seq_forward_serial`."""
+    return _add_rms_serial(x, res, w, eps, h, y, rstd_out, SEQUENTIAL)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def add_rms_seq_forward_parallel(x, res, w, eps, h, y, rstd_out, nt):
+    """:func:`add_rms_forward_parallel` in the order of :func:`add_ln_seq_forward_serial`."""
+    return _add_rms_parallel(x, res, w, eps, h, y, rstd_out, SEQUENTIAL)
 
 
 @cached_njit(error_model="numpy")
