@@ -39,6 +39,9 @@ def test_the_two_passes_alone_give_layer_norms_bits(rows, n):
     y = np.full_like(x, np.nan)
     passes.output_pass(x, w, b, shift, mu, rstd, y, False)
     np.testing.assert_array_equal(y, expected)
+    streamed = np.full_like(x, np.nan)  # the streaming-store pass: the same bits
+    passes.output_pass(x, w, b, shift, mu, rstd, streamed, True)
+    np.testing.assert_array_equal(streamed, expected)
     # The statistics themselves against float64 (shift + shifted mean is the mean).
     x64 = x.astype(np.float64)
     np.testing.assert_allclose(shift.astype(np.float64) + mu, x64.mean(axis=1), rtol=1e-6)

@@ -271,8 +271,6 @@ LONG_ROW_STREAM_MIN_FRACTION = 1 / 8
 LONG_ROW_STREAM_MIN_ROW = 768
 
 
-
-
 @contextlib.contextmanager
 def streaming_stores_everywhere() -> Iterator[None]:
     """Within it, every output :func:`use_streaming_stores` is asked about takes them,

@@ -230,12 +230,6 @@ def ln_row_out_whole(xr, yr, r, n, shift, mean, rstd, w, b, order):
         i += 1
 
 
-@njit(inline="always", error_model="numpy")
-def ln_row_out_streamed(xr, yr, r, n, shift, mean, rstd, w, b):
-    """:func:`ln_row_out` with streaming stores (the same values)."""
-    ln_row_out_whole(xr, yr, r, n, shift, mean, rstd, w, b, STREAM)
-
-
 @njit(error_model="numpy")
 def ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1, s0):
     """Rows ``r0 .. r1`` of unit-stride :class:`._simd.Raw` views on the row path; their

@@ -12,8 +12,8 @@ import numpy as np
 
 from ._simd import lane, raw, splat, store_fence, vload, vstore
 from .diskcache import cached_njit
-from .forward_rows import ln_row_out, ln_row_out_streamed
-from .rowmath import LANES, finish, row_moments
+from .forward_rows import ln_row_out, ln_row_out_whole
+from .rowmath import LANES, STREAM, finish, row_moments
 
 #: Vector accumulators of the read pass (enough to hide the add latency).
 READ_UNROLL = 4
@@ -41,7 +41,7 @@ def output_pass(x, w, b, shift, mu, rstd, y, nt):
     xv, yv, wv, bv = raw(x), raw(y), raw(w), raw(b)
     if nt:
         for r in range(x.shape[0]):
-            ln_row_out_streamed(xv, yv, r, n, shift[r], mu[r], rstd[r], wv, bv)
+            ln_row_out_whole(xv, yv, r, n, shift[r], mu[r], rstd[r], wv, bv, STREAM)
         store_fence()
     else:
         for r in range(x.shape[0]):
