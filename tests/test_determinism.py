@@ -43,8 +43,10 @@ _THREAD_SCRIPT = textwrap.dedent(
     # The two accumulation types (16-bit data runs the float32 kernels' arithmetic and
     # block split; each dtype costs its parallel kernels' compile time, ~25 s here).
     for dtype in ("float32", "float64"):
-        # unit-stride rows, short rows, channels-first columns: each its own kernels
-        for shape, axis in (((1024, 300), -1), ((64, 96, 40), 1), ((4096, 64), -1)):
+        # unit-stride rows, short rows, channels-first columns, one block of long rows
+        # (the backward splits its columns over threads): each its own kernels
+        for shape, axis in (((1024, 300), -1), ((64, 96, 40), 1), ((4096, 64), -1),
+                            ((40, 2100), -1)):
             x = (3 + rng.standard_normal(shape)).astype(dtype)
             gy = rng.standard_normal(shape).astype(dtype)
             w = rng.standard_normal(shape[axis]).astype(np.float32)
@@ -90,5 +92,9 @@ def test_thread_count_does_not_change_any_bit():
     serial, parallel = (set(r.pop("kernels")) for r in results)
     # Every kernel must differ between the runs, or the comparison would prove nothing.
     assert serial and all(name.endswith("_serial") for name in serial), serial
-    assert parallel == {name.replace("_serial", "_parallel") for name in serial}, parallel
+    # One block of rows: the backward's parallel kernel splits columns (same bits).
+    split = {"ln_tiled_backward_serial": "ln_split_backward_parallel",
+             "rms_paired_backward_serial": "rms_split_backward_parallel"}
+    assert parallel == {split.get(name, name.replace("_serial", "_parallel"))
+                        for name in serial}, parallel
     assert results[0] == results[1]

@@ -317,7 +317,7 @@ def test_serial_and_parallel_kernels_agree():
     for fn in (k.ln_backward_serial, k.ln_backward_parallel, k.ln_short_backward_serial,
                k.ln_short_backward_parallel, k.ln_tiled_backward_serial,
                k.ln_tiled_backward_parallel, k.ln_gathered_backward_serial,
-               k.ln_gathered_backward_parallel):
+               k.ln_gathered_backward_parallel, k.ln_split_backward_parallel):
         gx = np.empty_like(x)
         partials = np.zeros((2, -(-rows // backend.GRAD_ROW_BLOCK), n), np.float32)
         sums = backend.entry.call(fn, backend.LN_BACKWARD_WRITES, gy, x, mean, rstd, w, gx,
@@ -334,7 +334,7 @@ def test_serial_and_parallel_kernels_agree():
     rms = []
     for fn in (k.rms_backward_serial, k.rms_backward_parallel, k.rms_paired_backward_serial,
                k.rms_paired_backward_parallel, k.rms_gathered_backward_serial,
-               k.rms_gathered_backward_parallel):
+               k.rms_gathered_backward_parallel, k.rms_split_backward_parallel):
         gx = np.empty_like(x)
         partials = np.zeros((1, -(-rows // backend.GRAD_ROW_BLOCK), n), np.float32)
         sums = backend.entry.call(fn, backend.RMS_BACKWARD_WRITES, gy, x, rstd, w, gx,
@@ -351,8 +351,9 @@ def test_serial_and_parallel_kernels_agree():
 def test_backward_skewed_and_tiled_rows(rows, n, has_res):
     """The skewed and the tiled (RMSNorm: paired) row schedules (tiles of four rows, a
     shorter last tile, blocks of GRAD_ROW_BLOCK rows that tiles never cross: 133 rows are
-    two full blocks and five rows) give the any-stride kernel's bits, serial and
-    parallel, with and without grad_residual, and the float64 reference's values."""
+    two full blocks and five rows) and the column-split parallel kernels give the
+    any-stride kernel's bits, serial and parallel, with and without grad_residual, and
+    the float64 reference's values."""
     k = backend.load_kernels()
     n = k.TILE_MIN_N + 37 if n == "tiled" else n
     x = _rows(rows, n, 31)
@@ -363,7 +364,8 @@ def test_backward_skewed_and_tiled_rows(rows, n, has_res):
     mean, rstd = mean.reshape(rows), rstd.reshape(rows)
     results = []
     for fn in (k.ln_gathered_backward_serial, k.ln_backward_serial, k.ln_backward_parallel,
-               k.ln_tiled_backward_serial, k.ln_tiled_backward_parallel):
+               k.ln_tiled_backward_serial, k.ln_tiled_backward_parallel,
+               k.ln_split_backward_parallel):
         gx = np.empty_like(x)
         partials = np.zeros((2, -(-rows // backend.GRAD_ROW_BLOCK), n), np.float32)
         sums = backend.entry.call(fn, backend.LN_BACKWARD_WRITES, gy, x, mean, rstd, w, gx,
@@ -384,7 +386,8 @@ def test_backward_skewed_and_tiled_rows(rows, n, has_res):
     rstd = rstd.reshape(rows)
     results = []
     for fn in (k.rms_gathered_backward_serial, k.rms_backward_serial, k.rms_backward_parallel,
-               k.rms_paired_backward_serial, k.rms_paired_backward_parallel):
+               k.rms_paired_backward_serial, k.rms_paired_backward_parallel,
+               k.rms_split_backward_parallel):
         gx = np.empty_like(x)
         partials = np.zeros((1, -(-rows // backend.GRAD_ROW_BLOCK), n), np.float32)
         sums = backend.entry.call(fn, backend.RMS_BACKWARD_WRITES, gy, x, rstd, w, gx,
@@ -495,6 +498,31 @@ def test_backward_takes_streaming_stores_for_large_aligned_gradients(monkeypatch
             _same_bits(a, e)
     assert chosen == ["ln_stream_backward_serial", "rms_stream_backward_serial"] * 2
 
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_a_single_block_of_rows_splits_columns_over_threads(rms):
+    """A parallel backward of at most GRAD_ROW_BLOCK unit-stride rows (one block, which
+    the row-block kernels run on one thread) takes the column-split kernel, whatever
+    the row kernel of its length; more rows, or rows shorter than two column items,
+    keep the row blocks. The serial kernel is always the row length's own."""
+    k = backend.load_kernels()
+    pick = backend.rms_backward_kernels if rms else backend.ln_backward_kernels
+    split = k.rms_split_backward_parallel if rms else k.ln_split_backward_parallel
+    block = backend.GRAD_ROW_BLOCK
+    for n in (2 * k.SPLIT_COLUMNS, k.TILE_MIN_N + 3):
+        one = np.empty((block, n), np.float32)
+        serial, parallel = pick(k, one, one, one, stream=False)
+        assert parallel is split
+        assert serial is pick(k, one[:1], one[:1], one[:1], stream=False, rows=block + 1)[0]
+        assert pick(k, one[:1], one[:1], one[:1], stream=False, rows=block + 1)[1] is not split
+        assert pick(k, one[:1], one[:1], one[:1], stream=False, rows=block)[1] is split
+        more = np.empty((block + 1, n), np.float32)
+        assert pick(k, more, more, more, stream=False)[1] is not split
+    short = np.empty((4, 2 * k.SPLIT_COLUMNS - 1), np.float32)
+    assert pick(k, short, short, short, stream=False)[1] is not split
+    strided = np.empty((4, 4 * k.SPLIT_COLUMNS), np.float32)[:, ::2]
+    assert pick(k, strided, strided, strided)[1] is not split  # the any-stride kernels
 
 _THREADS_SCRIPT = textwrap.dedent(
     """

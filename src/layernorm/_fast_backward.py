@@ -102,11 +102,11 @@ class BackwardPlan:
         kernels = _numba.load_kernels()
         if rms:
             serial, parallel = _numba.rms_backward_kernels(kernels, like, like, like,
-                                                           stream=self.streams)
+                                                           stream=self.streams, rows=rows)
             writes = _numba.RMS_BACKWARD_WRITES
         else:
             serial, parallel = _numba.ln_backward_kernels(kernels, like, like, like,
-                                                          stream=self.streams)
+                                                          stream=self.streams, rows=rows)
             writes = _numba.LN_BACKWARD_WRITES
         if rows * n >= _numba.PARALLEL_MIN_ELEMENTS:
             self.run = _numba.PlannedRows(serial, parallel, writes)

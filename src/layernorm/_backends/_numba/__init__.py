@@ -593,36 +593,67 @@ def streams_gradient_rows(rows: int, n: int, itemsize: int) -> bool:
             >= BACKWARD_STREAM_MIN_FRACTION * _last_level_cache_bytes())
 
 
+def _splits(k: Any, rows: int, n: int) -> bool:
+    """Whether a parallel backward of unit-stride rows splits columns over threads
+    (``*_split_backward_parallel``) instead of row blocks: a call of one block of rows
+    (which the row-block kernels run on one thread) of at least two column items.
+
+    Measured, float32, kernel alone, in cache, 2 threads, LayerNorm / RMSNorm time split
+    / row blocks: (60, 2048) 0.42 / 0.71, (29, 4096) 0.86 / 0.78, (6, 16384) 0.62 / 0.81,
+    (64, 16384) 0.45 / 0.69; with two blocks or more it is not faster ((121, 1024)
+    1.02 / 1.09, (161, 768) 1.05 / 1.28, (486, 256) 3.8 / 2.7).
+    """
+    return rows <= GRAD_ROW_BLOCK and n >= 2 * k.SPLIT_COLUMNS
+
+
 def ln_backward_kernels(k: Any, gy: Any, x: Any, gx: Any, grad_residual: Any = None,
-                        stream: bool | None = None) -> tuple[Any, Any]:
+                        stream: bool | None = None, rows: int | None = None
+                        ) -> tuple[Any, Any]:
     """The (serial, parallel) LayerNorm backward kernels for 2-D rows: one per path
     (unit-stride rows, short ones, long ones, streaming stores, any stride), all giving
     the same bits. ``stream``: whether unit-stride rows take streaming stores (None:
-    :func:`streams_gradient` of ``gx`` decides)."""
+    :func:`streams_gradient` of ``gx`` decides). ``rows``: the call's row count, if not
+    ``x``'s (a stand-in); a call of one block of rows splits columns over threads
+    (:func:`_splits`)."""
     if not _unit_strides(gy, x, gx, grad_residual):
         return k.ln_gathered_backward_serial, k.ln_gathered_backward_parallel
-    if streams_gradient(gx) if stream is None else stream:
-        if x.shape[1] >= k.TILE_MIN_N:
+    n = x.shape[1]
+    serial, parallel = _ln_row_kernels(k, n, streams_gradient(gx) if stream is None
+                                       else stream)
+    if _splits(k, x.shape[0] if rows is None else rows, n):
+        return serial, k.ln_split_backward_parallel
+    return serial, parallel
+
+
+def _ln_row_kernels(k: Any, n: int, stream: bool) -> tuple[Any, Any]:
+    if stream:
+        if n >= k.TILE_MIN_N:
             return k.ln_stream_tiled_backward_serial, k.ln_stream_tiled_backward_parallel
         return k.ln_stream_backward_serial, k.ln_stream_backward_parallel
-    if x.shape[1] < k.SHORT_BACKWARD_N:
+    if n < k.SHORT_BACKWARD_N:
         return k.ln_short_backward_serial, k.ln_short_backward_parallel
-    if x.shape[1] >= k.TILE_MIN_N:
+    if n >= k.TILE_MIN_N:
         return k.ln_tiled_backward_serial, k.ln_tiled_backward_parallel
     return k.ln_backward_serial, k.ln_backward_parallel
 
 
 def rms_backward_kernels(k: Any, gy: Any, x: Any, gx: Any, grad_residual: Any = None,
-                         stream: bool | None = None) -> tuple[Any, Any]:
+                         stream: bool | None = None, rows: int | None = None
+                         ) -> tuple[Any, Any]:
     """The (serial, parallel) RMSNorm backward kernels for 2-D rows (see
     :func:`ln_backward_kernels`; there is no short-row path, long rows run in pairs)."""
     if not _unit_strides(gy, x, gx, grad_residual):
         return k.rms_gathered_backward_serial, k.rms_gathered_backward_parallel
+    n = x.shape[1]
     if streams_gradient(gx) if stream is None else stream:
-        return k.rms_stream_backward_serial, k.rms_stream_backward_parallel
-    if x.shape[1] >= k.TILE_MIN_N:
-        return k.rms_paired_backward_serial, k.rms_paired_backward_parallel
-    return k.rms_backward_serial, k.rms_backward_parallel
+        serial, parallel = k.rms_stream_backward_serial, k.rms_stream_backward_parallel
+    elif n >= k.TILE_MIN_N:
+        serial, parallel = k.rms_paired_backward_serial, k.rms_paired_backward_parallel
+    else:
+        serial, parallel = k.rms_backward_serial, k.rms_backward_parallel
+    if _splits(k, x.shape[0] if rows is None else rows, n):
+        return serial, k.rms_split_backward_parallel
+    return serial, parallel
 
 
 def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype, grad_residual=None):

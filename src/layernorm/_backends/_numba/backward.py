@@ -27,6 +27,12 @@ fraction of the ``np.add`` floor, streaming tiles / streaming skewed rows: (2048
 0.73 / 0.65-0.66, (4096, 2048) 0.74 / 0.68, (512, 16384) 0.71 / 0.63; (8192, 1024)
 0.72-0.73 / 0.79-0.84, (16384, 256) 0.66 / 0.82.
 
+A parallel call of at most one block of rows (``block_rows``), which the row-block
+kernels would run on one thread, takes ``*_split_backward_parallel`` instead: the rows'
+sums spread over threads, then the output pass in items of ``SPLIT_COLUMNS`` columns of
+every row, each item adding its columns' dw/db terms block by block in row order (the
+same operations per element and the same order per partial, so the same bits).
+
 The column layout (``inner > 1``) gathers each column into a scratch row and runs the
 row helpers on it; so do rows of any other stride (``*_gathered_backward_*``), through
 a pair of scratch rows.
@@ -79,6 +85,9 @@ COL_BLOCK = 64
 #: Unit-stride rows shorter than this take the short-row backward kernels, which keep
 #: the partial sums in registers (no effect on results).
 SHORT_BACKWARD_N = 5 * LANES
+#: Columns per work item of the column-split parallel kernels (``*_split_backward_parallel``:
+#: a multiple of every ``LANES``; no effect on results).
+SPLIT_COLUMNS = 128
 #: The streaming backward kernels prefetch grad_y and x this many bytes of rows ahead
 #: (at least two rows) into L2 (:func:`._simd.prefetch_l2_at`; no effect on results).
 #: Measured, float32, 1 thread, from DRAM, fraction of the ``np.add`` floor, against
@@ -723,6 +732,55 @@ def ln_short_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_r
     return _block_sums(partials)
 
 
+@njit(error_model="numpy")
+def _ln_bwd_columns(gy, x, mean_in, rstd_in, w, gx, partials, stats, block_rows, c0, c1,
+                    gres, has_res):
+    """grad_x of columns ``c0 .. c1`` of every row and their dw/db terms, block by block
+    and row by row (each element's operations, and each partial's additions in row
+    order, those of :func:`_ln_bwd_rows`); ``stats[2 * r]``/``stats[2 * r + 1]`` are row
+    ``r``'s (mean of g, mean of g * xhat)."""
+    rows = x.shape[0]
+    gyv, xv, gxv, grv, wv = raw(gy), raw(x), raw(gx), raw(gres), raw(w)
+    body = c0 + (c1 - c0) // LANES * LANES
+    for blk in range(partials.shape[1]):
+        dw = raw(partials[0, blk])
+        db = raw(partials[1, blk])
+        for r in range(blk * block_rows, imin(rows, (blk + 1) * block_rows)):
+            m, s = mean_in[r], rstd_in[r]
+            mg, mgx = stats[2 * r], stats[2 * r + 1]
+            mv, rv, mgv, mgxv = splat(m), splat(s), splat(mg), splat(mgx)
+            for i in range(c0, body, LANES):
+                dy, t = _gx_vec(gyv, xv, gxv, r, i, vload(wv, 0, i), mv, rv, mgv, mgxv, grv,
+                                has_res, PLAIN)
+                vstore(dw, vload(dw, 0, i) + t, 0, i)
+                vstore(db, vload(db, 0, i) + dy, 0, i)
+            for i in range(body, c1):
+                dy, t = _gx_scalar(gyv, xv, gxv, r, i, wv, m, s, mg, mgx, grv, has_res)
+                put(dw, 0, i, get(dw, 0, i) + t)
+                put(db, 0, i, get(db, 0, i) + dy)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def ln_split_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gres,
+                               has_res):
+    """:func:`ln_backward_serial` (and the tiled and short-row kernels: the same bits)
+    for calls of few row blocks: the rows' sums spread over threads, then the output
+    pass in items of ``SPLIT_COLUMNS`` columns of every row. Each item adds its columns'
+    dw/db terms block by block in row order, so a call of one block of rows keeps every
+    thread busy and the parameter gradients are those of the serial kernel."""
+    rows, n = x.shape
+    stats = np.empty(2 * rows, dtype=mean_in.dtype)
+    for r in prange(rows):
+        mg, mgx = _ln_bwd_means(raw(gy), raw(x), r, n, mean_in[r], rstd_in[r], raw(w))
+        stats[2 * r] = mg
+        stats[2 * r + 1] = mgx
+    for c in prange(-(-n // SPLIT_COLUMNS)):
+        c0 = c * SPLIT_COLUMNS
+        _ln_bwd_columns(gy, x, mean_in, rstd_in, w, gx, partials, stats, block_rows, c0,
+                        imin(n, c0 + SPLIT_COLUMNS), gres, has_res)
+    return _block_sums(partials)
+
+
 @njit(inline="always", error_model="numpy")
 def _rms_bwd_mean(gyr, xr, r, n, rstd, w):
     """Mean of ``g * xhat`` of row ``r`` (``g = dy * w``, ``xhat = x * rstd``)."""
@@ -970,6 +1028,48 @@ def rms_gathered_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, 
         r0 = blk * block_rows
         _rms_bwd_gathered(gy, x, rstd_in, w, gx, partials, blk, r0,
                           imin(rows, r0 + block_rows), gres, has_res)
+    return _block_sums(partials)
+
+
+@njit(error_model="numpy")
+def _rms_bwd_columns(gy, x, rstd_in, w, gx, partials, stats, block_rows, c0, c1, gres,
+                     has_res):
+    """:func:`_ln_bwd_columns` for RMSNorm (``stats[r]``: row ``r``'s mean of g * xhat;
+    each element's operations those of :func:`_rms_bwd_skewed`)."""
+    rows = x.shape[0]
+    gyv, xv, gxv, grv, wv = raw(gy), raw(x), raw(gx), raw(gres), raw(w)
+    body = c0 + (c1 - c0) // LANES * LANES
+    for blk in range(partials.shape[1]):
+        dw = raw(partials[0, blk])
+        for r in range(blk * block_rows, imin(rows, (blk + 1) * block_rows)):
+            s, mgx = rstd_in[r], stats[r]
+            rv, mgxv = splat(s), splat(mgx)
+            for i in range(c0, body, LANES):
+                dy = vload(gyv, r, i)
+                xh = vload(xv, r, i) * rv
+                g = (dy * vload(wv, 0, i) - xh * mgxv) * rv
+                vstore(gxv, g + vload(grv, r, i) if has_res else g, r, i)
+                vstore(dw, vload(dw, 0, i) + dy * xh, 0, i)
+            for i in range(body, c1):
+                dy = widen(get(gyv, r, i))
+                xh = widen(get(xv, r, i)) * s
+                g = (times_w(dy, wv, i) - xh * mgx) * s
+                put(gxv, r, i, narrow(g + widen(get(grv, r, i)) if has_res else g, gxv))
+                put(dw, 0, i, get(dw, 0, i) + dy * xh)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def rms_split_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_res):
+    """:func:`ln_split_backward_parallel` for RMSNorm (the bits of
+    :func:`rms_backward_serial` and :func:`rms_paired_backward_serial`)."""
+    rows, n = x.shape
+    stats = np.empty(rows, dtype=rstd_in.dtype)
+    for r in prange(rows):
+        stats[r] = _rms_bwd_mean(raw(gy), raw(x), r, n, rstd_in[r], raw(w))
+    for c in prange(-(-n // SPLIT_COLUMNS)):
+        c0 = c * SPLIT_COLUMNS
+        _rms_bwd_columns(gy, x, rstd_in, w, gx, partials, stats, block_rows, c0,
+                         imin(n, c0 + SPLIT_COLUMNS), gres, has_res)
     return _block_sums(partials)
 
 
