@@ -500,6 +500,31 @@ def test_backward_takes_streaming_stores_for_large_aligned_gradients(monkeypatch
 
 
 
+def test_backward_row_kernels_by_length_and_size():
+    """Plain stores: LayerNorm rows of at least TILE_FROM_N take the tiles while x is at
+    most TILE_MAX_BYTES (in cache), the skewed rows otherwise; RMSNorm rows of at least
+    RMS_ROWS_FROM_N go row by row. The stand-in's item size counts, not its dtype."""
+    k = backend.load_kernels()
+
+    def ln_serial(rows, n, dtype=np.float32):
+        a = np.empty((1, n), dtype)
+        return backend.ln_backward_kernels(k, a, a, a, stream=False, rows=rows)[0]
+
+    def rms_serial(n):
+        a = np.empty((1, n), np.float32)
+        return backend.rms_backward_kernels(k, a, a, a, stream=False, rows=1000)[0]
+
+    n = backend.TILE_FROM_N
+    fits = backend.TILE_MAX_BYTES // (4 * n)
+    assert ln_serial(fits, n) is k.ln_tiled_backward_serial
+    assert ln_serial(fits + 1, n) is k.ln_backward_serial
+    assert ln_serial(2 * fits, n, np.float16) is k.ln_tiled_backward_serial
+    assert ln_serial(2 * fits + 1, n, np.uint16) is k.ln_backward_serial
+    assert ln_serial(4, n - 1) is k.ln_backward_serial
+    assert ln_serial(4, k.SHORT_BACKWARD_N - 1) is k.ln_short_backward_serial
+    assert rms_serial(backend.RMS_ROWS_FROM_N) is k.rms_paired_backward_serial
+    assert rms_serial(backend.RMS_ROWS_FROM_N - 1) is k.rms_backward_serial
+
 @pytest.mark.parametrize("rms", [False, True])
 def test_a_single_block_of_rows_splits_columns_over_threads(rms):
     """A parallel backward of at most GRAD_ROW_BLOCK unit-stride rows (one block, which

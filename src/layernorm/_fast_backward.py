@@ -95,8 +95,9 @@ class BackwardPlan:
         #: The partial sums of the parameter gradients, one per block of rows.
         self.partials_shape = (count, -(-rows // _numba.GRAD_ROW_BLOCK), n)
         # The kernels of unit-stride rows (the plan's checks keep every array contiguous);
-        # a stand-in 2-D array of the row length picks them as the backend does.
-        like = np.empty((1, n), self.acc)
+        # a stand-in 2-D array of the row length and item size (and the row count) picks
+        # them as the backend does.
+        like = np.empty((1, n), f"u{itemsize}")
         #: grad_x is allocated aligned and written with streaming stores.
         self.streams = _numba.streams_gradient_rows(rows, n, itemsize)
         kernels = _numba.load_kernels()

@@ -78,9 +78,11 @@ def layouts(threads: int) -> list[Layout]:
         # Rows of at most PIPELINED_ROW_ELEMENTS (256): the quantizing kernels' pipelined
         # row loop (the plain forward's kernel is the long rows').
         Layout("rows of 256", (8, 256)),
+        # Rows of at least TILE_FROM_N (1024) in cache: the LayerNorm backward's tiles,
+        # RMSNorm's rows one by one.
         Layout("long rows", (8, 1024)),
-        # Rows of at least TILE_MIN_N (2048): the LayerNorm backward's tiles, RMSNorm's
-        # pairs; the forward's rows written whole (at least SEQUENTIAL_MIN_ROW).
+        # Rows of at least PAIR_MIN_N (2048): RMSNorm's pairs; the forward's rows
+        # written whole (at least SEQUENTIAL_MIN_ROW).
         Layout("tiled rows", (4, 2048)),
         Layout("strided rows", (8, 2048), step=2),
         Layout("columns", (2, 16, 8), axis=1),
@@ -91,12 +93,13 @@ def layouts(threads: int) -> list[Layout]:
         out += [
             Layout("parallel short rows", (1024, 64), parallel=True),
             Layout("parallel rows of 256", (256, 256), parallel=True),
-            Layout("parallel long rows", (64, 1024), parallel=True),
+            # Two blocks of the backward's rows; one block (32 rows) splits columns.
+            Layout("parallel long rows", (128, 1024), parallel=True),
             Layout("parallel tiled rows", (32, 2048), parallel=True),
             Layout("parallel columns", (4, 128, 128), axis=1, parallel=True),
-            Layout("parallel streamed long rows", (64, 1024), parallel=True,
+            Layout("parallel streamed long rows", (128, 1024), parallel=True,
                    streamed=True),
-            Layout("parallel streamed tiled rows", (32, 2048), parallel=True,
+            Layout("parallel streamed tiled rows", (128, 2048), parallel=True,
                    streamed=True),
         ]
     return out

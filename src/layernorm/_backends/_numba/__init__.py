@@ -606,6 +606,26 @@ def _splits(k: Any, rows: int, n: int) -> bool:
     return rows <= GRAD_ROW_BLOCK and n >= 2 * k.SPLIT_COLUMNS
 
 
+#: LayerNorm rows of at least this many elements take the tiled backward (plain stores)
+#: while x takes at most ``TILE_MAX_BYTES``; other rows the skewed one (no effect on
+#: results). Measured, float32, 1 thread, kernel alone, medians over 6 placements of
+#: the arrays (us, skewed / tiled), in cache: (121, 1024) 52-55 / 44-46, (81, 1536)
+#: 54 / 44-45, (242, 512) 36-37 / 39, (161, 768) 40-42 / 42-43; larger, time tiled /
+#: skewed: x of 2 MiB (512, 1024) 0.83, (256, 2048) 0.75, (128, 4096) 0.75; x of 4 MiB
+#: (1024, 1024) 1.3, (256, 4096) 1.3, (64, 16384) 1.16; from DRAM (8192, 1024) 1.42,
+#: (4096, 2048) 1.22, (2048, 4096) 1.32, (512, 16384) 1.18 (2 threads 1.15-1.29).
+TILE_FROM_N = 1024
+#: See :data:`TILE_FROM_N`.
+TILE_MAX_BYTES = 2 << 20
+#: RMSNorm rows of at least this many elements take the row-by-row backward
+#: (``rms_paired_backward_*``, plain stores; pairs of rows from ``PAIR_MIN_N``), shorter
+#: ones the skewed one (no effect on results). Measured, float32, 1 thread, kernel alone,
+#: time row by row / skewed: in cache (medians over 6 placements) n = 256 1.1, 512 1.0,
+#: 1024 0.79-0.82, 1536 0.78, 2048 0.77, 4096 0.86, 16384 0.86; from DRAM (16384, 512)
+#: 0.76, (8192, 1024) 0.77, (4096, 2048) 0.90, (2048, 4096) 0.89, (512, 16384) 0.90.
+RMS_ROWS_FROM_N = 512
+
+
 def ln_backward_kernels(k: Any, gy: Any, x: Any, gx: Any, grad_residual: Any = None,
                         stream: bool | None = None, rows: int | None = None
                         ) -> tuple[Any, Any]:
@@ -613,41 +633,42 @@ def ln_backward_kernels(k: Any, gy: Any, x: Any, gx: Any, grad_residual: Any = N
     (unit-stride rows, short ones, long ones, streaming stores, any stride), all giving
     the same bits. ``stream``: whether unit-stride rows take streaming stores (None:
     :func:`streams_gradient` of ``gx`` decides). ``rows``: the call's row count, if not
-    ``x``'s (a stand-in); a call of one block of rows splits columns over threads
-    (:func:`_splits`)."""
+    ``x``'s (a stand-in of its row length and item size); a call of one block of rows
+    splits columns over threads (:func:`_splits`)."""
     if not _unit_strides(gy, x, gx, grad_residual):
         return k.ln_gathered_backward_serial, k.ln_gathered_backward_parallel
     n = x.shape[1]
-    serial, parallel = _ln_row_kernels(k, n, streams_gradient(gx) if stream is None
-                                       else stream)
-    if _splits(k, x.shape[0] if rows is None else rows, n):
-        return serial, k.ln_split_backward_parallel
-    return serial, parallel
-
-
-def _ln_row_kernels(k: Any, n: int, stream: bool) -> tuple[Any, Any]:
+    rows = x.shape[0] if rows is None else rows
+    stream = streams_gradient(gx) if stream is None else stream
     if stream:
         if n >= k.TILE_MIN_N:
-            return k.ln_stream_tiled_backward_serial, k.ln_stream_tiled_backward_parallel
-        return k.ln_stream_backward_serial, k.ln_stream_backward_parallel
-    if n < k.SHORT_BACKWARD_N:
-        return k.ln_short_backward_serial, k.ln_short_backward_parallel
-    if n >= k.TILE_MIN_N:
-        return k.ln_tiled_backward_serial, k.ln_tiled_backward_parallel
-    return k.ln_backward_serial, k.ln_backward_parallel
+            serial, parallel = (k.ln_stream_tiled_backward_serial,
+                                k.ln_stream_tiled_backward_parallel)
+        else:
+            serial, parallel = k.ln_stream_backward_serial, k.ln_stream_backward_parallel
+    elif n < k.SHORT_BACKWARD_N:
+        serial, parallel = k.ln_short_backward_serial, k.ln_short_backward_parallel
+    elif n >= TILE_FROM_N and rows * n * x.itemsize <= TILE_MAX_BYTES:
+        serial, parallel = k.ln_tiled_backward_serial, k.ln_tiled_backward_parallel
+    else:
+        serial, parallel = k.ln_backward_serial, k.ln_backward_parallel
+    if _splits(k, rows, n):
+        return serial, k.ln_split_backward_parallel
+    return serial, parallel
 
 
 def rms_backward_kernels(k: Any, gy: Any, x: Any, gx: Any, grad_residual: Any = None,
                          stream: bool | None = None, rows: int | None = None
                          ) -> tuple[Any, Any]:
     """The (serial, parallel) RMSNorm backward kernels for 2-D rows (see
-    :func:`ln_backward_kernels`; there is no short-row path, long rows run in pairs)."""
+    :func:`ln_backward_kernels`; there is no short-row path, rows of at least
+    ``RMS_ROWS_FROM_N`` run row by row)."""
     if not _unit_strides(gy, x, gx, grad_residual):
         return k.rms_gathered_backward_serial, k.rms_gathered_backward_parallel
     n = x.shape[1]
     if streams_gradient(gx) if stream is None else stream:
         serial, parallel = k.rms_stream_backward_serial, k.rms_stream_backward_parallel
-    elif n >= k.TILE_MIN_N:
+    elif n >= RMS_ROWS_FROM_N:
         serial, parallel = k.rms_paired_backward_serial, k.rms_paired_backward_parallel
     else:
         serial, parallel = k.rms_backward_serial, k.rms_backward_parallel

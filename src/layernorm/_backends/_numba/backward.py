@@ -9,15 +9,18 @@ itself, which returns the sums.
 
 Unit-stride rows take one of three schedules, all with the same per-row arithmetic (the
 same bits): rows shorter than ``SHORT_BACKWARD_N`` keep the partials in registers; rows
-up to ``TILE_MIN_N`` run *skewed*, the second pass of row ``r`` in one loop with the
-first pass of row ``r + 1`` (DRAM reads in flight while the cached row is finished);
-longer rows run in tiles of ``TILE_ROWS`` rows, first passes of the tile interleaved,
+that come from memory, or are shorter than the driver's ``TILE_FROM_N``, run *skewed*,
+the second pass of row ``r`` in one loop with the first pass of row ``r + 1`` (DRAM
+reads in flight while the cached row is finished); longer cache-resident rows (and,
+with streaming stores, rows of at least ``TILE_MIN_N``) run in tiles of ``TILE_ROWS``
+rows, first passes of the tile interleaved,
 then one read-modify-write of the dw/db partial vectors for the tile's rows
 (``dw = ((dw + a) + b) + ...``, exactly the single-row passes in row order). Both
 schedules prefetch (:func:`._simd.prefetch_at`) what the next loop reads from memory and the
 grad_x lines they are about to write (measured: without it, a single thread keeps too
-few memory reads in flight while it computes from cache). RMSNorm runs its rows skewed
-too, and rows of at least ``TILE_MIN_N`` two per pass. A grad_x far larger than the
+few memory reads in flight while it computes from cache). RMSNorm runs rows shorter
+than the driver's ``RMS_ROWS_FROM_N`` skewed too, longer ones row by row, and rows of at
+least ``PAIR_MIN_N`` two per pass. A grad_x far larger than the
 caches, with every row's vectors aligned, is written with streaming stores instead
 (``*_stream_backward_*``: the skewed schedule, LayerNorm rows of at least
 ``TILE_MIN_N`` in tiles, ``ln_stream_tiled_backward_*``), which saves reading its lines
@@ -83,7 +86,9 @@ from .rowmath import LANES, PLAIN, STREAM, copy_row, tree_sum
 #: (no effect on results; measured: it pays once the partial sums no longer fit in L1).
 PAIR_MIN_N = 2048
 #: Unit-stride rows at least this long take the tiled backward kernels (four rows per
-#: tile), shorter ones the skewed kernels (no effect on results; measured, see below).
+#: tile) where grad_x is written with streaming stores, shorter ones the skewed kernels
+#: (no effect on results; measured, see below). With plain stores the driver picks by
+#: length and size (its ``TILE_FROM_N``).
 TILE_MIN_N = 2048
 #: Rows per tile of the tiled backward.
 TILE_ROWS = 4
@@ -371,11 +376,14 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, ha
             if stream is None:
                 prefetch_at(wpf, i * itemsize(gxv), True)
             wvec = vload(wv, 0, i)
+            # Every load of the iteration before its first store (see _ALIASING).
+            ag, ax = _acc_means(gyv, xv, rn, i, wvec, mvn, rvn, ag, ax)
+            dwv = vload(dw, 0, i)
+            dbv = vload(db, 0, i)
             dy, t = _gx_vec(gyv, xv, gxv, r, i, wvec, mv, rv, mgv, mgxv, grv, has_res,
                             stream)
-            vstore(dw, vload(dw, 0, i) + t, 0, i)
-            vstore(db, vload(db, 0, i) + dy, 0, i)
-            ag, ax = _acc_means(gyv, xv, rn, i, wvec, mvn, rvn, ag, ax)
+            vstore(dw, dwv + t, 0, i)
+            vstore(db, dbv + dy, 0, i)
         for i in range(body, n):
             dy, t = _gx_scalar(gyv, xv, gxv, r, i, wv, m, s, mg, mgx, grv, has_res)
             put(dw, 0, i, get(dw, 0, i) + t)
@@ -461,6 +469,8 @@ def _ln_bwd_tile_out(gyr, xr, gxr, r, n, mean_in, rstd_in, sums, w, dw, db, grr,
         _read_hint(xbase, o + 128, stream)
         _read_hint(xbase, o + 192, stream)
         wvec = vload(w, 0, i)
+        dwv = vload(dw, 0, i)  # before the stores (see _ALIASING)
+        dbv = vload(db, 0, i)
         dya, ta = _gx_vec_fn(gyr, xr, gxr, r, i, wvec, mva, rva, mgva, mgxva, grr, has_res,
                              stream)
         dyb, tb = _gx_vec_fn(gyr, xr, gxr, rb, i, wvec, mvb, rvb, mgvb, mgxvb, grr,
@@ -469,8 +479,8 @@ def _ln_bwd_tile_out(gyr, xr, gxr, r, n, mean_in, rstd_in, sums, w, dw, db, grr,
                              has_res, stream)
         dyd, td = _gx_vec_fn(gyr, xr, gxr, rd, i, wvec, mvd, rvd, mgvd, mgxvd, grr,
                              has_res, stream)
-        vstore(dw, (((vload(dw, 0, i) + ta) + tb) + tc) + td, 0, i)
-        vstore(db, (((vload(db, 0, i) + dya) + dyb) + dyc) + dyd, 0, i)
+        vstore(dw, (((dwv + ta) + tb) + tc) + td, 0, i)
+        vstore(db, (((dbv + dya) + dyb) + dyc) + dyd, 0, i)
     for i in range(body, n):
         tw = get(dw, 0, i)
         tb = get(db, 0, i)
@@ -581,7 +591,7 @@ def _block_sums(partials):
 
 
 # Entry kernels, one per path so that a call compiles only its own: unit-stride rows
-# (skewed), unit-stride rows of at least TILE_MIN_N (tiled), unit-stride rows shorter than
+# (skewed), long cache-resident unit-stride rows (tiled), unit-stride rows shorter than
 # SHORT_BACKWARD_N, rows of any stride. The driver picks;
 # all give a row the same bits. Each returns the parameter-gradient partials summed
 # over blocks in order, ``(count, n)``.
@@ -647,8 +657,8 @@ def ln_stream_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_
 @cached_njit(error_model="numpy")
 def ln_tiled_backward_serial(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, gres,
                              has_res):
-    """:func:`ln_backward_serial` in tiles of ``TILE_ROWS`` rows (for rows of at least
-    ``TILE_MIN_N``)."""
+    """:func:`ln_backward_serial` in tiles of ``TILE_ROWS`` rows (for long rows in
+    cache)."""
     rows = x.shape[0]
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
@@ -1009,7 +1019,7 @@ def rms_stream_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gr
 @cached_njit(error_model="numpy")
 def rms_paired_backward_serial(gy, x, rstd_in, w, gx, partials, block_rows, gres, has_res):
     """:func:`rms_backward_serial` unskewed, two rows per pass once rows are at least
-    ``PAIR_MIN_N`` long (the driver's choice for rows of at least ``TILE_MIN_N``)."""
+    ``PAIR_MIN_N`` long (the driver's choice for rows of at least ``RMS_ROWS_FROM_N``)."""
     rows = x.shape[0]
     for blk in range(partials.shape[1]):
         r0 = blk * block_rows
