@@ -376,7 +376,9 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, ha
             if stream is None:
                 prefetch_at(wpf, i * itemsize(gxv), True)
             wvec = vload(wv, 0, i)
-            # Every load of the iteration before its first store (see _ALIASING).
+            # Every load of the iteration before its first store: a load from a pending
+            # store's offset in the 4 KiB page waits for it (the rows of db sit a
+            # multiple of 4 KiB after dw's for rows of 1024 float32).
             ag, ax = _acc_means(gyv, xv, rn, i, wvec, mvn, rvn, ag, ax)
             dwv = vload(dw, 0, i)
             dbv = vload(db, 0, i)
@@ -469,7 +471,7 @@ def _ln_bwd_tile_out(gyr, xr, gxr, r, n, mean_in, rstd_in, sums, w, dw, db, grr,
         _read_hint(xbase, o + 128, stream)
         _read_hint(xbase, o + 192, stream)
         wvec = vload(w, 0, i)
-        dwv = vload(dw, 0, i)  # before the stores (see _ALIASING)
+        dwv = vload(dw, 0, i)  # before the stores (4K aliasing, as in _ln_bwd_rows)
         dbv = vload(db, 0, i)
         dya, ta = _gx_vec_fn(gyr, xr, gxr, r, i, wvec, mva, rva, mgva, mgxva, grr, has_res,
                              stream)
