@@ -549,6 +549,29 @@ def test_a_single_block_of_rows_splits_columns_over_threads(rms):
     strided = np.empty((4, 4 * k.SPLIT_COLUMNS), np.float32)[:, ::2]
     assert pick(k, strided, strided, strided)[1] is not split  # the any-stride kernels
 
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_parallel_backward_hands_out_the_short_block_first_then_in_order(threads):
+    """Numba's prange gives each thread an equal run of iterations, the first threads
+    one more where the threads do not divide the blocks: the short last block must go
+    into the first (longest) run, and each run's blocks must still rise through memory
+    (runs in reverse order defeat the prefetchers on rows from DRAM)."""
+    from layernorm._backends._numba import backward
+
+    for blocks in range(1, 12):
+        order = [backward.short_block_first(j, blocks) for j in range(blocks)]
+        assert sorted(order) == list(range(blocks))
+        size, extra = divmod(blocks, threads)
+        first_run = order[: size + (extra > 0)]
+        assert blocks - 1 in first_run
+        start = 0
+        for t in range(threads):
+            run = order[start: start + size + (t < extra)]
+            start += len(run)
+            rising = [b for b in run if b != blocks - 1]
+            assert rising == sorted(rising)
+
+
 _THREADS_SCRIPT = textwrap.dedent(
     """
     import hashlib, numpy as np, layernorm as ln

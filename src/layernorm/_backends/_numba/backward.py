@@ -30,12 +30,15 @@ fraction of the ``np.add`` floor, streaming tiles / streaming skewed rows: (2048
 0.73 / 0.65-0.66, (4096, 2048) 0.74 / 0.68, (512, 16384) 0.71 / 0.63; (8192, 1024)
 0.72-0.73 / 0.79-0.84, (16384, 256) 0.66 / 0.82.
 
-The parallel kernels hand the blocks to threads last first: Numba gives each thread
-an equal run of iterations, the first threads one more where they do not divide, so the
-short last block joins a longer run (blocks of 64, 64 and 12 rows on 2 threads: 76 and
-64 rows instead of 128 and 12; measured, (140, 1024) float32 in cache, 2 threads,
-LayerNorm 55-60 -> 48 us; (161, 768) 35-37 -> 28-32 us). Which thread computes a block
-changes no bit.
+The parallel kernels hand out the short last block first, then the others in order
+(``short_block_first``): Numba gives each thread an equal run of iterations, the first
+threads one more where they do not divide, so the short last block joins a longer run
+(blocks of 64, 64 and 12 rows on 2 threads: 76 and 64 rows instead of 128 and 12;
+measured, (140, 1024) float32 in cache, 2 threads, LayerNorm 55-60 -> 48 us; (161, 768)
+35-37 -> 28-32 us). Each thread still walks its blocks upwards through memory: taking
+all blocks last first made rows from DRAM 1.2-1.3x slower at 2 threads ((65536, 64),
+(16384, 256)), the hardware prefetchers restarting at every block. Which thread computes
+a block changes no bit.
 
 A parallel call of at most one block of rows (``block_rows``), which the row-block
 kernels would run on one thread, takes ``*_split_backward_parallel`` instead: the rows'
@@ -592,6 +595,13 @@ def _block_sums(partials):
     return partials[:, 0, :]
 
 
+@njit(inline="always")
+def short_block_first(j, blocks):
+    """The block a parallel loop's iteration ``j`` takes: the short last block first, then
+    the others in order (module docstring)."""
+    return blocks - 1 if j == 0 else j - 1
+
+
 # Entry kernels, one per path so that a call compiles only its own: unit-stride rows
 # (skewed), long cache-resident unit-stride rows (tiled), unit-stride rows shorter than
 # SHORT_BACKWARD_N, rows of any stride. The driver picks;
@@ -622,7 +632,7 @@ def ln_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_rows, g
     rows = x.shape[0]
     blocks = partials.shape[1]
     for j in prange(blocks):
-        blk = blocks - 1 - j  # the short last block first (module docstring)
+        blk = short_block_first(j, blocks)
         r0 = blk * block_rows
         _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
                      imin(rows, r0 + block_rows), gres, has_res, PLAIN)
@@ -649,7 +659,7 @@ def ln_stream_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_
     rows = x.shape[0]
     blocks = partials.shape[1]
     for j in prange(blocks):
-        blk = blocks - 1 - j  # the short last block first (module docstring)
+        blk = short_block_first(j, blocks)
         r0 = blk * block_rows
         _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
                      imin(rows, r0 + block_rows), gres, has_res, STREAM)
@@ -676,7 +686,7 @@ def ln_tiled_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_r
     rows = x.shape[0]
     blocks = partials.shape[1]
     for j in prange(blocks):
-        blk = blocks - 1 - j  # the short last block first (module docstring)
+        blk = short_block_first(j, blocks)
         r0 = blk * block_rows
         _ln_bwd_tiles(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
                       imin(rows, r0 + block_rows), gres, has_res, PLAIN)
@@ -703,7 +713,7 @@ def ln_stream_tiled_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, 
     rows = x.shape[0]
     blocks = partials.shape[1]
     for j in prange(blocks):
-        blk = blocks - 1 - j  # the short last block first (module docstring)
+        blk = short_block_first(j, blocks)
         r0 = blk * block_rows
         _ln_bwd_tiles(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
                       imin(rows, r0 + block_rows), gres, has_res, STREAM)
@@ -729,7 +739,7 @@ def ln_gathered_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, bloc
     rows = x.shape[0]
     blocks = partials.shape[1]
     for j in prange(blocks):
-        blk = blocks - 1 - j  # the short last block first (module docstring)
+        blk = short_block_first(j, blocks)
         r0 = blk * block_rows
         _ln_bwd_gathered(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
                          imin(rows, r0 + block_rows), gres, has_res)
@@ -756,7 +766,7 @@ def ln_short_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_r
     rows = x.shape[0]
     blocks = partials.shape[1]
     for j in prange(blocks):
-        blk = blocks - 1 - j  # the short last block first (module docstring)
+        blk = short_block_first(j, blocks)
         r0 = blk * block_rows
         _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0,
                            imin(rows, r0 + block_rows), gres, has_res)
@@ -985,7 +995,7 @@ def rms_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gres, has
     rows = x.shape[0]
     blocks = partials.shape[1]
     for j in prange(blocks):
-        blk = blocks - 1 - j  # the short last block first (module docstring)
+        blk = short_block_first(j, blocks)
         r0 = blk * block_rows
         _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0,
                         imin(rows, r0 + block_rows), gres, has_res, PLAIN)
@@ -1011,7 +1021,7 @@ def rms_stream_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gr
     rows = x.shape[0]
     blocks = partials.shape[1]
     for j in prange(blocks):
-        blk = blocks - 1 - j  # the short last block first (module docstring)
+        blk = short_block_first(j, blocks)
         r0 = blk * block_rows
         _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0,
                         imin(rows, r0 + block_rows), gres, has_res, STREAM)
@@ -1037,7 +1047,7 @@ def rms_paired_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gr
     rows = x.shape[0]
     blocks = partials.shape[1]
     for j in prange(blocks):
-        blk = blocks - 1 - j  # the short last block first (module docstring)
+        blk = short_block_first(j, blocks)
         r0 = blk * block_rows
         _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, imin(rows, r0 + block_rows),
                       gres, has_res)
@@ -1063,7 +1073,7 @@ def rms_gathered_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, 
     rows = x.shape[0]
     blocks = partials.shape[1]
     for j in prange(blocks):
-        blk = blocks - 1 - j  # the short last block first (module docstring)
+        blk = short_block_first(j, blocks)
         r0 = blk * block_rows
         _rms_bwd_gathered(gy, x, rstd_in, w, gx, partials, blk, r0,
                           imin(rows, r0 + block_rows), gres, has_res)
