@@ -141,8 +141,9 @@ def _ln_bwd_means(gyr, xr, r, n, mean, rstd, w):
 
 
 @njit(inline="always", error_model="numpy")
-def _ln_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw, db, grr, has_res):
-    """grad_x of rows ``ra`` and (if ``two``) ``rb``; their terms added to dw/db in order.
+def _ln_bwd_rows_out(gyr, xr, gxr, ra, rb, two, c0, c1, sa, sb, w, dw, db, grr, has_res):
+    """grad_x of columns ``c0 .. c1`` of rows ``ra`` and (if ``two``) ``rb``; their terms
+    added to dw/db in order.
 
     ``sa``/``sb`` are (mean, rstd, mean_g, mean_gx) of each row. Two rows per pass read
     and write the partial sums once for both: ``dw = (dw + a) + b`` is exactly what two
@@ -151,8 +152,8 @@ def _ln_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw, db, grr, has_r
     """
     mva, rva, mga, mgxa = splat(sa[0]), splat(sa[1]), splat(sa[2]), splat(sa[3])
     mvb, rvb, mgb, mgxb = splat(sb[0]), splat(sb[1]), splat(sb[2]), splat(sb[3])
-    body = n - n % LANES
-    for i in range(0, body, LANES):
+    body = c0 + (c1 - c0) // LANES * LANES
+    for i in range(c0, body, LANES):
         dya = vload(gyr, ra, i)
         xha = (vload(xr, ra, i) - mva) * rva
         ga = ((times_w(dya, w, i) - mga) - xha * mgxa) * rva
@@ -168,7 +169,7 @@ def _ln_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw, db, grr, has_r
             tb = tb + dyb
         vstore(dw, tw, 0, i)
         vstore(db, tb, 0, i)
-    for i in range(body, n):
+    for i in range(body, c1):
         dya = widen(get(gyr, ra, i))
         xha = (widen(get(xr, ra, i)) - sa[0]) * sa[1]
         ga = ((times_w(dya, w, i) - sa[2]) - xha * sa[3]) * sa[1]
@@ -569,7 +570,7 @@ def _ln_bwd_gathered(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres
         mb, sb_ = mean_in[r + rb], rstd_in[r + rb]
         ga, gxa = _ln_bwd_means(a, b, 0, n, ma, sa_, wv)
         gb, gxb = _ln_bwd_means(a, b, rb, n, mb, sb_, wv) if two else (ga, gxa)
-        _ln_bwd_rows_out(a, b, c, 0, rb, two, n, (ma, sa_, ga, gxa), (mb, sb_, gb, gxb),
+        _ln_bwd_rows_out(a, b, c, 0, rb, two, 0, n, (ma, sa_, ga, gxa), (mb, sb_, gb, gxb),
                          wv, dw, db, d, has_res)
         copy_row(gx, r, gxs, runtime(0))
         if two:
@@ -777,28 +778,18 @@ def ln_short_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_r
 def _ln_bwd_columns(gy, x, mean_in, rstd_in, w, gx, partials, stats, block_rows, c0, c1,
                     gres, has_res):
     """grad_x of columns ``c0 .. c1`` of every row and their dw/db terms, block by block
-    and row by row (each element's operations, and each partial's additions in row
-    order, those of :func:`_ln_bwd_rows`); ``stats[2 * r]``/``stats[2 * r + 1]`` are row
+    and row by row (:func:`_ln_bwd_rows_out` of one row; each partial's additions in row
+    order, as the row kernels make them); ``stats[2 * r]``/``stats[2 * r + 1]`` are row
     ``r``'s (mean of g, mean of g * xhat)."""
     rows = x.shape[0]
     gyv, xv, gxv, grv, wv = raw(gy), raw(x), raw(gx), raw(gres), raw(w)
-    body = c0 + (c1 - c0) // LANES * LANES
     for blk in range(partials.shape[1]):
         dw = raw(partials[0, blk])
         db = raw(partials[1, blk])
         for r in range(blk * block_rows, imin(rows, (blk + 1) * block_rows)):
-            m, s = mean_in[r], rstd_in[r]
-            mg, mgx = stats[2 * r], stats[2 * r + 1]
-            mv, rv, mgv, mgxv = splat(m), splat(s), splat(mg), splat(mgx)
-            for i in range(c0, body, LANES):
-                dy, t = _gx_vec(gyv, xv, gxv, r, i, vload(wv, 0, i), mv, rv, mgv, mgxv, grv,
-                                has_res, PLAIN)
-                vstore(dw, vload(dw, 0, i) + t, 0, i)
-                vstore(db, vload(db, 0, i) + dy, 0, i)
-            for i in range(body, c1):
-                dy, t = _gx_scalar(gyv, xv, gxv, r, i, wv, m, s, mg, mgx, grv, has_res)
-                put(dw, 0, i, get(dw, 0, i) + t)
-                put(db, 0, i, get(db, 0, i) + dy)
+            row = (mean_in[r], rstd_in[r], stats[2 * r], stats[2 * r + 1])
+            _ln_bwd_rows_out(gyv, xv, gxv, r, r, False, c0, c1, row, row, wv, dw, db, grv,
+                             has_res)
 
 
 @cached_njit(parallel=True, error_model="numpy")
@@ -843,15 +834,16 @@ def _rms_bwd_mean(gyr, xr, r, n, rstd, w):
 
 
 @njit(inline="always", error_model="numpy")
-def _rms_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw, grr, has_res):
-    """grad_x of rows ``ra`` and (if ``two``) ``rb``, like :func:`_ln_bwd_rows_out`.
+def _rms_bwd_rows_out(gyr, xr, gxr, ra, rb, two, c0, c1, sa, sb, w, dw, grr, has_res):
+    """grad_x of columns ``c0 .. c1`` of rows ``ra`` and (if ``two``) ``rb``, like
+    :func:`_ln_bwd_rows_out`.
 
     ``sa``/``sb`` are (rstd, mean_gx) of each row.
     """
     rva, mgxa = splat(sa[0]), splat(sa[1])
     rvb, mgxb = splat(sb[0]), splat(sb[1])
-    body = n - n % LANES
-    for i in range(0, body, LANES):
+    body = c0 + (c1 - c0) // LANES * LANES
+    for i in range(c0, body, LANES):
         dya = vload(gyr, ra, i)
         xha = vload(xr, ra, i) * rva
         ga = (times_w(dya, w, i) - xha * mgxa) * rva
@@ -864,7 +856,7 @@ def _rms_bwd_rows_out(gyr, xr, gxr, ra, rb, two, n, sa, sb, w, dw, grr, has_res)
             vstore(gxr, gb + vload(grr, rb, i) if has_res else gb, rb, i)
             tw = tw + dyb * xhb
         vstore(dw, tw, 0, i)
-    for i in range(body, n):
+    for i in range(body, c1):
         dya = widen(get(gyr, ra, i))
         xha = widen(get(xr, ra, i)) * sa[0]
         ga = (times_w(dya, w, i) - xha * sa[1]) * sa[0]
@@ -892,7 +884,7 @@ def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
         sa_, sb_ = rstd_in[r], rstd_in[rb]
         ma = _rms_bwd_mean(gyv, xv, r, n, sa_, wv)
         mb = _rms_bwd_mean(gyv, xv, rb, n, sb_, wv) if two else ma
-        _rms_bwd_rows_out(gyv, xv, gxv, r, rb, two, n, (sa_, ma), (sb_, mb), wv, dw, grv,
+        _rms_bwd_rows_out(gyv, xv, gxv, r, rb, two, 0, n, (sa_, ma), (sb_, mb), wv, dw, grv,
                           has_res)
 
 
@@ -967,7 +959,8 @@ def _rms_bwd_gathered(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_re
         sa_, sb_ = rstd_in[r], rstd_in[r + rb]
         ma = _rms_bwd_mean(a, b, 0, n, sa_, wv)
         mb = _rms_bwd_mean(a, b, rb, n, sb_, wv) if two else ma
-        _rms_bwd_rows_out(a, b, c, 0, rb, two, n, (sa_, ma), (sb_, mb), wv, dw, d, has_res)
+        _rms_bwd_rows_out(a, b, c, 0, rb, two, 0, n, (sa_, ma), (sb_, mb), wv, dw, d,
+                          has_res)
         copy_row(gx, r, gxs, runtime(0))
         if two:
             copy_row(gx, r + 1, gxs, runtime(1))
@@ -1084,27 +1077,15 @@ def rms_gathered_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, 
 def _rms_bwd_columns(gy, x, rstd_in, w, gx, partials, stats, block_rows, c0, c1, gres,
                      has_res):
     """:func:`_ln_bwd_columns` for RMSNorm (``stats[r]``: row ``r``'s mean of g * xhat;
-    each element's operations those of :func:`_rms_bwd_skewed`)."""
+    :func:`_rms_bwd_rows_out` of one row)."""
     rows = x.shape[0]
     gyv, xv, gxv, grv, wv = raw(gy), raw(x), raw(gx), raw(gres), raw(w)
-    body = c0 + (c1 - c0) // LANES * LANES
     for blk in range(partials.shape[1]):
         dw = raw(partials[0, blk])
         for r in range(blk * block_rows, imin(rows, (blk + 1) * block_rows)):
-            s, mgx = rstd_in[r], stats[r]
-            rv, mgxv = splat(s), splat(mgx)
-            for i in range(c0, body, LANES):
-                dy = vload(gyv, r, i)
-                xh = vload(xv, r, i) * rv
-                g = (dy * vload(wv, 0, i) - xh * mgxv) * rv
-                vstore(gxv, g + vload(grv, r, i) if has_res else g, r, i)
-                vstore(dw, vload(dw, 0, i) + dy * xh, 0, i)
-            for i in range(body, c1):
-                dy = widen(get(gyv, r, i))
-                xh = widen(get(xv, r, i)) * s
-                g = (times_w(dy, wv, i) - xh * mgx) * s
-                put(gxv, r, i, narrow(g + widen(get(grv, r, i)) if has_res else g, gxv))
-                put(dw, 0, i, get(dw, 0, i) + dy * xh)
+            row = (rstd_in[r], stats[r])
+            _rms_bwd_rows_out(gyv, xv, gxv, r, r, False, c0, c1, row, row, wv, dw, grv,
+                              has_res)
 
 
 @cached_njit(parallel=True, error_model="numpy")
@@ -1145,12 +1126,12 @@ def _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols, gre
         if rms:
             sd = rstd_in[r]
             mgx = _rms_bwd_mean(gysv, xsv, 0, n, sd, wv)
-            _rms_bwd_rows_out(gysv, xsv, gxsv, 0, 0, False, n, (sd, mgx), (sd, mgx), wv, dw,
-                              grsv, has_res)
+            _rms_bwd_rows_out(gysv, xsv, gxsv, 0, 0, False, 0, n, (sd, mgx), (sd, mgx), wv,
+                              dw, grsv, has_res)
         else:
             m, sd = mean_in[r], rstd_in[r]
             mg, mgx = _ln_bwd_means(gysv, xsv, 0, n, m, sd, wv)
-            _ln_bwd_rows_out(gysv, xsv, gxsv, 0, 0, False, n, (m, sd, mg, mgx),
+            _ln_bwd_rows_out(gysv, xsv, gxsv, 0, 0, False, 0, n, (m, sd, mg, mgx),
                              (m, sd, mg, mgx), wv, dw, db, grsv, has_res)
         for i in range(n):
             gx[o, i, c] = gxs[0, i]
