@@ -1732,7 +1732,10 @@ def test_quantize_row_path_y32_is_the_plain_forward(rms, pipelined):
         want_q, want_s = qref(y_ref, "int8", None if dynamic else np.float32(0.04))
         assert_bitwise(q[:5].view(np.int8), want_q)
         if dynamic:
-            assert_bitwise(bufs[0][:5, :n], y_ref)
+            # Pipelined, the block's rows stay in the buffer; row by row, its one row
+            # holds the last row done.
+            got_y = bufs[0][:5, :n] if pipelined else bufs[0][:1, :n]
+            assert_bitwise(got_y, y_ref if pipelined else y_ref[4:5])
             assert not bufs[0][:, n:].any()  # the padding stays zero
             assert_bitwise(scale[:5], want_s[:, 0])
         assert_bitwise(rstd[:5], stats_ref[-1].reshape(-1))

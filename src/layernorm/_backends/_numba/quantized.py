@@ -16,9 +16,10 @@ bit what the plain forward of the float32-widened input writes:
 
 * static scale: each vector is quantized as it is formed (:func:`ln_row_codes`,
   :func:`rms_row_codes`), no float32 row is stored;
-* dynamic scale: the pass stores ``y32`` into a float32 block buffer while tracking the
-  row's ``amax``; after the block's rows the codes are formed from the buffer (still in
-  cache), the rows' scale chains overlapping.
+* dynamic scale: the pass stores ``y32`` into a float32 buffer while tracking the
+  row's ``amax``; for rows of at most :data:`PIPELINED_ROW_ELEMENTS`, a block buffer
+  whose codes are formed after the block's rows (still in cache, the rows' scale chains
+  overlapping), for longer rows a one-row buffer (in L1) whose codes follow at once.
 
 The passes that read no memory prefetch what the next statistics pass will read
 (:data:`PREFETCH_BYTES`), so that from DRAM the reading overlaps the arithmetic.
@@ -120,7 +121,12 @@ PREFETCH_BYTES = 8192
 #: int8 with a static scale into ``out=``, the kernel alone, float32, 1 thread, pipelined
 #: / not: in cache (512, 256) 33 / 38 us, (128, 1024) 28 / 26, (32, 4096) 29 / 24.5; from
 #: DRAM (8192, 1024) 2774 / 2071 us, (2048, 4096) 3322 / 3036 (the plain norm 1824 and
-#: 2898).
+#: 2898). With a per-row scale, longer rows store ``y32`` in one L1 row whose codes follow
+#: at once instead of in the block buffer whose codes follow the block (measured,
+#: LayerNorm int8 into ``out=`` through the public call, float32, 1 thread, two runs
+#: alternating with the block buffer, us: from DRAM (4096, 768) 1339-1477 -> 993-1128,
+#: (8192, 1024) 3473-3828 -> 2873-2883, (1024, 4096) 2210-2227 -> 2049-2113; in cache
+#: (256, 768) 65-83 -> 56, (32, 4096) 43-44 -> 42; float8 e4m3fn within 5%).
 PIPELINED_ROW_ELEMENTS = 256
 #: The ``pipelined`` argument of the row loops: ``PIPELINED`` (True) or ``ROW_BY_ROW``
 #: (None), chosen by type as ``DYNAMIC``/``STATIC`` are, so that a kernel compiles one
@@ -340,10 +346,11 @@ def ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, i
     """LayerNorm rows ``0 .. rows`` of the view ``xv`` (rows ``r0 ..`` of the call)
     quantized into ``q``: per row the statistics as :func:`.forward_rows.ln_long_rows`
     computes them, then one output pass (a row behind with ``pipelined``). Static scale:
-    the codes straight from the pass. Dynamic: the pass stores ``y32`` into row ``k`` of
-    ``y32`` (a block small enough for L1) and tracks ``amax``; the codes of the block's
-    rows follow (their ``amax``/scale chains overlap). Returns the rows done (stops as
-    ``ln_long_rows``)."""
+    the codes straight from the pass. Dynamic: the pass stores ``y32`` into a float32
+    row and tracks ``amax``; with ``pipelined`` (short rows) into row ``k`` of the
+    block's ``y32`` (small enough for L2), the codes of the block's rows following (their
+    ``amax``/scale chains overlap); row by row into one row (in L1), its codes right
+    after. Returns the rows done (stops as ``ln_long_rows``)."""
     qv = raw(q)
     y32, fbuf, bbuf, invs = bufs
     yv, fv, bv8 = raw(y32), raw(fbuf), raw(bbuf)
@@ -367,16 +374,22 @@ def ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, i
             r = r0 + k
             # What the next iteration's statistics pass reads.
             soon = vaddress(xv, imin(k + 1 + lag, rows - 1), 0)
-            if dynamic is not None:
-                top = ln_row_y32(xv, k, yv, k, n, shift, mean, rstd, wv, bv, soon)
-                invs[k] = inverse_of(top, r, fmt, scale_out)
-            else:
+            if dynamic is None:
                 ln_row_codes(xv, k, qv, r, fv, bv8, n, shift, mean, rstd, wv, bv, fmt,
                              inv_rows[r], soon)
+            elif pipelined is None:
+                # Row by row: the codes right after the row's maximum, from one float32
+                # row in L1 (see PIPELINED_ROW_ELEMENTS).
+                top = ln_row_y32(xv, k, yv, 0, n, shift, mean, rstd, wv, bv, soon)
+                quantize_row(yv, qv, bv8, 0, r, n, fmt, inverse_of(top, r, fmt, scale_out),
+                             soon, 0, itemsize(xv))
+            else:
+                top = ln_row_y32(xv, k, yv, k, n, shift, mean, rstd, wv, bv, soon)
+                invs[k] = inverse_of(top, r, fmt, scale_out)
             put_stat(mean_out, r, mo)
             put_stat(rstd_out, r, rstd)
         shift, mean, mo, rstd = nshift, nmean, nmo, nrstd
-    if dynamic is not None and stop > 0:
+    if dynamic is not None and pipelined is not None and stop > 0:
         quantize_rows_ahead(yv, qv, bv8, xv, rows, stop, r0, n, fmt, invs)
     alive(y32)
     alive(fbuf)
@@ -406,14 +419,18 @@ def rms_rows_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_ou
                 break
             r = r0 + k
             soon = vaddress(xv, imin(k + 1 + lag, rows - 1), 0)
-            if dynamic is not None:
+            if dynamic is None:
+                rms_row_codes(xv, k, qv, r, fv, bv8, n, rstd, wv, fmt, inv_rows[r], soon)
+            elif pipelined is None:  # as in ln_rows_quant
+                top = rms_row_y32(xv, k, yv, 0, n, rstd, wv, soon)
+                quantize_row(yv, qv, bv8, 0, r, n, fmt, inverse_of(top, r, fmt, scale_out),
+                             soon, 0, itemsize(xv))
+            else:
                 top = rms_row_y32(xv, k, yv, k, n, rstd, wv, soon)
                 invs[k] = inverse_of(top, r, fmt, scale_out)
-            else:
-                rms_row_codes(xv, k, qv, r, fv, bv8, n, rstd, wv, fmt, inv_rows[r], soon)
             put_stat(rstd_out, r, rstd)
         rstd = nrstd
-    if dynamic is not None and stop > 0:
+    if dynamic is not None and pipelined is not None and stop > 0:
         quantize_rows_ahead(yv, qv, bv8, xv, rows, stop, r0, n, fmt, invs)
     alive(y32)
     alive(fbuf)
@@ -430,13 +447,14 @@ def _scratch(rows, n):
 
 
 @njit(inline="always", error_model="numpy")
-def _row_buffers(rows, n, dynamic):
+def _row_buffers(rows, n, dynamic, pipelined):
     """The row path's buffers for blocks of up to ``rows`` rows: the float32 ``y32``
-    block (:func:`_scratch`; no rows for a static scale, whose codes come straight from
-    the output pass), one-vector float32 and uint8 rows for a last partial vector, the
-    rows' inverse scales. Allocated once per kernel (per block in parallel)."""
-    return (_scratch(rows if dynamic is not None else 0, n),
-            np.zeros((1, LANES), dtype=np.float32),
+    rows (:func:`_scratch`): the block's with a dynamic scale and ``pipelined``, one row
+    for a dynamic scale row by row, none for a static scale, whose codes come straight
+    from the output pass; one-vector float32 and uint8 rows for a last partial vector;
+    the rows' inverse scales. Allocated once per kernel (per block in parallel)."""
+    y_rows = 0 if dynamic is None else (rows if pipelined is not None else 1)
+    return (_scratch(y_rows, n), np.zeros((1, LANES), dtype=np.float32),
             np.empty((1, LANES), dtype=np.uint8), np.empty(rows, dtype=np.float32))
 
 
@@ -513,7 +531,7 @@ def _ln_quant_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt, dyna
                      inv_rows, scale_out, pipelined):
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
-    bufs = _row_buffers(rb, n, dynamic)
+    bufs = _row_buffers(rb, n, dynamic, pipelined)
     stopped = 0
     for r0 in range(0, rows, rb):
         r1 = imin(rows, r0 + rb)
@@ -545,7 +563,7 @@ def ln_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, 
     for blk in prange(blocks):
         r0 = blk * rb
         r1 = imin(rows, r0 + rb)
-        bufs = _row_buffers(rb, n, dynamic)
+        bufs = _row_buffers(rb, n, dynamic, PIPELINED)
         done[blk] = _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
                               dynamic, inv_rows, scale_out, bufs, r0, r1, PIPELINED) == r1
     return blocks - done.sum()
@@ -573,7 +591,7 @@ def ln_long_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out, 
     for blk in prange(blocks):
         r0 = blk * rb
         r1 = imin(rows, r0 + rb)
-        bufs = _row_buffers(rb, n, dynamic)
+        bufs = _row_buffers(rb, n, dynamic, ROW_BY_ROW)
         done[blk] = _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
                               dynamic, inv_rows, scale_out, bufs, r0, r1, ROW_BY_ROW) == r1
     return blocks - done.sum()
@@ -616,7 +634,7 @@ def _rms_quant_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows, sc
                       pipelined):
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
-    bufs = _row_buffers(rb, n, dynamic)
+    bufs = _row_buffers(rb, n, dynamic, pipelined)
     stopped = 0
     for r0 in range(0, rows, rb):
         r1 = imin(rows, r0 + rb)
@@ -646,7 +664,8 @@ def rms_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv
         r0 = blk * rb
         r1 = imin(rows, r0 + rb)
         done[blk] = _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                               scale_out, _row_buffers(rb, n, dynamic), r0, r1, PIPELINED) == r1
+                               scale_out, _row_buffers(rb, n, dynamic, PIPELINED), r0, r1,
+                               PIPELINED) == r1
     return blocks - done.sum()
 
 
@@ -671,8 +690,8 @@ def rms_long_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic
         r0 = blk * rb
         r1 = imin(rows, r0 + rb)
         done[blk] = _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                               scale_out, _row_buffers(rb, n, dynamic), r0, r1,
-                               ROW_BY_ROW) == r1
+                               scale_out, _row_buffers(rb, n, dynamic, ROW_BY_ROW), r0,
+                               r1, ROW_BY_ROW) == r1
     return blocks - done.sum()
 
 
