@@ -182,6 +182,18 @@ def _store_codes_typed(fmt, view, vec, r, i):
 
 
 @njit(inline="always", error_model="numpy")
+def inverse_of(top, r, fmt, scale_out):
+    """``1 / scale`` of row ``r`` from ``top``, the :func:`._simd.vabsmax` of its ``y32``
+    (the dynamic scale, stored in ``scale_out[r]``)."""
+    amax = hmax_bits(top)
+    scale = amax / qmax_of(fmt)
+    if amax == 0:
+        scale = np.float32(1.0)
+    scale_out[r] = scale
+    return np.float32(1.0) / scale
+
+
+@njit(inline="always", error_model="numpy")
 def row_inverse(yv, k, r, n, fmt, dynamic, inv_rows, scale_out):
     """``1 / scale`` of row ``k`` of the float32 block view ``yv`` (row ``r`` of the call).
 
@@ -195,12 +207,7 @@ def row_inverse(yv, k, r, n, fmt, dynamic, inv_rows, scale_out):
     top = splat(np.float32(0.0))
     for i in range(0, end, LANES):
         top = vabsmax(top, vload(yv, k, i))
-    amax = hmax_bits(top)
-    scale = amax / qmax_of(fmt)
-    if amax == 0:
-        scale = np.float32(1.0)
-    scale_out[r] = scale
-    return np.float32(1.0) / scale
+    return inverse_of(top, r, fmt, scale_out)
 
 
 @njit(inline="always", error_model="numpy")
@@ -227,18 +234,6 @@ def quantize_row(yv, qv, tv, k, r, n, fmt, inv, ahead, ahead_from, ahead_step):
         store_codes(fmt, tv, vload(yv, k, body) * iv, 0, 0)
         for i in range(body, n):
             put(qv, r, i, get(tv, 0, i - body))
-
-
-@njit(inline="always", error_model="numpy")
-def inverse_of(top, r, fmt, scale_out):
-    """``1 / scale`` of row ``r`` from ``top``, the :func:`._simd.vabsmax` of its ``y32``
-    (the dynamic scale, stored in ``scale_out[r]``)."""
-    amax = hmax_bits(top)
-    scale = amax / qmax_of(fmt)
-    if amax == 0:
-        scale = np.float32(1.0)
-    scale_out[r] = scale
-    return np.float32(1.0) / scale
 
 
 @njit(inline="always", error_model="numpy")
