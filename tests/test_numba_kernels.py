@@ -156,8 +156,9 @@ def test_short_rows_in_blocks_match_the_column_path(dtype, n):
         np.testing.assert_allclose(y[finite].astype(np.float64), ref, atol=tol, rtol=0)
 
 
-#: 2050: the rows written whole (SEQUENTIAL_MIN_ROW).
-@pytest.mark.parametrize("n", [1, 7, 16, 100, 129, 300, 2050])
+#: 2050: the rows written whole (SEQUENTIAL_MIN_ROW); 3075: the tiled rows
+#: (TILED_MIN_BYTES), in groups of TILE_ROWS with a last partial tile and a tail.
+@pytest.mark.parametrize("n", [1, 7, 16, 100, 129, 300, 2050, 3075])
 def test_every_row_entry_kernel_gives_the_same_bits_at_any_length(n):
     """The driver picks one entry kernel per path (long rows, short rows, any stride);
     each computes every row length itself, with the same bits. The unit-stride kernels
@@ -175,20 +176,21 @@ def test_every_row_entry_kernel_gives_the_same_bits_at_any_length(n):
     tab = k.merge_table(n, np.dtype(np.float32))
     results = []
     for fn in (k.ln_forward_serial, k.ln_short_forward_serial, k.ln_gathered_forward_serial,
-               k.ln_stream_forward_serial, k.ln_seq_forward_serial, k.ln_forward_parallel,
-               k.ln_short_forward_parallel, k.ln_gathered_forward_parallel,
-               k.ln_stream_forward_parallel, k.ln_seq_forward_parallel):
+               k.ln_stream_forward_serial, k.ln_seq_forward_serial, k.ln_tiled_forward_serial,
+               k.ln_forward_parallel, k.ln_short_forward_parallel,
+               k.ln_gathered_forward_parallel, k.ln_stream_forward_parallel,
+               k.ln_seq_forward_parallel, k.ln_tiled_forward_parallel):
         y = np.full_like(x, np.nan)
         mean = np.full(rows, np.nan, np.float32)
         rstd = np.full(rows, np.nan, np.float32)
         args = (x, w, b, eps, y, mean, rstd, tab, False)
         done = backend.entry.call(fn, backend.LN_FORWARD_WRITES, *args)
         if fn in (k.ln_forward_serial, k.ln_stream_forward_serial,
-                  k.ln_seq_forward_serial) and n > 1:
+                  k.ln_seq_forward_serial, k.ln_tiled_forward_serial) and n > 1:
             # (one element has no deviation)
             assert done == 11 and np.isnan(y[11:]).all()  # stopped, rows after it not done
         if fn in (k.ln_forward_parallel, k.ln_stream_forward_parallel,
-                  k.ln_seq_forward_parallel) and n > 1:
+                  k.ln_seq_forward_parallel, k.ln_tiled_forward_parallel) and n > 1:
             # (stop, end) of the blocks that stopped, and only those: row 11's block
             assert len(done) >= 1 and done[0, 0] == 11 and (done[:, 0] < done[:, 1]).all()
         backend.complete_layer_norm_rows(done, args)
@@ -204,17 +206,18 @@ def test_every_row_entry_kernel_gives_the_same_bits_at_any_length(n):
     np.testing.assert_allclose(y[good], ref, atol=2e-5 * max(1.0, np.abs(ref).max()))
     rms = []
     for fn in (k.rms_forward_serial, k.rms_gathered_forward_serial, k.rms_stream_forward_serial,
-               k.rms_seq_forward_serial, k.rms_forward_parallel,
+               k.rms_seq_forward_serial, k.rms_tiled_forward_serial, k.rms_forward_parallel,
                k.rms_gathered_forward_parallel, k.rms_stream_forward_parallel,
-               k.rms_seq_forward_parallel):
+               k.rms_seq_forward_parallel, k.rms_tiled_forward_parallel):
         y = np.full_like(x, np.nan)
         rstd = np.full(rows, np.nan, np.float32)
         args = (x, w, eps, y, rstd, False)
         done = backend.entry.call(fn, backend.RMS_FORWARD_WRITES, *args)
-        if fn in (k.rms_forward_serial, k.rms_stream_forward_serial, k.rms_seq_forward_serial):
+        if fn in (k.rms_forward_serial, k.rms_stream_forward_serial, k.rms_seq_forward_serial,
+                  k.rms_tiled_forward_serial):
             assert done == 11
         if fn in (k.rms_forward_parallel, k.rms_stream_forward_parallel,
-                  k.rms_seq_forward_parallel):
+                  k.rms_seq_forward_parallel, k.rms_tiled_forward_parallel):
             assert len(done) >= 1 and done[0, 0] == 11 and (done[:, 0] < done[:, 1]).all()
         backend.complete_rms_norm_rows(done, args)
         rms.append((y, rstd))

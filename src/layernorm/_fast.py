@@ -107,12 +107,13 @@ class Plan:
         #: The LayerNorm kernels' table of n-dependent weights (None for RMSNorm).
         self.tab = None if rms else kernels.merge_table(n, self.acc)
         # The kernels of contiguous rows (the plan's checks keep x and y contiguous).
+        size = _numba.param_bytes(self.acc)
         if rms:
-            serial, parallel = _numba.rms_unit_row_kernels(kernels, n)
-            streamed = _numba.rms_unit_row_kernels(kernels, n, True)
+            serial, parallel = _numba.rms_unit_row_kernels(kernels, n, False, size)
+            streamed = _numba.rms_unit_row_kernels(kernels, n, True, size)
         else:
-            serial, parallel = _numba.ln_unit_row_kernels(kernels, n)
-            streamed = _numba.ln_unit_row_kernels(kernels, n, True)
+            serial, parallel = _numba.ln_unit_row_kernels(kernels, n, False, size)
+            streamed = _numba.ln_unit_row_kernels(kernels, n, True, size)
         #: ``run`` with streaming stores, for large calls that use them (``nt``).
         self.run_streamed = None
         if self.large:

@@ -14,7 +14,8 @@ drivers (``layernorm._backends._numba``):
 * rows (the normalized axis last): the serial row kernel, on contiguous rows of at most
   128 elements (the short-row path), rows of 256 (the quantizing kernels' pipelined
   rows), longer rows, rows of at least 2048 elements (the backward's tiles; the
-  forward's rows written whole, ``SEQUENTIAL_MIN_ROW``), and strided rows; and the
+  forward's rows written whole, ``SEQUENTIAL_MIN_ROW``), rows of 4096 (the forward's
+  column tiles over groups of rows, ``TILED_MIN_BYTES``), and strided rows; and the
   parallel row
   kernel on inputs of at least ``PARALLEL_MIN_ELEMENTS`` elements, when Numba has more
   than one thread (a process with one thread never runs it);
@@ -68,8 +69,8 @@ def layouts(threads: int) -> list[Layout]:
     Examples
     --------
     >>> [lay.name for lay in layouts(1)]  # doctest: +NORMALIZE_WHITESPACE
-    ['short rows', 'rows of 256', 'long rows', 'tiled rows', 'strided rows', 'columns',
-     'streamed long rows', 'streamed tiled rows']
+    ['short rows', 'rows of 256', 'long rows', 'tiled rows', 'rows of 4096', 'strided rows',
+     'columns', 'streamed long rows', 'streamed tiled rows']
     >>> all(np.prod(lay.shape) // lay.step >= 1 << 16 for lay in layouts(2) if lay.parallel)
     True
     """
@@ -84,6 +85,9 @@ def layouts(threads: int) -> list[Layout]:
         # Rows of at least PAIR_MIN_N (2048): RMSNorm's pairs; the forward's rows
         # written whole (at least SEQUENTIAL_MIN_ROW).
         Layout("tiled rows", (4, 2048)),
+        # Rows of at least TILED_MIN_BYTES of float32 parameters: the forward's column
+        # tiles over groups of rows.
+        Layout("rows of 4096", (4, 4096)),
         Layout("strided rows", (8, 2048), step=2),
         Layout("columns", (2, 16, 8), axis=1),
         Layout("streamed long rows", (8, 1024), streamed=True),
@@ -96,6 +100,7 @@ def layouts(threads: int) -> list[Layout]:
             # Two blocks of the backward's rows; one block (32 rows) splits columns.
             Layout("parallel long rows", (128, 1024), parallel=True),
             Layout("parallel tiled rows", (32, 2048), parallel=True),
+            Layout("parallel rows of 4096", (16, 4096), parallel=True),
             Layout("parallel columns", (4, 128, 128), axis=1, parallel=True),
             Layout("parallel streamed long rows", (128, 1024), parallel=True,
                    streamed=True),

@@ -355,15 +355,25 @@ def ln_row_kernels(k: Any, x: Any, y: Any, stream: bool = False) -> tuple[Any, A
     ``stream``: :func:`use_streaming_stores` said yes (only the long-row path streams)."""
     if not (_unit_stride(x) and _unit_stride(y)):
         return k.ln_gathered_forward_serial, k.ln_gathered_forward_parallel
-    return ln_unit_row_kernels(k, x.shape[1], stream)
+    return ln_unit_row_kernels(k, x.shape[1], stream, param_bytes(x.dtype))
 
 
-def ln_unit_row_kernels(k: Any, n: int, stream: bool = False) -> tuple[Any, Any]:
-    """:func:`ln_row_kernels` for rows of ``n`` elements of unit stride (x and y)."""
+def param_bytes(dtype: Any) -> int:
+    """Bytes per element of the parameters the kernels take for inputs of ``dtype`` (the
+    accumulation type's: float64 for float64, else float32)."""
+    return 8 if np.dtype(dtype) == np.float64 else 4
+
+
+def ln_unit_row_kernels(k: Any, n: int, stream: bool = False,
+                        param_size: int = 4) -> tuple[Any, Any]:
+    """:func:`ln_row_kernels` for rows of ``n`` elements of unit stride (x and y), whose
+    parameters have ``param_size`` bytes per element (:func:`param_bytes`)."""
     if n <= k.SHORT_ROW_MAX:
         return k.ln_short_forward_serial, k.ln_short_forward_parallel
     if stream:
         return k.ln_stream_forward_serial, k.ln_stream_forward_parallel
+    if n * param_size >= k.TILED_MIN_BYTES:
+        return k.ln_tiled_forward_serial, k.ln_tiled_forward_parallel
     if n >= k.SEQUENTIAL_MIN_ROW:
         return k.ln_seq_forward_serial, k.ln_seq_forward_parallel
     return k.ln_forward_serial, k.ln_forward_parallel
@@ -374,13 +384,17 @@ def rms_row_kernels(k: Any, x: Any, y: Any, stream: bool = False) -> tuple[Any, 
     :func:`ln_row_kernels`)."""
     if not (_unit_stride(x) and _unit_stride(y)):
         return k.rms_gathered_forward_serial, k.rms_gathered_forward_parallel
-    return rms_unit_row_kernels(k, x.shape[1], stream)
+    return rms_unit_row_kernels(k, x.shape[1], stream, param_bytes(x.dtype))
 
 
-def rms_unit_row_kernels(k: Any, n: int, stream: bool = False) -> tuple[Any, Any]:
-    """:func:`rms_row_kernels` for rows of ``n`` elements of unit stride (x and y)."""
+def rms_unit_row_kernels(k: Any, n: int, stream: bool = False,
+                         param_size: int = 4) -> tuple[Any, Any]:
+    """:func:`rms_row_kernels` for rows of ``n`` elements of unit stride (x and y) (see
+    :func:`ln_unit_row_kernels`)."""
     if stream:
         return k.rms_stream_forward_serial, k.rms_stream_forward_parallel
+    if n * param_size >= k.TILED_MIN_BYTES:
+        return k.rms_tiled_forward_serial, k.rms_tiled_forward_parallel
     if n >= k.SEQUENTIAL_MIN_ROW:
         return k.rms_seq_forward_serial, k.rms_seq_forward_parallel
     return k.rms_forward_serial, k.rms_forward_parallel

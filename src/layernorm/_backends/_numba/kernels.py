@@ -115,6 +115,7 @@ _HOMES = {
     "forward_rows": (
         "SEQUENTIAL_MIN_ROW",
         "SHORT_ROW_MAX",
+        "TILED_MIN_BYTES",
         "ln_forward_parallel",
         "ln_forward_serial",
         "ln_gathered_forward_parallel",
@@ -125,6 +126,8 @@ _HOMES = {
         "ln_short_forward_serial",
         "ln_stream_forward_parallel",
         "ln_stream_forward_serial",
+        "ln_tiled_forward_parallel",
+        "ln_tiled_forward_serial",
         "rms_forward_parallel",
         "rms_forward_serial",
         "rms_gathered_forward_parallel",
@@ -133,6 +136,8 @@ _HOMES = {
         "rms_seq_forward_serial",
         "rms_stream_forward_parallel",
         "rms_stream_forward_serial",
+        "rms_tiled_forward_parallel",
+        "rms_tiled_forward_serial",
     ),
     "fused": (
         "add_ln_forward_parallel",

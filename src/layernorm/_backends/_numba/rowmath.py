@@ -113,6 +113,9 @@ LANES = WIDTH
 PLAIN = None
 STREAM = True
 SEQUENTIAL = 0
+#: The forward row loops' fourth order, ``TILED`` (a float): long rows a group at a
+#: time, the output pass in column tiles over the group (:func:`.forward_rows.ln_tiled_rows`).
+TILED = 0.0
 PER_LANE = 8
 CHUNK = LANES * PER_LANE
 #: Full chunks summed in ``T`` before a long row's lane sums are closed into float64
