@@ -63,6 +63,7 @@ from .diskcache import cached_njit
 from .rescale import ln_row_rescaled, needs_rescaling, rms_row_rescaled, usable_rstd
 from .rowmath import (
     BLOCK_CHUNKS,
+    BLOCK_MULTIPLE,
     CHUNK,
     LANES,
     PER_LANE,
@@ -353,6 +354,40 @@ def ln_tiled_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
     return stop
 
 
+@njit(inline="always", error_model="numpy")
+def tiled_blocks(rows, n):
+    """The number of blocks of the parallel ``TILED`` kernels: :func:`.rowmath.even_blocks`
+    where that leaves each block a whole group (``TILE_ROWS`` rows), else fewer, so
+    that a group's tiles of ``w`` serve its rows (24 blocks of (44, 4096) were groups
+    of one or two rows): a multiple of ``BLOCK_MULTIPLE``, or the largest of 12, 8, 6,
+    4 that leaves whole groups, or 2 (equal shares for two threads)."""
+    blocks = even_blocks(rows, n)
+    most = rows // TILE_ROWS
+    if blocks <= most:
+        return blocks
+    if most >= BLOCK_MULTIPLE:
+        return most // BLOCK_MULTIPLE * BLOCK_MULTIPLE
+    for fewer in (12, 8, 6, 4):
+        if fewer <= most:
+            return fewer
+    return imin(2, imax(rows, 1))
+
+
+def blocks_in_order(rows, n, order):
+    """:func:`tiled_blocks` for the ``TILED`` order, else :func:`.rowmath.even_blocks`
+    (chosen by ``order``'s type, as :func:`ln_rows_in_order`)."""
+    if isinstance(order, float):
+        return tiled_blocks(rows, n)
+    return even_blocks(rows, n)
+
+
+@overload(blocks_in_order)
+def _blocks_in_order_typed(rows, n, order):
+    if isinstance(order, types.Float):
+        return lambda rows, n, order: tiled_blocks(rows, n)
+    return lambda rows, n, order: even_blocks(rows, n)
+
+
 def ln_rows_in_order(xv, yv, wv, bv, tv, eps, n, order, mean_out, rstd_out, r0, r1, s0):
     """:func:`ln_tiled_rows` for the ``TILED`` order, else :func:`ln_long_rows`
     (``PLAIN``, ``STREAM`` or ``SEQUENTIAL``): chosen by ``order``'s type, so that a
@@ -567,7 +602,7 @@ def stopped_blocks(pending):
 def _ln_rows_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, stream):
     rows, n = x.shape
     xv, yv, wv, bv, tv = raw(x), raw(y), raw(w), raw(b), raw(tab)
-    blocks = even_blocks(rows, n)
+    blocks = blocks_in_order(rows, n, stream)
     pending = np.empty((blocks, 2), dtype=np.int64)
     for blk in prange(blocks):
         r0, r1 = block_span(blk, blocks, rows, runtime(1))
@@ -950,7 +985,7 @@ def rms_stream_forward_serial(x, w, eps, y, rstd_out, nt):
 def _rms_rows_parallel(x, w, eps, y, rstd_out, stream):
     rows, n = x.shape
     xv, yv, wv = raw(x), raw(y), raw(w)
-    blocks = even_blocks(rows, n)
+    blocks = blocks_in_order(rows, n, stream)
     pending = np.empty((blocks, 2), dtype=np.int64)
     for blk in prange(blocks):
         r0, r1 = block_span(blk, blocks, rows, runtime(1))
