@@ -112,8 +112,10 @@ def test_a_collapsed_probe_turns_the_class_serial_until_the_next_probe():
 
 def test_probes_are_at_least_the_minimum_pause_apart():
     chooser, clock, key = make()
-    chooser.record(key, False, 1e-4, ELEMENTS)
-    probe(chooser, key, 2e-4, 2e-4, 2e-4)
+    # Calls so short that PROBE_COST_FACTOR times the probe is less than the pause.
+    fast = schedule.PROBE_PAUSE_S / schedule.PROBE_COST_FACTOR / (4 * schedule.RECENT)
+    chooser.record(key, False, fast / 2, ELEMENTS)
+    probe(chooser, key, fast, fast, fast)
     clock.now += schedule.PROBE_PAUSE_S / 2
     assert chooser.parallel(key) is False
     clock.now += schedule.PROBE_PAUSE_S

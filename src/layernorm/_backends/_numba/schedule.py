@@ -53,8 +53,14 @@ from typing import Any
 
 #: The policies ``LAYERNORM_PARALLEL`` may name.
 POLICIES = ("auto", "always", "never")
-#: Least seconds between two parallel probes of a class run serially.
-PROBE_PAUSE_S = 0.05
+#: Least seconds between two parallel probes of a class run serially. Another library's
+#: thread pool that keeps spinning after its own call (ONNX Runtime's, XLA's) makes the
+#: parallel calls just after it slow for a moment: a probe then turns a class serial
+#: until the next one. Measured, ``bench --regime cache --threads 2`` (torch, ONNX
+#: Runtime and JAX calls between this library's), LayerNorm forward speed-up over torch:
+#: with 50 ms, one or two of the eight shapes ran serial in each run (1.05x and 1.11x);
+#: with 5 ms none did (1.29-1.98x over two runs).
+PROBE_PAUSE_S = 0.005
 #: A probe waits at least this many times the duration of the previous probe's calls.
 PROBE_COST_FACTOR = 30.0
 #: Calls whose median stands for a class's serial or parallel time; a probe measures this
