@@ -9,9 +9,12 @@ a (2048, 512) forward took 8 ms at 2 threads against 0.5 ms serial beside one bu
 process; TBB's work stealing avoids that but collapsed beside torch's OpenMP threads).
 
 :class:`Chooser` keeps, per kernel, input dtype and size class (``elements.bit_length()``),
-the seconds per element of its latest ``RECENT`` serial and parallel calls; their medians
-stand for the class. A call runs parallel unless the parallel median is above the serial
-one; while serial, the class probes parallel again after a pause of at least
+the seconds per element of its latest ``SERIAL_WINDOW`` serial and ``PARALLEL_WINDOW``
+parallel calls. The serial median stands for serial calls; the parallel median, or the
+second slowest parallel call over ``TAIL_ALLOWANCE`` where that is more, for parallel
+ones (a tail of collapsed calls, see :data:`PARALLEL_WINDOW`). A call runs parallel
+unless the parallel figure is above the serial one; while serial, the class probes
+parallel again after a pause of at least
 ``PROBE_PAUSE_S`` and ``PROBE_COST_FACTOR`` times what the last probe cost, so probing
 costs at most a few percent of the time even when every probe collapses; while
 parallel, ``RECENT`` serial calls refresh the serial times every ``SERIAL_REFRESH_S``. A
@@ -66,6 +69,35 @@ PROBE_COST_FACTOR = 30.0
 #: Calls whose median stands for a class's serial or parallel time; a probe measures this
 #: many parallel calls (after the one that wakes the pool).
 RECENT = 3
+#: Parallel calls whose times a parallel class keeps (a probe starts them again). Beside
+#: a busy process some parallel calls collapse (their worker thread waits for a time
+#: slice) while the others stay faster than serial: at (8192, 1024) beside one spinning
+#: process, one parallel call in three took 5 ms against 1.3-1.5 ms for the rest and
+#: 1.5 ms serial, so the median of three stayed below the serial one and the default
+#: call's p90 was 2.4-2.8x the serial p90. So once ``TAIL_MIN`` back-to-back parallel
+#: times are known, the second largest of them, divided by ``TAIL_ALLOWANCE``, must be
+#: below the serial median too: two collapsed calls among the latest eight turn the
+#: class serial, a single one (an interrupt) does not. With it, the default call's p90
+#: was 0.78-1.35x the serial p90 over six runs beside one busy process.
+PARALLEL_WINDOW = 8
+TAIL_MIN = 4
+#: How much slower than the serial median the tail of parallel calls may be: a
+#: collapsed call waits for a time slice, several times the serial time. With 1.3, the
+#: calls right after one of ``bench``'s peers also counted (LayerNorm at 2 threads in
+#: cache 1.12-1.49x torch over two runs, 1.15-1.53x with 2.0).
+TAIL_ALLOWANCE = 2.0
+#: Only parallel calls that start within this many seconds of the end of the previous
+#: measured one count for the tail. The first calls after another library's thread pool
+#: ran are slow while its threads spin (``bench`` interleaves torch, ONNX Runtime and
+#: JAX between samples of this library's calls, and a model runs its matrix products
+#: between norms): they are not the tail of this library's parallel calls. Busy
+#: processes slow back-to-back calls too.
+BACK_TO_BACK_S = 1e-4
+#: Serial calls whose median stands for a class's serial time. Serial calls collapse
+#: beside a busy process too (two of a refresh's three took 5.9 ms against 1.8 ms): a
+#: median of three then stood for the slow ones, and parallel calls that collapsed one
+#: in four looked faster.
+SERIAL_WINDOW = 8
 #: Seconds between two serial calls refreshing the serial mean of a parallel class.
 SERIAL_REFRESH_S = 2.0
 
@@ -83,13 +115,15 @@ class _Class:
     """What is known about one (kernel, dtype, size class)."""
 
     __slots__ = ("left", "parallel", "parallel_at", "parallel_times", "probe_s", "serial",
-                 "serial_at", "serial_left", "serial_times", "slept")
+                 "serial_at", "serial_left", "serial_times", "slept", "tail_times")
 
     def __init__(self) -> None:
-        self.serial_times: list[float] = []  # latest RECENT, seconds per element
-        self.parallel_times: list[float] = []
+        self.serial_times: list[float] = []  # latest SERIAL_WINDOW, seconds per element
+        self.parallel_times: list[float] = []  # latest PARALLEL_WINDOW
+        self.tail_times: list[float] = []  # of them, the calls right after another
         self.serial: float | None = None  # median of serial_times
-        self.parallel: float | None = None  # median of parallel_times, once a probe is done
+        # _parallel_score of parallel_times, once a probe is done
+        self.parallel: float | None = None
         self.serial_at = -1e300  # clock of the latest serial measurement
         self.parallel_at = -1e300  # clock of the latest measured parallel call
         self.probe_s = 0.0  # seconds the measured calls of the latest probe took
@@ -101,12 +135,24 @@ class _Class:
         self.serial_left = 0  # measured calls left in the current serial refresh
 
 
-def _push(times: list[float], rate: float) -> float:
-    """Append ``rate`` to the latest ``times`` (at most ``RECENT``); their median."""
+def _push(times: list[float], rate: float, keep: int = RECENT) -> float:
+    """Append ``rate`` to the latest ``times`` (at most ``keep``); their median."""
     times.append(rate)
-    if len(times) > RECENT:
+    if len(times) > keep:
         del times[0]
     return sorted(times)[len(times) // 2]
+
+
+def _parallel_score(times: list[float], tail: list[float]) -> float:
+    """What the latest parallel ``times`` stand for against the serial median: their
+    median, or, once ``tail`` (those of them that came right after another, see
+    :data:`BACK_TO_BACK_S`) holds ``TAIL_MIN``, its second largest divided by
+    ``TAIL_ALLOWANCE`` where that is more (a tail of slow calls, see
+    :data:`PARALLEL_WINDOW`)."""
+    score = sorted(times)[len(times) // 2]
+    if len(tail) >= TAIL_MIN:
+        score = max(score, sorted(tail)[-2] / TAIL_ALLOWANCE)
+    return score
 
 
 class Chooser:
@@ -172,7 +218,7 @@ class Chooser:
             if moved:
                 c.serial_left = RECENT
                 return
-            c.serial = _push(c.serial_times, rate)
+            c.serial = _push(c.serial_times, rate, SERIAL_WINDOW)
             c.serial_at = now
             if c.serial_left > 0:
                 c.serial_left -= 1
@@ -181,13 +227,17 @@ class Chooser:
             c.slept = False
             c.left, c.probe_s = RECENT, 0.0
             c.parallel_times.clear()
+            c.tail_times.clear()
         else:
-            median = _push(c.parallel_times, rate)
+            _push(c.parallel_times, rate, PARALLEL_WINDOW)
+            if now - seconds - c.parallel_at <= BACK_TO_BACK_S:
+                _push(c.tail_times, rate, PARALLEL_WINDOW)
+            score = _parallel_score(c.parallel_times, c.tail_times)
             c.parallel_at = now
             if c.left > 0:
                 c.probe_s += seconds
                 c.left -= 1
                 if c.left == 0:
-                    c.parallel = median
+                    c.parallel = score
             elif c.parallel is not None:
-                c.parallel = median
+                c.parallel = score
