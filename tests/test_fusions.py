@@ -1461,9 +1461,12 @@ KERNEL_DTYPES = [("float32", "float32", "float32"), ("bfloat16", "bfloat16", "bf
 def test_quantize_kernel_is_the_composition(rms, add, fmt, static):
     # Row lengths around a vector (16 lanes), blocks of rows (BLOCK_ELEMENTS) apart, and
     # on each row path (LayerNorm: short rows, pipelined rows, rows one by one).
-    for (xd, rd, hd), (rows, n) in zip(KERNEL_DTYPES * 3, [(3, 1), (5, 15), (70, 300),
+    # Rows with 12 KiB of weight or more in tiles over blocks of 8 rows (a partial last
+    # block, a vector tail).
+    for (xd, rd, hd), (rows, n) in zip(KERNEL_DTYPES * 4, [(3, 1), (5, 15), (70, 300),
                                                           (9, 16), (4, 17), (2, 2100),
-                                                          (90, 200), (3, 256), (3, 257)],
+                                                          (90, 200), (3, 256), (3, 257),
+                                                          (11, 3075), (9, 4096), (3, 8200)],
                                        strict=True):
         x = data((rows, n), xd, 0, 3.0)
         x[0, n // 2] = np.nan if rows > 2 else x[0, n // 2]
@@ -1499,7 +1502,7 @@ def test_quantize_kernel_is_the_composition(rms, add, fmt, static):
             assert_bitwise(got_stat, want)
 
 
-@pytest.mark.parametrize("shape", [(300, 1000), (700, 200)])  # rows one by one, pipelined
+@pytest.mark.parametrize("shape", [(300, 1000), (700, 200), (40, 4100)])  # by row, pipelined, tiled
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantize_kernel_serial_and_parallel_agree(fmt, shape):
     numba = pytest.importorskip("numba")
@@ -1576,7 +1579,7 @@ def test_quantize_short_path_is_the_composition(rms, fmt):
 
 
 @pytest.mark.parametrize("magnitude", sorted(OUT_OF_RANGE))
-@pytest.mark.parametrize("shape", [(4, 300), (37, 64), (3000, 48)])
+@pytest.mark.parametrize("shape", [(4, 300), (37, 64), (3000, 48), (12, 3072)])
 def test_quantize_kernel_rows_whose_squares_overflow(shape, magnitude):
     # Overflowing (or, with eps = 0, underflowing) rows (see rescale.py) among ordinary
     # ones, in every block: the kernel stops before such a row and the driver finishes
@@ -1681,20 +1684,21 @@ def test_quantize_kernel_leaves_other_calls_to_the_composition(case):
     assert_bitwise(s, want_s)
 
 
-@pytest.mark.parametrize("pipelined", [True, False])
+@pytest.mark.parametrize("pipelined", [True, False, "tiled"])
 @pytest.mark.parametrize("rms", [False, True])
 def test_quantize_row_path_y32_is_the_plain_forward(rms, pipelined):
     # The quantizing row path computes y32 in its own output pass (quantized.py), which
     # must be bit for bit the plain forward's: every kind of row (ordinary, constant,
     # NaN, cancelling with an outlying first element so the statistics are redone, and
     # a finite row whose squares overflow, where the rows stop), with a vector tail;
-    # with the output pass a row behind the statistics (pipelined) and right after them.
+    # with the output pass a row behind the statistics (pipelined), right after them,
+    # and in column tiles over the rows (tiled, here tiles of a 300-element row).
     numba = pytest.importorskip("numba")
     from layernorm._backends._numba import quantized as qz
     from layernorm._backends._numba import rowmath
     from layernorm._backends._numba._simd import raw
 
-    lag = qz.PIPELINED if pipelined else qz.ROW_BY_ROW
+    lag = {True: qz.PIPELINED, False: qz.ROW_BY_ROW, "tiled": qz.TILED}[pipelined]
     rows, n = 6, 300
     x = data((rows, n), "float32", 0, 3.0)
     x[1] = np.float32(0.75)
@@ -1710,10 +1714,11 @@ def test_quantize_row_path_y32_is_the_plain_forward(rms, pipelined):
     @numba.njit
     def run(x, w, b, tab, eps, q, fmt, dynamic, inv, scale, mean, rstd, bufs, lag):
         if rms:
-            return qz.rms_rows_quant(raw(x), raw(w), eps, x.shape[1], rstd, q, fmt, dynamic,
-                                     inv, scale, bufs, 0, x.shape[0], lag)
-        return qz.ln_rows_quant(raw(x), raw(w), raw(b), raw(tab), eps, x.shape[1], mean,
-                                rstd, q, fmt, dynamic, inv, scale, bufs, 0, x.shape[0], lag)
+            return qz.rms_quant_rows_by(raw(x), raw(w), eps, x.shape[1], rstd, q, fmt,
+                                        dynamic, inv, scale, bufs, 0, x.shape[0], lag)
+        return qz.ln_quant_rows_by(raw(x), raw(w), raw(b), raw(tab), eps, x.shape[1], mean,
+                                   rstd, q, fmt, dynamic, inv, scale, bufs, 0, x.shape[0],
+                                   lag)
 
     ref_fn = ln.rms_norm if rms else ln.layer_norm
     params = {"weight": w} if rms else {"weight": w, "bias": b}
@@ -1721,7 +1726,8 @@ def test_quantize_row_path_y32_is_the_plain_forward(rms, pipelined):
     tab = rowmath.merge_table(n, np.dtype(np.float32))
     for dynamic in (qz.DYNAMIC, qz.STATIC):
         bufs = (np.zeros((rows, pad), np.float32), np.zeros((1, rowmath.LANES), np.float32),
-                np.empty((1, rowmath.LANES), np.uint8), np.empty(rows, np.float32))
+                np.empty((1, rowmath.LANES), np.uint8), np.empty(rows, np.float32),
+                np.empty((3, rows), np.float32), np.empty((rows, rowmath.LANES), np.float32))
         q = np.zeros((rows, n), np.uint8)
         mean, rstd = np.empty(rows, np.float32), np.empty(rows, np.float32)
         scale = np.empty(rows, np.float32)
@@ -1732,8 +1738,8 @@ def test_quantize_row_path_y32_is_the_plain_forward(rms, pipelined):
         want_q, want_s = qref(y_ref, "int8", None if dynamic else np.float32(0.04))
         assert_bitwise(q[:5].view(np.int8), want_q)
         if dynamic:
-            # Pipelined, the block's rows stay in the buffer; row by row, its one row
-            # holds the last row done.
+            # Pipelined and tiled, the block's rows stay in the buffer; row by row, its
+            # one row holds the last row done.
             got_y = bufs[0][:5, :n] if pipelined else bufs[0][:1, :n]
             assert_bitwise(got_y, y_ref if pipelined else y_ref[4:5])
             assert not bufs[0][:, n:].any()  # the padding stays zero
