@@ -621,7 +621,7 @@ def ln_quant_rows_by(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic
                          inv_rows, scale_out, bufs, r0, rows, pipelined)
 
 
-@overload(ln_quant_rows_by)
+@overload(ln_quant_rows_by, inline="always")
 def _ln_quant_rows_by_typed(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic,
                             inv_rows, scale_out, bufs, r0, rows, pipelined):
     if isinstance(pipelined, types.Integer):
@@ -648,7 +648,7 @@ def rms_quant_rows_by(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale
                           bufs, r0, rows, pipelined)
 
 
-@overload(rms_quant_rows_by)
+@overload(rms_quant_rows_by, inline="always")
 def _rms_quant_rows_by_typed(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_out,
                              bufs, r0, rows, pipelined):
     if isinstance(pipelined, types.Integer):
