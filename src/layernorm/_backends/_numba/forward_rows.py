@@ -131,7 +131,7 @@ SUMS_PER_OUTPUT_CHUNK = 2
 #: 1536, 0.88 at 2048, 0.98 at 4096, 1.01 at 8192; RMSNorm 1.00, 0.94, 0.93, 1.00;
 #: 1.00-1.02 at 1024.
 SEQUENTIAL_MIN_ROW = 1536
-#: In the ``SEQUENTIAL`` order (:func:`ln_tiled_rows`, :func:`rms_tiled_rows`), rows go
+#: In the ``TILED`` order (:func:`ln_tiled_rows`, :func:`rms_tiled_rows`), rows go
 #: this many at a time: their statistics first, then their output pass in column tiles
 #: of ``TILE_BYTES`` of ``w`` (and as much of ``b``), each tile over every row of the
 #: group before the next tile (no effect on results). Row by row, a row's x and y

@@ -66,8 +66,8 @@ POLICIES = ("auto", "always", "never")
 PROBE_PAUSE_S = 0.005
 #: A probe waits at least this many times the duration of the previous probe's calls.
 PROBE_COST_FACTOR = 30.0
-#: Calls whose median stands for a class's serial or parallel time; a probe measures this
-#: many parallel calls (after the one that wakes the pool).
+#: Parallel calls a probe measures (after the one that wakes the pool), and serial calls
+#: a serial refresh measures (after the one that moves the data back).
 RECENT = 3
 #: Parallel calls whose times a parallel class keeps (a probe starts them again). Beside
 #: a busy process some parallel calls collapse (their worker thread waits for a time
@@ -120,7 +120,7 @@ class _Class:
     def __init__(self) -> None:
         self.serial_times: list[float] = []  # latest SERIAL_WINDOW, seconds per element
         self.parallel_times: list[float] = []  # latest PARALLEL_WINDOW
-        self.tail_times: list[float] = []  # of them, the calls right after another
+        self.tail_times: list[float] = []  # latest PARALLEL_WINDOW right after another
         self.serial: float | None = None  # median of serial_times
         # _parallel_score of parallel_times, once a probe is done
         self.parallel: float | None = None
