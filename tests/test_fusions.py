@@ -277,7 +277,7 @@ FUSED_DTYPES = [("float32", "float32", None), ("bfloat16", "float32", None),
 @given(
     dtypes=st.sampled_from(FUSED_DTYPES),
     rows=st.integers(1, 70),
-    n=st.sampled_from([1, 15, 16, 17, 100, 128, 129, 300, 1024, 1100, 2050]),
+    n=st.sampled_from([1, 15, 16, 17, 100, 128, 129, 300, 1024, 1100, 2050, 3100]),
     rms=st.booleans(),
     params=st.sampled_from(["none", "weight", "both", "offset"]),
     stream=st.booleans(),
@@ -287,7 +287,8 @@ def test_one_pass_kernel_is_bitwise_the_composition(dtypes, rows, n, rms, params
                                                     seed):
     # Rows of up to 2050 elements across block boundaries (BLOCK_ELEMENTS // n rows per
     # block), short rows (<= 128) and long ones, vector tails, streaming stores or not;
-    # 2050: the rows written whole before the next is read (SEQUENTIAL_MIN_ROW).
+    # 2050: the rows written whole before the next is read (SEQUENTIAL_MIN_ROW); 3100,
+    # and float64 rows of 2050: column tiles over groups of rows (TILED_MIN_BYTES).
     xd, rd, hd = dtypes
     x = data((rows, n), xd, seed, 3.0)
     r = data((rows, n), rd, seed + 1, 3.0)
@@ -354,15 +355,15 @@ ALIASES = ["out=x", "out=residual", "residual_out=x", "residual_out=residual",
            "out=x,residual_out=residual", "out=residual,residual_out=x"]
 
 
-@pytest.mark.parametrize("n", [200, 1100, 2050])
+@pytest.mark.parametrize("n", [200, 1100, 2050, 3100])
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("case", ALIASES)
 def test_one_pass_kernel_in_place(case, rms, stream, n):
     # Rows of 1100 in several blocks (streaming stores peel to an aligned address, then
     # a vector body and a tail), rows of 200 (the next row's first pass overlaps this
-    # row's output) and of 2050 (each row written whole first), every output either x
-    # or residual itself.
+    # row's output), of 2050 (each row written whole first) and of 3100 (column tiles
+    # over groups of rows), every output either x or residual itself.
     x0, r0 = data((40, n), "float32", 0), data((40, n), "float32", 1)
     w = data((n,), "float32", 2)
     y_ref, h_ref, _ = unfused(x0, r0, "float32", rms, weight=w)

@@ -105,13 +105,14 @@ class AddPlan:
         self.no_stats = np.empty(0, dtype=self.acc)
         #: The LayerNorm kernels' table of n-dependent weights (None for RMSNorm).
         self.tab = None if rms else kernels.merge_table(n, self.acc)
+        size = _numba.param_bytes(self.acc)
         if rms:
-            serial, parallel = _numba.add_rms_kernels(kernels, n)
-            streamed = _numba.add_rms_kernels(kernels, n, True)
+            serial, parallel = _numba.add_rms_kernels(kernels, n, False, size)
+            streamed = _numba.add_rms_kernels(kernels, n, True, size)
             writes = _numba.ADD_RMS_WRITES
         else:
-            serial, parallel = _numba.add_ln_kernels(kernels, n)
-            streamed = _numba.add_ln_kernels(kernels, n, True)
+            serial, parallel = _numba.add_ln_kernels(kernels, n, False, size)
+            streamed = _numba.add_ln_kernels(kernels, n, True, size)
             writes = _numba.ADD_LN_WRITES
         #: Large calls: the backend picks serial or parallel, plain or streaming stores.
         self.large = rows * n >= _numba.PARALLEL_MIN_ELEMENTS

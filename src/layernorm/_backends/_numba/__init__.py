@@ -400,22 +400,29 @@ def rms_unit_row_kernels(k: Any, n: int, stream: bool = False,
     return k.rms_forward_serial, k.rms_forward_parallel
 
 
-def add_ln_kernels(k: Any, n: int, stream: bool = False) -> tuple[Any, Any]:
+def add_ln_kernels(k: Any, n: int, stream: bool = False,
+                   param_size: int = 4) -> tuple[Any, Any]:
     """The (serial, parallel) one-pass add-and-LayerNorm kernels for rows of ``n``
-    (``stream``: :func:`fused_add_streams` said yes; short rows never stream)."""
+    (``stream``: :func:`fused_add_streams` said yes; short rows never stream; parameters
+    of ``param_size`` bytes, see :func:`ln_unit_row_kernels`)."""
     if n <= k.SHORT_ROW_MAX:
         return k.add_ln_short_forward_serial, k.add_ln_short_forward_parallel
     if stream:
         return k.add_ln_stream_forward_serial, k.add_ln_stream_forward_parallel
+    if n * param_size >= k.TILED_MIN_BYTES:
+        return k.add_ln_tiled_forward_serial, k.add_ln_tiled_forward_parallel
     if n >= k.SEQUENTIAL_MIN_ROW:
         return k.add_ln_seq_forward_serial, k.add_ln_seq_forward_parallel
     return k.add_ln_forward_serial, k.add_ln_forward_parallel
 
 
-def add_rms_kernels(k: Any, n: int, stream: bool = False) -> tuple[Any, Any]:
+def add_rms_kernels(k: Any, n: int, stream: bool = False,
+                    param_size: int = 4) -> tuple[Any, Any]:
     """:func:`add_ln_kernels` for RMSNorm."""
     if stream:
         return k.add_rms_stream_forward_serial, k.add_rms_stream_forward_parallel
+    if n * param_size >= k.TILED_MIN_BYTES:
+        return k.add_rms_tiled_forward_serial, k.add_rms_tiled_forward_parallel
     if n >= k.SEQUENTIAL_MIN_ROW:
         return k.add_rms_seq_forward_serial, k.add_rms_seq_forward_parallel
     return k.add_rms_forward_serial, k.add_rms_forward_parallel
@@ -809,7 +816,7 @@ def add_layer_norm_forward(x3, r3, weight, bias, eps, h3, y3, mean, rstd, dtypes
     w, b = kernel_params(weight, bias, x.shape[1], mean.dtype)
     tab = k.merge_table(x.shape[1], mean.dtype)
     nt = fused_add_streams(x, r, y)
-    serial, parallel = add_ln_kernels(k, x.shape[1], nt)
+    serial, parallel = add_ln_kernels(k, x.shape[1], nt, param_bytes(mean.dtype))
     args = (x, r, w, b, e, h, y, mean, rstd, tab, nt)
     complete_add_layer_norm_rows(_run(serial, parallel, x.size, ADD_LN_WRITES, *args), args)
 
@@ -821,7 +828,7 @@ def add_rms_norm_forward(x3, r3, weight, eps, h3, y3, rstd, dtypes) -> None:
     e = _acc_scalar(eps, dtypes[2])
     w = kernel_params(weight, None, x.shape[1], rstd.dtype)[0]
     nt = fused_add_streams(x, r, y)
-    serial, parallel = add_rms_kernels(k, x.shape[1], nt)
+    serial, parallel = add_rms_kernels(k, x.shape[1], nt, param_bytes(rstd.dtype))
     args = (x, r, w, e, h, y, rstd, nt)
     complete_add_rms_norm_rows(_run(serial, parallel, x.size, ADD_RMS_WRITES, *args), args)
 

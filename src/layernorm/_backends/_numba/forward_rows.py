@@ -381,7 +381,7 @@ def blocks_in_order(rows, n, order):
     return even_blocks(rows, n)
 
 
-@overload(blocks_in_order)
+@overload(blocks_in_order, inline="always")
 def _blocks_in_order_typed(rows, n, order):
     if isinstance(order, types.Float):
         return lambda rows, n, order: tiled_blocks(rows, n)
@@ -397,7 +397,7 @@ def ln_rows_in_order(xv, yv, wv, bv, tv, eps, n, order, mean_out, rstd_out, r0, 
     return ln_long_rows(xv, yv, wv, bv, tv, eps, n, order, mean_out, rstd_out, r0, r1, s0)
 
 
-@overload(ln_rows_in_order)
+@overload(ln_rows_in_order, inline="always")
 def _ln_rows_in_order_typed(xv, yv, wv, bv, tv, eps, n, order, mean_out, rstd_out, r0, r1,
                             s0):
     if isinstance(order, types.Float):
@@ -901,7 +901,7 @@ def rms_rows_in_order(xv, yv, wv, eps, n, order, rstd_out, r0, r1, s0):
     return rms_raw_rows(xv, yv, wv, eps, n, order, rstd_out, r0, r1, s0)
 
 
-@overload(rms_rows_in_order)
+@overload(rms_rows_in_order, inline="always")
 def _rms_rows_in_order_typed(xv, yv, wv, eps, n, order, rstd_out, r0, r1, s0):
     if isinstance(order, types.Float):
         def tiled(xv, yv, wv, eps, n, order, rstd_out, r0, r1, s0):

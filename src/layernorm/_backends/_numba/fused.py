@@ -45,12 +45,12 @@ from ._simd import (
 )
 from .diskcache import cached_njit
 from .forward_rows import (
-    ln_long_rows,
+    ln_rows_in_order,
     ln_short_rows,
-    rms_raw_rows,
+    rms_rows_in_order,
     stopped_blocks,
 )
-from .rowmath import LANES, PLAIN, SEQUENTIAL, STREAM
+from .rowmath import LANES, PLAIN, SEQUENTIAL, STREAM, TILED
 
 #: Elements per block of rows (no effect on results): the block's ``h`` stays in L2
 #: between the add and the two passes of the row function over it.
@@ -86,8 +86,9 @@ def _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, stream, r0, 
     stores of y, see :data:`.rowmath.PLAIN`); returns the row the norm stopped at
     (``r1``: all done; see :func:`.forward_rows.ln_long_rows`)."""
     hv = add_block(x, res, h, r0, r1)
-    return r0 + ln_long_rows(hv, raw(y[r0:r1]), raw(w), raw(b), raw(tab), eps, x.shape[1],
-                             stream, mean_out, rstd_out, runtime(0), r1 - r0, r0)
+    return r0 + ln_rows_in_order(hv, raw(y[r0:r1]), raw(w), raw(b), raw(tab), eps,
+                                 x.shape[1], stream, mean_out, rstd_out, runtime(0), r1 - r0,
+                                 r0)
 
 
 @njit(error_model="numpy")
@@ -101,8 +102,8 @@ def _add_ln_short_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, r0, r1
 @njit(inline="always", error_model="numpy")
 def _add_rms_block(x, res, w, eps, h, y, rstd_out, stream, r0, r1):
     hv = add_block(x, res, h, r0, r1)
-    return r0 + rms_raw_rows(hv, raw(y[r0:r1]), raw(w), eps, x.shape[1], stream, rstd_out,
-                             runtime(0), r1 - r0, r0)
+    return r0 + rms_rows_in_order(hv, raw(y[r0:r1]), raw(w), eps, x.shape[1], stream,
+                                  rstd_out, runtime(0), r1 - r0, r0)
 
 
 @njit(inline="always", error_model="numpy")
@@ -181,6 +182,19 @@ def add_ln_seq_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, 
 def add_ln_seq_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
     """:func:`add_ln_forward_parallel` in the order of :func:`add_ln_seq_forward_serial`."""
     return _add_ln_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, SEQUENTIAL)
+
+
+@cached_njit(error_model="numpy")
+def add_ln_tiled_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
+    """:func:`add_ln_forward_serial` normalizing ``h`` in the ``TILED`` order (rows with
+    at least ``TILED_MIN_BYTES`` of weight, see :func:`.forward_rows.ln_tiled_rows`)."""
+    return _add_ln_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, TILED)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def add_ln_tiled_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
+    """:func:`add_ln_forward_parallel` in the order of :func:`add_ln_tiled_forward_serial`."""
+    return _add_ln_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, TILED)
 
 
 @cached_njit(error_model="numpy")
@@ -271,6 +285,18 @@ def add_rms_seq_forward_serial(x, res, w, eps, h, y, rstd_out, nt):
 def add_rms_seq_forward_parallel(x, res, w, eps, h, y, rstd_out, nt):
     """:func:`add_rms_forward_parallel` in the order of :func:`add_ln_seq_forward_serial`."""
     return _add_rms_parallel(x, res, w, eps, h, y, rstd_out, SEQUENTIAL)
+
+
+@cached_njit(error_model="numpy")
+def add_rms_tiled_forward_serial(x, res, w, eps, h, y, rstd_out, nt):
+    """:func:`add_rms_forward_serial` in the order of :func:`add_ln_tiled_forward_serial`."""
+    return _add_rms_serial(x, res, w, eps, h, y, rstd_out, TILED)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def add_rms_tiled_forward_parallel(x, res, w, eps, h, y, rstd_out, nt):
+    """:func:`add_rms_forward_parallel` in the order of :func:`add_ln_tiled_forward_serial`."""
+    return _add_rms_parallel(x, res, w, eps, h, y, rstd_out, TILED)
 
 
 @cached_njit(error_model="numpy")
