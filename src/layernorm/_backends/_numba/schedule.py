@@ -78,7 +78,7 @@ RECENT = 3
 #: times are known, the second largest of them, divided by ``TAIL_ALLOWANCE``, must be
 #: below the serial median too: two collapsed calls among the latest eight turn the
 #: class serial, a single one (an interrupt) does not. With it, the default call's p90
-#: was 0.78-1.35x the serial p90 over six runs beside one busy process.
+#: was 0.78-1.35x the serial p90 over four runs beside one busy process.
 PARALLEL_WINDOW = 8
 TAIL_MIN = 4
 #: How much slower than the serial median the tail of parallel calls may be: a
