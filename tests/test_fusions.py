@@ -1727,8 +1727,7 @@ def test_quantize_row_path_y32_is_the_plain_forward(rms, pipelined):
     tab = rowmath.merge_table(n, np.dtype(np.float32))
     for dynamic in (qz.DYNAMIC, qz.STATIC):
         bufs = (np.zeros((rows, pad), np.float32), np.zeros((1, rowmath.LANES), np.float32),
-                np.empty((1, rowmath.LANES), np.uint8), np.empty(rows, np.float32),
-                np.empty((3, rows), np.float32), np.empty((rows, rowmath.LANES), np.float32))
+                np.empty((1, rowmath.LANES), np.uint8), np.empty(rows, np.float32))
         q = np.zeros((rows, n), np.uint8)
         mean, rstd = np.empty(rows, np.float32), np.empty(rows, np.float32)
         scale = np.empty(rows, np.float32)

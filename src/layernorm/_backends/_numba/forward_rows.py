@@ -312,6 +312,13 @@ def ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1,
     return stop
 
 
+@njit(inline="always", error_model="numpy")
+def tile_elements(wv):
+    """Elements of a column tile of the ``TILED`` order: ``TILE_BYTES`` of the parameter
+    view ``wv``, a whole number of vectors (at least one)."""
+    return imax(TILE_BYTES // itemsize(wv) // LANES, 1) * LANES
+
+
 @njit(error_model="numpy")
 def ln_tiled_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
     """:func:`ln_long_rows` in the ``TILED`` order, for long rows: ``TILE_ROWS`` rows
@@ -324,7 +331,7 @@ def ln_tiled_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
     # shift, shifted mean and rstd of the group's rows (widened exactly)
     stats = np.empty((3, TILE_ROWS), dtype=np.float64)
     body = n // LANES * LANES
-    tile = imax(TILE_BYTES // itemsize(wv) // LANES, 1) * LANES
+    tile = tile_elements(wv)
     g0 = r0
     while g0 < r1:
         g1 = imin(g0 + TILE_ROWS, r1)
@@ -870,7 +877,7 @@ def rms_tiled_rows(xv, yv, wv, eps, n, rstd_out, r0, r1, s0):
     stop = r1
     rstds = np.empty(TILE_ROWS, dtype=np.float64)  # widened exactly
     body = n // LANES * LANES
-    tile = imax(TILE_BYTES // itemsize(wv) // LANES, 1) * LANES
+    tile = tile_elements(wv)
     g0 = r0
     while g0 < r1:
         g1 = imin(g0 + TILE_ROWS, r1)

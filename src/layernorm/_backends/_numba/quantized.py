@@ -66,7 +66,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._scalars import cast, imax, imin, narrow, widen
+from ._scalars import cast, imin, narrow, widen
 from ._simd import (
     affine,
     alive,
@@ -91,12 +91,12 @@ from ._simd import (
 from .diskcache import cached_njit
 from .forward_rows import (
     PLAIN,
-    TILE_BYTES,
     TILE_ROWS,
     ln_raw_rows,
     ln_short_rows,
     rms_rows_rescued,
     rms_rstd,
+    tile_elements,
 )
 from .fused import PARALLEL_BLOCKS, add_block, block_rows
 from .rescale import needs_rescaling
@@ -421,7 +421,7 @@ def ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, i
     ``amax``/scale chains overlap); row by row into one row (in L1), its codes right
     after. Returns the rows done (stops as ``ln_long_rows``)."""
     qv = raw(q)
-    y32, fbuf, bbuf, invs, _, _ = bufs
+    y32, fbuf, bbuf, invs = bufs
     yv, fv, bv8 = raw(y32), raw(fbuf), raw(bbuf)
     # With ``pipelined``, iteration k computes row k + 1's statistics, then row k's output
     # (iteration -1 only computes row 0's; the last row's next row is itself,
@@ -473,7 +473,7 @@ def rms_rows_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_ou
     """:func:`ln_rows_quant` for RMSNorm (statistics as
     :func:`.forward_rows.rms_raw_rows`)."""
     qv = raw(q)
-    y32, fbuf, bbuf, invs, _, _ = bufs
+    y32, fbuf, bbuf, invs = bufs
     yv, fv, bv8 = raw(y32), raw(fbuf), raw(bbuf)
     lag = 1 if pipelined is not None else 0  # as in ln_rows_quant
     stop = rows
@@ -517,10 +517,15 @@ def ln_tiled_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, 
     pass in column tiles of ``TILE_BYTES`` of ``w``, each tile over every row. Static
     scale: the codes straight from the tiles. Dynamic: the tiles store ``y32`` into the
     block's rows of the buffer and track each row's ``amax``; then row by row its scale
-    and codes. The same values as :func:`ln_rows_quant` (the same bits); returns as it
-    does (a call that stopped is redone whole by the driver)."""
+    and codes. The block's statistics and ``amax`` vectors are this function's own
+    scratch (one allocation per block of ``TILE_ROWS`` long rows), so the other row
+    loops' buffers stay as they were. The same values as :func:`ln_rows_quant` (the
+    same bits); returns as it does (a call that stopped is redone whole by the driver)."""
     qv = raw(q)
-    y32, fbuf, bbuf, _, stats, tops = bufs
+    y32, fbuf, bbuf, _ = bufs
+    # The block's statistics (shift, shifted mean, rstd) and amax vectors, row by row.
+    stats = np.empty((3, rows), dtype=np.float32)
+    tops = np.empty((rows, LANES), dtype=np.float32)
     yv, fv, bv8, topv = raw(y32), raw(fbuf), raw(bbuf), raw(tops)
     body = n // LANES * LANES
     stop = rows
@@ -536,7 +541,7 @@ def ln_tiled_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, 
         vstore(topv, splat(np.float32(0.0)), k, 0)
         put_stat(mean_out, r0 + k, mo)
         put_stat(rstd_out, r0 + k, rstd)
-    tile = imax(TILE_BYTES // itemsize(wv) // LANES, 1) * LANES
+    tile = tile_elements(wv)
     for start in range(0, body, tile):
         end = imin(start + tile, body)
         for k in range(stop):
@@ -570,7 +575,10 @@ def rms_tiled_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_o
                     r0, rows):
     """:func:`ln_tiled_quant` for RMSNorm (statistics as :func:`rms_rows_quant`)."""
     qv = raw(q)
-    y32, fbuf, bbuf, _, stats, tops = bufs
+    y32, fbuf, bbuf, _ = bufs
+    # The block's statistics (shift, shifted mean, rstd) and amax vectors, row by row.
+    stats = np.empty((3, rows), dtype=np.float32)
+    tops = np.empty((rows, LANES), dtype=np.float32)
     yv, fv, bv8, topv = raw(y32), raw(fbuf), raw(bbuf), raw(tops)
     body = n // LANES * LANES
     stop = rows
@@ -582,7 +590,7 @@ def rms_tiled_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_o
         stats[2, k] = rstd
         vstore(topv, splat(np.float32(0.0)), k, 0)
         put_stat(rstd_out, r0 + k, rstd)
-    tile = imax(TILE_BYTES // itemsize(wv) // LANES, 1) * LANES
+    tile = tile_elements(wv)
     for start in range(0, body, tile):
         end = imin(start + tile, body)
         for k in range(stop):
@@ -678,12 +686,10 @@ def _row_buffers(rows, n, dynamic, pipelined):
     rows (:func:`_scratch`): the block's with a dynamic scale and ``pipelined``, one row
     for a dynamic scale row by row, none for a static scale, whose codes come straight
     from the output pass; one-vector float32 and uint8 rows for a last partial vector;
-    the rows' inverse scales; the tiled rows' statistics (shift, shifted mean, rstd)
-    and their ``amax`` vectors. Allocated once per kernel (per block in parallel)."""
+    the rows' inverse scales. Allocated once per kernel (per block in parallel)."""
     y_rows = 0 if dynamic is None else (rows if pipelined is not None else 1)
     return (_scratch(y_rows, n), np.zeros((1, LANES), dtype=np.float32),
-            np.empty((1, LANES), dtype=np.uint8), np.empty(rows, dtype=np.float32),
-            np.empty((3, rows), dtype=np.float32), np.empty((rows, LANES), dtype=np.float32))
+            np.empty((1, LANES), dtype=np.uint8), np.empty(rows, dtype=np.float32))
 
 
 @njit(error_model="numpy")
