@@ -267,14 +267,7 @@ def test_large_inputs_take_the_short_path_with_the_backends_choice(monkeypatch, 
     if streaming:  # make a 1 MiB output "large" so that the streaming stores are used
         monkeypatch.setattr(_numba, "STREAM_MIN_FRACTION", 0.0)
         monkeypatch.setattr(_numba, "STREAM_MIN_ROW", 1)
-    chosen = []
-
-    def spy(x, y):
-        chosen.append(real(x, y))
-        return chosen[-1]
-
-    real = _numba.use_streaming_stores
-    monkeypatch.setattr(_numba, "use_streaming_stores", spy)
+    monkeypatch.setattr(_fast, "_PLANS", {})  # plans made under these thresholds
     rng = np.random.default_rng(5)
     x = random_rows(rng, (64, _fast.SERIAL_MAX_ELEMENTS // 16), "float32", loc=2.0)
     w = (1.0 + 0.5 * rng.standard_normal(x.shape[1])).astype(np.float32)
@@ -282,13 +275,31 @@ def test_large_inputs_take_the_short_path_with_the_backends_choice(monkeypatch, 
     call = (lambda **kw: ln.rms_norm(x, None, w, **kw)) if rms else \
         (lambda **kw: ln.layer_norm(x, None, w, b, **kw))
     out = np.full_like(x, np.nan)
+    call(return_stats=True)
+    key = (x.shape, x.dtype, None, None, w.shape, w.dtype) if rms else \
+        (x.shape, x.dtype, None, None, w.shape, w.dtype, b.shape, b.dtype)
+    plan = _fast._PLANS[key]
+    assert plan is not None and plan.large
+    assert plan.streams == streaming == _numba.use_streaming_stores(x, out)
+    ran = []  # which of the plan's runners each call takes
+
+    def spy(runner, streamed):
+        def run(*args):
+            ran.append(streamed)
+            return runner(*args)
+        return run
+
+    monkeypatch.setattr(plan, "run", spy(plan.run, False))
+    monkeypatch.setattr(plan, "run_streamed", spy(plan.run_streamed, True))
     for _ in range(2):
         fast = call(return_stats=True)
         into = call(out=out)
-    key = (x.shape, x.dtype, None, None, w.shape, w.dtype) if rms else \
-        (x.shape, x.dtype, None, None, w.shape, w.dtype, b.shape, b.dtype)
-    assert _fast._PLANS[key] is not None and _fast._PLANS[key].large
-    assert chosen and all(c == streaming for c in chosen)
+    assert ran == [streaming] * 4
+    in_place = x.copy()
+    call_in_place = (lambda: ln.rms_norm(in_place, None, w, out=in_place)) if rms else \
+        (lambda: ln.layer_norm(in_place, None, w, b, out=in_place))
+    call_in_place()
+    assert ran[-1] is False  # in place: the lines are cached already
     general = call(return_stats=True, backend="numba")
     for got, want in zip(fast, general, strict=True):
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8))

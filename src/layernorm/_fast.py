@@ -68,6 +68,7 @@ class Plan:
         "same_shape",
         "shape2",
         "stats_shape",
+        "streams",
         "tab",
     )
 
@@ -80,6 +81,10 @@ class Plan:
         self.acc = np.dtype(acc)
         bits = _numba.KERNEL_BITS.get(dtype)
         self.bits = None if bits is None else np.dtype(bits)
+        #: Large calls whose output is large enough for streaming stores (unless in
+        #: place): :func:`._backends._numba.streams_by_size`, asked once.
+        itemsize = (np.dtype(dtype) if bits is None else self.bits).itemsize
+        self.streams = self.large and _numba.streams_by_size(n, rows * n * itemsize)
         #: Per parameter: for float16/bfloat16 with float32 accumulation, the dtype of its
         #: raw bits (it is widened by the backend's small kernel, as on the general path:
         #: NumPy's float16 cast is slow), else None.
@@ -240,18 +245,18 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
         w = plan.ones
     if b is None:
         b = plan.negative_zeros
-    nt = plan.large and _numba.use_streaming_stores(x2, y2)
+    nt = plan.streams and not np.may_share_memory(x2, y2)
     run = plan.run_streamed if nt else plan.run
     if return_stats:
         mean = np.empty(plan.stats_shape, plan.acc)
         rstd = np.empty(plan.stats_shape, plan.acc)
         m, r = mean.reshape(-1), rstd.reshape(-1)
         done = run(x2, w, b, e, y2, m, r, plan.tab, nt)
-        if (done != plan.rows) if type(done) is int else len(done):
+        if done is not None and (type(done) is not int or done != plan.rows):
             _numba.complete_layer_norm_rows(done, (x2, w, b, e, y2, m, r, plan.tab, nt))
         return y, mean, rstd
     done = run(x2, w, b, e, y2, plan.no_stats, plan.no_stats, plan.tab, nt)
-    if (done != plan.rows) if type(done) is int else len(done):
+    if done is not None and (type(done) is not int or done != plan.rows):
         _numba.complete_layer_norm_rows(done, (x2, w, b, e, y2, plan.no_stats, plan.no_stats,
                                                plan.tab, nt))
     return y
@@ -292,17 +297,17 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
         y, x2, y2, w, _ = prepared
     if w is None:
         w = plan.ones
-    nt = plan.large and _numba.use_streaming_stores(x2, y2)
+    nt = plan.streams and not np.may_share_memory(x2, y2)
     run = plan.run_streamed if nt else plan.run
     if return_stats:
         rstd = np.empty(plan.stats_shape, plan.acc)
         r = rstd.reshape(-1)
         done = run(x2, w, e, y2, r, nt)
-        if (done != plan.rows) if type(done) is int else len(done):
+        if done is not None and (type(done) is not int or done != plan.rows):
             _numba.complete_rms_norm_rows(done, (x2, w, e, y2, r, nt))
         return y, rstd
     done = run(x2, w, e, y2, plan.no_stats, nt)
-    if (done != plan.rows) if type(done) is int else len(done):
+    if done is not None and (type(done) is not int or done != plan.rows):
         _numba.complete_rms_norm_rows(done, (x2, w, e, y2, plan.no_stats, nt))
     return y
 

@@ -83,6 +83,7 @@ class AddPlan:
         "same_shape",
         "shape2",
         "stats_shape",
+        "streams",
         "tab",
     )
 
@@ -116,6 +117,10 @@ class AddPlan:
             writes = _numba.ADD_LN_WRITES
         #: Large calls: the backend picks serial or parallel, plain or streaming stores.
         self.large = rows * n >= _numba.PARALLEL_MIN_ELEMENTS
+        #: Large calls whose output is large enough for streaming stores (unless y
+        #: overlaps x or the residual): :func:`._backends._numba.streams_by_size`, once.
+        itemsize = (np.dtype(dtype) if bits is None else self.bits).itemsize
+        self.streams = self.large and _numba.streams_by_size(n, rows * n * itemsize)
         self.run_streamed = None
         if self.large:
             self.run = _numba.PlannedRows(serial, parallel, writes)
@@ -268,7 +273,8 @@ out, residual_out
         w = plan.ones
     else:
         w = weight if weight.ndim == 1 else weight.reshape(-1)
-    nt = plan.large and _numba.fused_add_streams(x2, r2, y2)
+    nt = (plan.streams and not np.may_share_memory(x2, y2)
+          and not np.may_share_memory(r2, y2))
     run = plan.run_streamed if nt else plan.run
     if rms:
         if return_stats:
@@ -277,7 +283,7 @@ out, residual_out
         else:
             args = (x2, r2, w, e, h2, y2, plan.no_stats, nt)
         stopped = run(*args)
-        if stopped if type(stopped) is int else len(stopped):
+        if stopped is not None and (type(stopped) is not int or stopped):
             _numba.complete_add_rms_norm_rows(stopped, args)
         return (y, h, rstd) if return_stats else (y, h)
     if bias is None:
@@ -291,7 +297,8 @@ out, residual_out
     else:
         args = (x2, r2, w, b, e, h2, y2, plan.no_stats, plan.no_stats, plan.tab, nt)
     stopped = run(*args)
-    # A serial kernel's count of stopped blocks, or a parallel one's (stop, end) pairs.
-    if stopped if type(stopped) is int else len(stopped):
+    # A serial kernel's count of stopped blocks, or a parallel one's (stop, end) pairs
+    # (None if none).
+    if stopped is not None and (type(stopped) is not int or stopped):
         _numba.complete_add_layer_norm_rows(stopped, args)
     return (y, h, mean, rstd) if return_stats else (y, h)

@@ -160,15 +160,17 @@ class PlannedRows:
         Positions of the arrays the kernels write.
     """
 
-    __slots__ = ("_elements", "_key", "_parallel", "_serial", "parallel", "serial", "writes")
+    __slots__ = ("_class", "_elements", "_key", "_parallel", "_serial", "parallel", "serial",
+                 "writes")
 
     def __init__(self, serial: Any, parallel: Any, writes: tuple[int, ...]) -> None:
         self.serial, self.parallel, self.writes = serial, parallel, writes
         self._serial: Any = None
         self._parallel: Any = None
-        #: The chooser's class of the plan's calls and their size (x's dtype and shape
-        #: are the plan's): set on the first call.
+        #: The chooser's class of the plan's calls, its state, and their size (x's dtype
+        #: and shape are the plan's): set on the first call.
         self._key: Any = None
+        self._class: Any = None
         self._elements = 0
 
     def __call__(self, *args: Any) -> Any:
@@ -177,10 +179,33 @@ class PlannedRows:
             x = args[0]
             self._elements = x.size
             key = self._key = chooser.key(self.serial, x.dtype, x.size)
+        serial, parallel = self._serial, self._parallel
         if self._elements < PARALLEL_MIN_ELEMENTS or _serial_only or _num_threads() < 2:
-            return self._serial_entry(args)(*args)
-        return _choose_class(key, self._elements, args, self._serial_entry,
-                             self._parallel_entry)
+            return (serial or self._serial_entry(args))(*args)
+        c = self._class
+        if c is None:
+            if serial is None or parallel is None:  # the first calls load the kernels
+                return _choose_class(key, self._elements, args, self._serial_entry,
+                                     self._parallel_entry)
+            c = self._class = chooser.class_of(key)
+        # _choose_class written out with the class state at hand: a cache-resident call
+        # at 2 threads is 15-20 us, and each layer of calls and lookups here cost a
+        # few tenths of a microsecond.
+        global _parallel_ran
+        if chooser.parallel_in(c) and _parallel_lock.acquire(blocking=False):
+            try:
+                _parallel_ran = True
+                start = time.perf_counter()
+                result = parallel(*args)
+                seconds = time.perf_counter() - start
+            finally:
+                _parallel_lock.release()
+            chooser.record_in(c, True, seconds, self._elements)
+            return result
+        start = time.perf_counter()
+        result = serial(*args)
+        chooser.record_in(c, False, time.perf_counter() - start, self._elements)
+        return result
 
     def _serial_entry(self, args: tuple[Any, ...]) -> Any:
         if self._serial is None:
@@ -292,14 +317,18 @@ def streaming_stores_everywhere() -> Iterator[None]:
 def use_streaming_stores(x: Any, y: Any) -> bool:
     """Whether the forward of ``x`` into ``y`` should write ``y`` with streaming stores
     (:data:`STREAM_MIN_FRACTION`, :data:`LONG_ROW_STREAM_MIN_FRACTION`)."""
-    # Written out (asked on every large planned call): the two size tests as helper
-    # calls cost a third of a microsecond.
-    n, size = y.shape[-1], y.nbytes / _last_level_cache_bytes()
-    if not ((n >= STREAM_MIN_ROW and size >= STREAM_MIN_FRACTION)
-            or (n >= LONG_ROW_STREAM_MIN_ROW and size >= LONG_ROW_STREAM_MIN_FRACTION)):
-        return False
     # In place, the lines are already cached: a streaming store would only evict them.
-    return not np.may_share_memory(x, y)
+    return streams_by_size(y.shape[-1], y.nbytes) and not np.may_share_memory(x, y)
+
+
+def streams_by_size(n: int, nbytes: int) -> bool:
+    """The size half of :func:`use_streaming_stores`: whether an output of ``nbytes``
+    in rows of ``n`` elements takes streaming stores unless it overlaps the input.
+    The short paths' plans ask it once (their calls all have one size): on every call,
+    it cost a cache-resident call half a microsecond."""
+    size = nbytes / _last_level_cache_bytes()
+    return ((n >= STREAM_MIN_ROW and size >= STREAM_MIN_FRACTION)
+            or (n >= LONG_ROW_STREAM_MIN_ROW and size >= LONG_ROW_STREAM_MIN_FRACTION))
 
 
 #: Positions of the arrays each kernel family writes (the others are typed read-only).
@@ -463,9 +492,9 @@ def _complete(result: Any, rescue: Any, writes: tuple[int, ...], positions: tupl
 
 
 def _every_row_done(result: Any, rows: int) -> bool:
-    # A serial row kernel's count of rows done, a parallel one's stopped blocks, or None
-    # (the gathered kernels rescale in their loop).
-    return result is None or (result == rows if type(result) is int else len(result) == 0)
+    # A serial row kernel's count of rows done, a parallel one's stopped blocks (None if
+    # none; the gathered kernels return None too: they rescale in their loop).
+    return result is None or (type(result) is int and result == rows)
 
 
 def complete_layer_norm_rows(result: Any, args: tuple[Any, ...]) -> None:
@@ -768,8 +797,8 @@ def _add_arrays(x3, r3, h3, y3, dtypes):
 
 def _all_done(pending: Any) -> bool:
     # A serial kernel's count of stopped blocks, or a parallel one's (stop, end) rows of
-    # its blocks that stopped.
-    return pending == 0 if type(pending) is int else len(pending) == 0
+    # its blocks that stopped (None if none did).
+    return pending is None or (type(pending) is int and pending == 0)
 
 
 def _stopped_ranges(pending: Any, rows: int) -> Any:

@@ -118,7 +118,7 @@ def block_rows(rows, n, blocks, elements):
 # overflow has h written for the whole block and y from that row on not; the driver
 # finishes it through the gathered rows kernel on h, which rescales such rows (see
 # .rescale). A parallel kernel returns the (stop, end) rows of its blocks that stopped
-# (:func:`.forward_rows.stopped_blocks`: none, an empty array); a serial one, the
+# (:func:`.forward_rows.stopped_blocks`: None if none did); a serial one, the
 # number of blocks that stopped (its h is then complete, and the driver redoes all of
 # y from it: such rows are rare, and a serial call with nothing to report allocates
 # and returns no array, which was a third of a one-row call's time in the kernel).

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import os
 import time
+from bisect import insort
 from typing import Any
 
 #: The policies ``LAYERNORM_PARALLEL`` may name.
@@ -111,6 +112,32 @@ def policy_from_environment() -> str:
     return value
 
 
+class _Window:
+    """The latest ``keep`` values, in the order they came and ranked (sorted), so that a
+    median or the second largest is one index: sorting each window again on every call
+    cost a parallel call about a microsecond."""
+
+    __slots__ = ("keep", "order", "ranked")
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.order: list[float] = []
+        self.ranked: list[float] = []
+
+    def push(self, value: float) -> float:
+        """Add ``value`` (dropping the oldest beyond ``keep``); the median."""
+        ranked = self.ranked
+        self.order.append(value)
+        insort(ranked, value)
+        if len(ranked) > self.keep:
+            ranked.remove(self.order.pop(0))
+        return ranked[len(ranked) // 2]
+
+    def clear(self) -> None:
+        self.order.clear()
+        self.ranked.clear()
+
+
 class _Class:
     """What is known about one (kernel, dtype, size class)."""
 
@@ -118,9 +145,9 @@ class _Class:
                  "serial_at", "serial_left", "serial_times", "slept", "tail_times")
 
     def __init__(self) -> None:
-        self.serial_times: list[float] = []  # latest SERIAL_WINDOW, seconds per element
-        self.parallel_times: list[float] = []  # latest PARALLEL_WINDOW
-        self.tail_times: list[float] = []  # latest PARALLEL_WINDOW right after another
+        self.serial_times = _Window(SERIAL_WINDOW)  # seconds per element
+        self.parallel_times = _Window(PARALLEL_WINDOW)
+        self.tail_times = _Window(PARALLEL_WINDOW)  # those right after another
         self.serial: float | None = None  # median of serial_times
         # _parallel_score of parallel_times, once a probe is done
         self.parallel: float | None = None
@@ -135,24 +162,16 @@ class _Class:
         self.serial_left = 0  # measured calls left in the current serial refresh
 
 
-def _push(times: list[float], rate: float, keep: int = RECENT) -> float:
-    """Append ``rate`` to the latest ``times`` (at most ``keep``); their median."""
-    times.append(rate)
-    if len(times) > keep:
-        del times[0]
-    return sorted(times)[len(times) // 2]
-
-
-def _parallel_score(times: list[float], tail: list[float]) -> float:
-    """What the latest parallel ``times`` stand for against the serial median: their
-    median, or, once ``tail`` (those of them that came right after another, see
-    :data:`BACK_TO_BACK_S`) holds ``TAIL_MIN``, its second largest divided by
-    ``TAIL_ALLOWANCE`` where that is more (a tail of slow calls, see
+def _parallel_score(median: float, tail: _Window) -> float:
+    """What the latest parallel times (of ``median``) stand for against the serial
+    median: their median, or, once ``tail`` (those of them that came right after
+    another, see :data:`BACK_TO_BACK_S`) holds ``TAIL_MIN``, its second largest divided
+    by ``TAIL_ALLOWANCE`` where that is more (a tail of slow calls, see
     :data:`PARALLEL_WINDOW`)."""
-    score = sorted(times)[len(times) // 2]
-    if len(tail) >= TAIL_MIN:
-        score = max(score, sorted(tail)[-2] / TAIL_ALLOWANCE)
-    return score
+    ranked = tail.ranked
+    if len(ranked) >= TAIL_MIN:
+        return max(median, ranked[-2] / TAIL_ALLOWANCE)
+    return median
 
 
 class Chooser:
@@ -186,12 +205,29 @@ class Chooser:
         """The class of a call: its serial kernel, x's dtype and its size class."""
         return kernel, dtype, elements.bit_length()
 
+    def class_of(self, key: Any) -> _Class:
+        """The state of class ``key`` (new if unknown). A caller that makes many calls
+        of one class (:class:`.PlannedRows`) holds it and uses :meth:`parallel_in` and
+        :meth:`record_in`, which skip hashing the key twice a call."""
+        c = self.classes.get(key)
+        if c is None:
+            if len(self.classes) > 4096:
+                self.classes.clear()
+            c = self.classes[key] = _Class()
+        return c
+
     def parallel(self, key: Any) -> bool:
         """Whether the call of class ``key`` should run parallel."""
+        c = self.classes.get(key)
+        if c is None:
+            return self.policy == "always"
+        return self.parallel_in(c)
+
+    def parallel_in(self, c: _Class) -> bool:
+        """:meth:`parallel` of the class whose state is ``c`` (:meth:`class_of`)."""
         if self.policy != "auto":
             return self.policy == "always"
-        c = self.classes.get(key)
-        if c is None or c.serial is None:
+        if c.serial is None:
             return False
         if c.parallel is None or c.left > 0:
             return True
@@ -203,13 +239,13 @@ class Chooser:
 
     def record(self, key: Any, parallel: bool, seconds: float, elements: int) -> None:
         """Learn from a call of class ``key`` that took ``seconds``."""
+        if self.policy == "auto":
+            self.record_in(self.class_of(key), parallel, seconds, elements)
+
+    def record_in(self, c: _Class, parallel: bool, seconds: float, elements: int) -> None:
+        """:meth:`record` for the class whose state is ``c`` (:meth:`class_of`)."""
         if self.policy != "auto":
             return
-        c = self.classes.get(key)
-        if c is None:
-            if len(self.classes) > 4096:
-                self.classes.clear()
-            c = self.classes[key] = _Class()
         rate = seconds / max(elements, 1)
         now = self.clock()
         if not parallel:
@@ -218,7 +254,7 @@ class Chooser:
             if moved:
                 c.serial_left = RECENT
                 return
-            c.serial = _push(c.serial_times, rate, SERIAL_WINDOW)
+            c.serial = c.serial_times.push(rate)
             c.serial_at = now
             if c.serial_left > 0:
                 c.serial_left -= 1
@@ -229,10 +265,10 @@ class Chooser:
             c.parallel_times.clear()
             c.tail_times.clear()
         else:
-            _push(c.parallel_times, rate, PARALLEL_WINDOW)
+            median = c.parallel_times.push(rate)
             if now - seconds - c.parallel_at <= BACK_TO_BACK_S:
-                _push(c.tail_times, rate, PARALLEL_WINDOW)
-            score = _parallel_score(c.parallel_times, c.tail_times)
+                c.tail_times.push(rate)
+            score = _parallel_score(median, c.tail_times)
             c.parallel_at = now
             if c.left > 0:
                 c.probe_s += seconds
