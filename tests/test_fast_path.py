@@ -390,3 +390,48 @@ def test_unaligned_input_after_a_plan_of_a_quantized_call_takes_the_general_path
     q, scale = ln.layer_norm(x_unaligned, quantize="int8")
     np.testing.assert_array_equal(q, want_q)
     np.testing.assert_array_equal(scale, want_scale)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("owner", ["out", "buffer"])
+def test_a_parameter_viewing_out_gives_the_result_of_a_copy(rms, owner):
+    # The weight (or bias) is row 0 of out's memory: writing row 0 would change the
+    # parameter row 1 reads, unless the short path sees the overlap. ``out`` owns its
+    # memory, or both are views of another buffer.
+    rng = np.random.default_rng(16)
+    x = random_rows(rng, (2, 64), "float32", loc=1.0)
+    norm = ln.rms_norm if rms else ln.layer_norm
+    for name in ("weight",) if rms else ("weight", "bias"):
+        params = {"weight": (1 + 0.5 * rng.standard_normal(64)).astype(np.float32)}
+        if not rms:
+            params["bias"] = (0.5 * rng.standard_normal(64)).astype(np.float32)
+        want = norm(x, **params)
+        norm(x, **params)  # a plan for these shapes exists
+        out = np.empty((2, 64), np.float32)
+        if owner == "buffer":
+            out = np.empty(2 * 64 + 16, np.float32)[16:].reshape(2, 64)
+        out[0] = params[name]
+        params[name] = out[0]
+        assert norm(x, out=out, **params) is out
+        np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_calls_of_one_shape_and_several_dtypes_each_get_their_own_plan(rms):
+    """Plans are found by shapes and checked by dtype identity: alternating dtypes of
+    one shape, and a dtype equal to float32 but another object, give each its own
+    result, bitwise the general path's."""
+    rng = np.random.default_rng(17)
+    base = random_rows(rng, (8, 96), "float64", loc=2.0)
+    w64 = 1 + 0.5 * rng.standard_normal(96)
+    native = np.dtype(np.float32).newbyteorder("=")  # equal to float32, not the same object
+    cases = [(base.astype(np.float32), w64.astype(np.float32)), (base, w64),
+             (base.astype(native), w64.astype(np.float32)), (base, w64.astype(np.float32)),
+             (base.astype(np.float32), w64)]
+    norm = ln.rms_norm if rms else ln.layer_norm
+    for _ in range(3):
+        for x, w in cases:
+            got = norm(x, weight=w)
+            want = norm(x, weight=w, backend="numba")
+            assert got.dtype == x.dtype
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8))

@@ -55,6 +55,7 @@ class Plan:
         "cast_params",
         "default_eps",
         "direct",
+        "dtypes",
         "eps_scalars",
         "large",
         "n",
@@ -74,8 +75,11 @@ class Plan:
 
     def __init__(self, shape: tuple[int, ...], rows: int, n: int, dtype: str, acc: str,
                  stats_shape: tuple[int, ...], params: tuple[Any, ...], kernels: Any,
-                 rms: bool) -> None:
+                 rms: bool, x_dtype: Any = None) -> None:
         self.rows, self.n, self.stats_shape = rows, n, stats_shape
+        #: The dtype objects of x and each parameter (None if absent) of the call that made
+        #: the plan, which a call found by its shapes alone must have (:func:`_lookup`).
+        self.dtypes = (x_dtype, *(None if p is None else p.dtype for p in params))
         #: Large calls: the backend picks the serial or parallel kernel and streaming stores.
         self.large = rows * n >= SERIAL_MAX_ELEMENTS
         self.acc = np.dtype(acc)
@@ -143,7 +147,30 @@ def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
             or layout.n == 0 or layout.rows == 0):
         return None
     return Plan(layout.shape, layout.rows, layout.n, req.dtype, req.acc, layout.stats_shape,
-                tuple(params.values()), _numba.load_kernels(), rms)
+                tuple(params.values()), _numba.load_kernels(), rms, x.dtype)
+
+
+def _lookup(shapes: tuple[Any, ...], x: Any, normalized_shape: Any, axis: Any, weight: Any,
+            bias: Any, rms: bool) -> Plan | None:
+    """The plan of a call whose plan was not found under ``shapes`` (the key of its
+    shapes alone) with x's and the parameters' dtype objects: the plan under the full
+    key (shapes and dtypes; made and remembered on a first call), which is remembered
+    under ``shapes`` too. None if the call cannot take the short path."""
+    if rms:
+        key = (x.shape, x.dtype, normalized_shape, axis, *params_key(weight))
+    else:
+        key = (x.shape, x.dtype, normalized_shape, axis, *params_key(weight, bias))
+    try:
+        plan = _PLANS[key]
+    except KeyError:
+        plan = remember(_PLANS, key, lambda: _plan(x, normalized_shape, axis, weight, bias,
+                                                     rms))
+    if plan is not None:
+        if len(_PLANS) >= _plans.PLANS_MAX:
+            _PLANS.clear()
+            _PLANS[key] = plan
+        _PLANS[shapes] = plan
+    return plan
 
 
 def _flat(param: Any, plan: Plan, bits: Any) -> Any:
@@ -156,17 +183,20 @@ def _flat(param: Any, plan: Plan, bits: Any) -> Any:
     return param.astype(plan.acc) if plan.cast_params else param
 
 
-def _apart(out: Any, arr: Any, out_owns: bool | None = None) -> bool:
+def _apart(out: Any, arr: Any, out_owns: bool | None = None, arr_flags: Any = None) -> bool:
     """``out`` cannot overlap the input ``arr`` (None, another allocation, or disjoint);
-    ``out_owns``: ``out.flags.owndata`` if the caller has it."""
+    ``out_owns``: ``out.flags.owndata``, ``arr_flags``: ``arr.flags``, if the caller has
+    them."""
     # Two arrays that each own their memory are two allocations: no overlap to look for
     # (np.may_share_memory costs a fifth of a one-row call; each ``.flags`` builds an
-    # object, 0.1-0.2 us).
+    # object, 0.1-0.2 us, and more once a kernel has evicted the interpreter's data).
     if arr is None:
         return True
     if out_owns is None:
         out_owns = out.flags.owndata
-    return ((arr is not out and out_owns and arr.flags.owndata)
+    if arr_flags is None:
+        arr_flags = arr.flags
+    return ((arr is not out and out_owns and arr_flags.owndata)
             or not np.may_share_memory(out, arr))
 
 
@@ -184,13 +214,24 @@ def _usable_out(out: Any, x: Any, weight: Any, bias: Any, dtype: Any = None) -> 
             and _apart(out, bias, owns))
 
 
-def _direct_out(out: Any, x: Any, weight: Any, bias: Any) -> bool:
-    """``out`` is ``x`` itself (in place), or a usable array that does not overlap it."""
+def _direct_out(out: Any, x: Any, xflags: Any, weight: Any, wflags: Any, bias: Any,
+                bflags: Any) -> bool:
+    """``out`` is ``x`` itself (in place, x writeable), or a usable array of x's shape and
+    dtype (:func:`_usable_out`) that does not overlap it; neither overlaps a parameter.
+    ``xflags``, ``wflags``, ``bflags``: the arrays' flags, read once by the caller (None
+    for an absent parameter)."""
     if out is x:
-        flags = x.flags
-        return (flags.writeable and _apart(out, weight, flags.owndata)
-                and _apart(out, bias, flags.owndata))
-    return _usable_out(out, x, weight, bias)
+        owns = xflags.owndata
+        return (xflags.writeable and _apart(out, weight, owns, wflags)
+                and _apart(out, bias, owns, bflags))
+    if type(out) is not np.ndarray or out.shape != x.shape or out.dtype != x.dtype:
+        return False
+    flags = out.flags
+    if not (flags.c_contiguous and flags.aligned and flags.writeable):
+        return False
+    owns = flags.owndata
+    return (_apart(out, x, owns, xflags) and _apart(out, weight, owns, wflags)
+            and _apart(out, bias, owns, bflags))
 
 
 def _prepare(plan: Plan, x: Any, weight: Any, bias: Any, out: Any) -> tuple[Any, ...]:
@@ -217,23 +258,45 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
             and not plain_axes(normalized_shape))
             or (axis is not None and type(axis) is not int and not plain_axes(axis))):
         return None
-    pkey = params_key(weight, bias)
-    if pkey is None:
+    # The arrays' flags are read once each (C-contiguous and aligned, as the compiled
+    # entry points were typed; later, whether out may overlap them), and the plan is
+    # found by the shapes alone, its dtypes compared by identity: hashing three dtypes
+    # cost a cache-resident call a microsecond (NumPy builds a tuple to hash one).
+    if weight is None:
+        wshape = wflags = None
+    elif type(weight) is np.ndarray:
+        wshape, wflags = weight.shape, weight.flags
+        if not (wflags.c_contiguous and wflags.aligned):
+            return None
+    else:
         return None
-    key = (x.shape, x.dtype, normalized_shape, axis, *pkey)
+    if bias is None:
+        bshape = bflags = None
+    elif type(bias) is np.ndarray:
+        bshape, bflags = bias.shape, bias.flags
+        if not (bflags.c_contiguous and bflags.aligned):
+            return None
+    else:
+        return None
+    xflags = x.flags
+    if not (xflags.c_contiguous and xflags.aligned):
+        return None
+    shapes = (x.shape, normalized_shape, axis, wshape, bshape)
     try:
-        plan = _PLANS[key]
-    except KeyError:
-        plan = remember(_PLANS, key, lambda: _plan(x, normalized_shape, axis, weight, bias,
-                                                     False))
+        plan = _PLANS.get(shapes)
     except TypeError:  # unhashable normalized_shape
         return None
-    if plan is None or not kernel_ready(x):
-        return None
+    if (plan is None or plan.dtypes[0] is not x.dtype
+            or (wshape is not None and plan.dtypes[1] is not weight.dtype)
+            or (bshape is not None and plan.dtypes[2] is not bias.dtype)):
+        plan = _lookup(shapes, x, normalized_shape, axis, weight, bias, False)
+        if plan is None:
+            return None
     e = plan.eps_scalars.get(eps) if type(eps) is float else None
     if e is None and (e := accumulation_eps(plan, eps)) is None:
         return None
-    if plan.direct and (out is None or _direct_out(out, x, weight, bias)):
+    if plan.direct and (out is None or _direct_out(out, x, xflags, weight, wflags, bias,
+                                                   bflags)):
         y = np.empty(x.shape, x.dtype) if out is None else out
         x2, y2, w, b = x, y, weight, bias
     else:
@@ -269,25 +332,35 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
             and not plain_axes(normalized_shape))
             or (axis is not None and type(axis) is not int and not plain_axes(axis))):
         return None
-    pkey = params_key(weight)
-    if pkey is None:
+    # As layer_norm does.
+    if weight is None:
+        wshape = wflags = None
+    elif type(weight) is np.ndarray:
+        wshape, wflags = weight.shape, weight.flags
+        if not (wflags.c_contiguous and wflags.aligned):
+            return None
+    else:
         return None
-    key = (x.shape, x.dtype, normalized_shape, axis, *pkey)
+    xflags = x.flags
+    if not (xflags.c_contiguous and xflags.aligned):
+        return None
+    shapes = (x.shape, normalized_shape, axis, wshape)
     try:
-        plan = _PLANS[key]
-    except KeyError:
-        plan = remember(_PLANS, key, lambda: _plan(x, normalized_shape, axis, weight, None,
-                                                     True))
+        plan = _PLANS.get(shapes)
     except TypeError:
         return None
-    if plan is None or not kernel_ready(x):
-        return None
+    if (plan is None or plan.dtypes[0] is not x.dtype
+            or (wshape is not None and plan.dtypes[1] is not weight.dtype)):
+        plan = _lookup(shapes, x, normalized_shape, axis, weight, None, True)
+        if plan is None:
+            return None
     if eps is None:
         eps = plan.default_eps
     e = plan.eps_scalars.get(eps) if type(eps) is float else None
     if e is None and (e := accumulation_eps(plan, eps)) is None:
         return None
-    if plan.direct and (out is None or _direct_out(out, x, weight, None)):
+    if plan.direct and (out is None or _direct_out(out, x, xflags, weight, wflags, None,
+                                                   None)):
         y = np.empty(x.shape, x.dtype) if out is None else out
         x2, y2, w = x, y, weight
     else:
