@@ -67,8 +67,10 @@ def _assert_same(got, want):
 
 def _planned(rms, x):
     """The plans the short path holds for calls like ``x`` (RMSNorm or LayerNorm)."""
+    # (the full keys: plans are also kept under a key of shapes alone, without dtypes)
     return [plan for key, plan in _fast_add._PLANS.items()
-            if key[0] == rms and key[1] == x.shape and key[2] == x.dtype]
+            if isinstance(key[2], np.dtype) and key[0] == rms and key[1] == x.shape
+            and key[2] == x.dtype]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -307,3 +309,24 @@ def test_layer_norm_without_eps_is_an_error_and_rms_norm_defaults(general_calls,
     else:
         with pytest.raises(ValueError, match="eps"):
             ln.add_layer_norm(x, r, eps=None)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_calls_of_one_shape_and_several_dtypes_each_get_their_own_plan(rms):
+    """Plans are found by shapes and checked by dtype identity: alternating dtypes of
+    one shape, and a dtype equal to float32 but another object, give each the general
+    path's bits."""
+    rng = np.random.default_rng(31)
+    native = np.dtype(np.float32).newbyteorder("=")  # equal to float32, not the same object
+    cases = []
+    for dtype in ("float32", "float64", native):
+        x, r, w, b = _inputs(rng, (6, 80), "float64", "both")
+        acc = np.float64 if dtype == "float64" else np.float32
+        cases.append((x.astype(dtype), r.astype(dtype), w.astype(acc), b.astype(acc)))
+    x, r, w, b = cases[1]
+    cases.append((x, r, w.astype(np.float32), b.astype(np.float32)))  # float32 parameters
+    for _ in range(3):
+        for x, r, w, b in cases:
+            got = _add(rms, x, r, w, b, return_stats=True)
+            _assert_same(got, _add(rms, x, r, w, b, return_stats=True, backend="numba"))
+            assert got[0].dtype == x.dtype

@@ -259,3 +259,25 @@ def test_a_full_memo_starts_over_instead_of_refusing_new_shapes(monkeypatch, gen
         assert _fast_backward._PLANS[(False, x.shape, x.dtype, None, None, None, None)]
         assert len(_fast_backward._PLANS) <= 4
     assert not general_calls
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_calls_of_one_shape_and_several_dtypes_each_get_their_own_plan(rms):
+    """Plans are found by shapes and checked by dtype identity: alternating dtypes of
+    one shape, and a dtype equal to float32 but another object, give each the general
+    path's bits."""
+    rng = np.random.default_rng(32)
+    native = np.dtype(np.float32).newbyteorder("=")  # equal to float32, not the same object
+    cases = []
+    for dtype in ("float32", "float64", native):
+        x, grad_y, stats, w = _inputs(rng, (6, 80), "float32", True, rms)
+        acc = np.float64 if dtype == "float64" else np.float32
+        cases.append((grad_y.astype(dtype), x.astype(dtype), tuple(s.astype(acc) for s in stats),
+                      w.astype(acc)))
+    grad_y, x, stats, w = cases[1]
+    cases.append((grad_y, x, stats, w.astype(np.float32)))  # a float32 weight
+    for _ in range(3):
+        for grad_y, x, stats, w in cases:
+            got = _backward(rms, grad_y, x, stats, w)
+            _assert_same(got, _backward(rms, grad_y, x, stats, w, backend="numba"))
+            assert got[0].dtype == x.dtype

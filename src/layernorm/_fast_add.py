@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _engine
+from . import _engine, _plans
 from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
@@ -72,6 +72,7 @@ class AddPlan:
         "bits",
         "default_eps",
         "dtype_name",
+        "dtypes",
         "eps_scalars",
         "large",
         "negative_zeros",
@@ -90,6 +91,10 @@ class AddPlan:
     def __init__(self, shape: tuple[int, ...], rows: int, n: int, dtype: str, acc: str,
                  stats_shape: tuple[int, ...], kernels: Any, rms: bool) -> None:
         self.rows, self.stats_shape, self.dtype_name = rows, stats_shape, dtype
+        #: The dtype objects of x, weight and bias (None if absent) of the call that made
+        #: the plan (set by :func:`_plan`), which a call found by its shapes alone must
+        #: have.
+        self.dtypes: tuple[Any, ...] = (None, None, None)
         self.acc = np.dtype(acc)
         bits = _numba.KERNEL_BITS.get(dtype)
         #: For float16/bfloat16: the dtype of the raw bits the kernels read, else None.
@@ -141,8 +146,28 @@ def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
             or any(p is not None and dtype_name(p.dtype) != req.acc
                    for p in params.values())):
         return None
-    return AddPlan(layout.shape, layout.rows, layout.n, req.dtype, req.acc,
+    plan = AddPlan(layout.shape, layout.rows, layout.n, req.dtype, req.acc,
                    layout.stats_shape, _numba.load_kernels(), rms)
+    plan.dtypes = (x.dtype, *(None if p is None else p.dtype for p in (weight, bias)))
+    return plan
+
+
+def _lookup(shapes: tuple[Any, ...], x: Any, normalized_shape: Any, axis: Any, weight: Any,
+            bias: Any, rms: bool) -> AddPlan | None:
+    """The plan under the full key (shapes and dtypes; made on a first call), also
+    remembered under ``shapes``; None if the call cannot take the short path (see
+    :func:`._fast._lookup`)."""
+    key = (rms, x.shape, x.dtype, normalized_shape, axis, *params_key(weight, bias))
+    try:
+        plan = _PLANS[key]
+    except KeyError:
+        plan = remember(_PLANS, key, lambda: _plan(x, normalized_shape, axis, weight, bias, rms))
+    if plan is not None:
+        if len(_PLANS) >= _plans.PLANS_MAX:
+            _PLANS.clear()
+            _PLANS[key] = plan
+        _PLANS[shapes] = plan
+    return plan
 
 
 def _keeps_dtype(residual_dtype: Any, plan: AddPlan, dtype: np.dtype) -> bool:
@@ -230,18 +255,31 @@ out, residual_out
             and not plain_axes(normalized_shape))
             or (axis is not None and type(axis) is not int and not plain_axes(axis))):
         return None
-    pkey = params_key(weight, bias)
-    if pkey is None:
+    # Found by the shapes alone, dtypes compared by identity (as :mod:`._fast` does:
+    # hashing dtypes costs a cache-resident call a microsecond).
+    if weight is None:
+        wshape = None
+    elif type(weight) is np.ndarray and kernel_ready(weight):
+        wshape = weight.shape
+    else:
         return None
-    key = (rms, x.shape, x.dtype, normalized_shape, axis, *pkey)
+    if bias is None:
+        bshape = None
+    elif type(bias) is np.ndarray and kernel_ready(bias):
+        bshape = bias.shape
+    else:
+        return None
+    shapes = (rms, x.shape, normalized_shape, axis, wshape, bshape)
     try:
-        plan = _PLANS[key]
-    except KeyError:
-        plan = remember(_PLANS, key, lambda: _plan(x, normalized_shape, axis, weight, bias, rms))
+        plan = _PLANS.get(shapes)
     except TypeError:  # unhashable normalized_shape
         return None
-    if plan is None:
-        return None
+    if (plan is None or plan.dtypes[0] is not x.dtype
+            or (wshape is not None and plan.dtypes[1] is not weight.dtype)
+            or (bshape is not None and plan.dtypes[2] is not bias.dtype)):
+        plan = _lookup(shapes, x, normalized_shape, axis, weight, bias, rms)
+        if plan is None:
+            return None
     if (not kernel_ready(x) or type(residual) is not np.ndarray
             or residual.shape != x.shape or residual.dtype != x.dtype
             or not kernel_ready(residual)):

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _engine
+from . import _engine, _plans
 from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
@@ -62,6 +62,7 @@ class BackwardPlan:
         "acc",
         "bits",
         "cast_grads",
+        "dtypes",
         "flat_params",
         "grad_dtype",
         "ones",
@@ -78,6 +79,9 @@ class BackwardPlan:
                  stats_shape: tuple[int, ...], param_shape: tuple[int, ...],
                  grad_dtype: np.dtype, rms: bool, itemsize: int) -> None:
         self.acc = np.dtype(acc)
+        #: The dtype objects of x and the weight (None if absent) of the call that made
+        #: the plan (set by :func:`_plan`), which a call found by its shapes must have.
+        self.dtypes: tuple[Any, ...] = (None, None)
         self.stats_shape, self.param_shape, self.grad_dtype = stats_shape, param_shape, grad_dtype
         self.shape2 = (rows, n)
         #: grad_y, x and grad_x go to the kernel as they are (no reshape).
@@ -126,9 +130,30 @@ def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any,
             or (weight is not None and dtype_name(weight.dtype) != req.acc)):
         return None
     grad_dtype = (x if weight is None else weight).dtype
-    return BackwardPlan(layout.shape, layout.rows, layout.n, req.dtype, req.acc,
+    plan = BackwardPlan(layout.shape, layout.rows, layout.n, req.dtype, req.acc,
                         layout.stats_shape, layout.param_shape, grad_dtype, rms,
                         x.dtype.itemsize)
+    plan.dtypes = (x.dtype, None if weight is None else weight.dtype)
+    return plan
+
+
+def _lookup(shapes: tuple[Any, ...], x: Any, normalized_shape: Any, axis: Any, weight: Any,
+            rms: bool) -> BackwardPlan | None:
+    """The plan under the full key (shapes and dtypes; made on a first call), also
+    remembered under ``shapes``; None if the call cannot take the short path (see
+    :func:`._fast._lookup`)."""
+    wkey = (None, None) if weight is None else (weight.shape, weight.dtype)
+    key = (rms, x.shape, x.dtype, normalized_shape, axis, *wkey)
+    try:
+        plan = _PLANS[key]
+    except KeyError:
+        plan = remember(_PLANS, key, lambda: _plan(x, normalized_shape, axis, weight, rms))
+    if plan is not None:
+        if len(_PLANS) >= _plans.PLANS_MAX:
+            _PLANS.clear()
+            _PLANS[key] = plan
+        _PLANS[shapes] = plan
+    return plan
 
 
 def _fits(arr: Any, shape: tuple[int, ...], dtype: np.dtype) -> bool:
@@ -165,18 +190,21 @@ def gradients(grad_y: Any, x: Any, mean: Any, rstd: Any, weight: Any, normalized
             or (axis is not None and type(axis) is not int and not plain_axes(axis))):
         return None
     if weight is None:
-        wshape = wdtype = None
+        wshape = None
     elif type(weight) is np.ndarray:
-        wshape, wdtype = weight.shape, weight.dtype
+        wshape = weight.shape
     else:
         return None
-    key = (rms, x.shape, x.dtype, normalized_shape, axis, wshape, wdtype)
+    # Found by the shapes alone, dtypes compared by identity (as :mod:`._fast` does:
+    # hashing dtypes costs a cache-resident call a microsecond).
+    shapes = (rms, x.shape, normalized_shape, axis, wshape)
     try:
-        plan = _PLANS[key]
-    except KeyError:
-        plan = remember(_PLANS, key, lambda: _plan(x, normalized_shape, axis, weight, rms))
+        plan = _PLANS.get(shapes)
     except TypeError:  # unhashable normalized_shape
         return None
+    if (plan is None or plan.dtypes[0] is not x.dtype
+            or (wshape is not None and plan.dtypes[1] is not weight.dtype)):
+        plan = _lookup(shapes, x, normalized_shape, axis, weight, rms)
     if (plan is None or not kernel_ready(x) or not _fits(grad_y, x.shape, x.dtype)
             or not _fits(rstd, plan.stats_shape, plan.acc)
             or (not rms and not _fits(mean, plan.stats_shape, plan.acc))
