@@ -93,8 +93,11 @@ def test_thread_count_does_not_change_any_bit():
     # Every kernel must differ between the runs, or the comparison would prove nothing.
     assert serial and all(name.endswith("_serial") for name in serial), serial
     # One block of rows: the backward's parallel kernel splits columns (same bits).
+    # Float32 LayerNorm rows of 2100: the serial kernel writes rows whole, the parallel
+    # one in column tiles (TILED_PARALLEL_MIN_BYTES; the same bits).
     split = {"ln_tiled_backward_serial": "ln_split_backward_parallel",
-             "rms_paired_backward_serial": "rms_split_backward_parallel"}
+             "rms_paired_backward_serial": "rms_split_backward_parallel",
+             "ln_seq_forward_serial": "ln_tiled_forward_parallel"}
     assert parallel == {split.get(name, name.replace("_serial", "_parallel"))
                         for name in serial}, parallel
     assert results[0] == results[1]

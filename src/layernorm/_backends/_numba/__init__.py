@@ -403,6 +403,8 @@ def ln_unit_row_kernels(k: Any, n: int, stream: bool = False,
         return k.ln_stream_forward_serial, k.ln_stream_forward_parallel
     if n * param_size >= k.TILED_MIN_BYTES:
         return k.ln_tiled_forward_serial, k.ln_tiled_forward_parallel
+    if n * param_size >= k.TILED_PARALLEL_MIN_BYTES:
+        return k.ln_seq_forward_serial, k.ln_tiled_forward_parallel
     if n >= k.SEQUENTIAL_MIN_ROW:
         return k.ln_seq_forward_serial, k.ln_seq_forward_parallel
     return k.ln_forward_serial, k.ln_forward_parallel

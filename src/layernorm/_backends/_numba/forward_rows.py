@@ -151,6 +151,15 @@ TILE_BYTES = 4096
 #: one at a time (their x is then read again from L1): tiled, float32 rows of 1536
 #: were 10% slower in cache and rows of 2048 in place from DRAM 5%.
 TILED_MIN_BYTES = 12 << 10
+#: The parallel LayerNorm kernels take the ``TILED`` order from this many bytes of
+#: ``w`` (float32 rows of 2048-3071 elements; the serial ones keep ``SEQUENTIAL`` there:
+#: the same bits). Measured 2026-12-05, Zen 4, float32, kernel alone, LayerNorm,
+#: sequential / tiled: 2 threads in cache (90, 2048) 17.2-19.4 / 16.4-17.9 us, (120,
+#: 1536) 17.6 / 17.8 us (so not below 8 KiB); 1 thread in cache (90, 2048) 29.5-33.5 /
+#: 31.0-35.0 us; in place from DRAM (4096, 2048) 2 threads 1.88-1.93 / 1.37-1.55 ms, 1
+#: thread 2.50-2.54 / 2.34-2.39 ms. RMSNorm gained nothing at 2048 (2 threads 19.4-21.8
+#: / 19.9-21.0 us).
+TILED_PARALLEL_MIN_BYTES = 8 << 10
 #: The short-row path prefetches (a hint, no effect on results) the rows two blocks of
 #: ``LANES`` rows ahead, x for reading and y for writing, in runs of rows of at least
 #: this many bytes of x (beyond a core's L2, so read from L3 or DRAM: a serial call;

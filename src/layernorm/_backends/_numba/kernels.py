@@ -116,6 +116,7 @@ _HOMES = {
         "SEQUENTIAL_MIN_ROW",
         "SHORT_ROW_MAX",
         "TILED_MIN_BYTES",
+        "TILED_PARALLEL_MIN_BYTES",
         "ln_forward_parallel",
         "ln_forward_serial",
         "ln_gathered_forward_parallel",
