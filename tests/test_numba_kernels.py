@@ -1002,3 +1002,69 @@ def test_parallel_forward_blocks_share_rows_evenly(granule):
             shares = [spans[t * per + per - 1][1] - spans[t * per][0] for t in range(threads)]
             assert sum(shares) == rows
             assert max(shares) - min(shares) <= 2 * granule, (rows, n, threads, shares)
+
+
+@pytest.mark.parametrize("n", [771, 1541, 2048, 3085])
+def test_downward_output_passes_give_the_same_bits(n):
+    """With y 1..2048 bytes after x modulo 4 KiB the whole-row and tiled loops write
+    each row downwards (forward_rows.output_downwards, against 4 KiB aliasing): every
+    kernel must give the bits of the upward pass, tails and stopped rows included."""
+    k = backend.load_kernels()
+    rows = 37
+    x = _rows(rows, n, 5)
+    x[11] = np.linspace(-3e19, 4e19, n, dtype=np.float32)  # squares overflow: a stop
+    w, b = _params(n, 5)
+    eps = np.float32(1e-5)
+    tab = k.merge_table(n, np.dtype(np.float32))
+
+    def placed(offset):
+        """A y whose address is x's plus ``offset`` modulo 4 KiB."""
+        buf = np.empty(rows * n * 4 + 8192, np.uint8)
+        skip = (x.ctypes.data + offset - buf.ctypes.data) % 4096
+        return buf[skip:skip + rows * n * 4].view(np.float32).reshape(rows, n)
+
+    want = ln.layer_norm(x, n, w, b, return_stats=True, backend="numba")
+    for fn in (k.ln_forward_serial, k.ln_seq_forward_serial, k.ln_tiled_forward_serial,
+               k.ln_stream_forward_serial, k.ln_forward_parallel, k.ln_seq_forward_parallel,
+               k.ln_tiled_forward_parallel, k.ln_stream_forward_parallel):
+        for offset in (64, 200, 2048, 3000):  # downwards, downwards, downwards, upwards
+            y = placed(offset)
+            y[...] = np.nan
+            mean = np.full(rows, np.nan, np.float32)
+            rstd = np.full(rows, np.nan, np.float32)
+            args = (x, w, b, eps, y, mean, rstd, tab, False)
+            backend.complete_layer_norm_rows(
+                backend.entry.call(fn, backend.LN_FORWARD_WRITES, *args), args)
+            for got, exp in zip((y, mean, rstd), want, strict=True):
+                _same_bits(got, exp.reshape(got.shape))
+
+
+@pytest.mark.parametrize("n", [771, 2048, 3085])
+def test_downward_rms_output_passes_give_the_same_bits(n):
+    """:func:`test_downward_output_passes_give_the_same_bits` for RMSNorm."""
+    k = backend.load_kernels()
+    rows = 37
+    x = _rows(rows, n, 6)
+    x[11] = np.linspace(-3e19, 4e19, n, dtype=np.float32)  # squares overflow: a stop
+    w, _ = _params(n, 6)
+    eps = np.float32(1e-5)
+
+    def placed(offset):
+        buf = np.empty(rows * n * 4 + 8192, np.uint8)
+        skip = (x.ctypes.data + offset - buf.ctypes.data) % 4096
+        return buf[skip:skip + rows * n * 4].view(np.float32).reshape(rows, n)
+
+    want = ln.rms_norm(x, n, w, eps=1e-5, return_stats=True, backend="numba")
+    for fn in (k.rms_forward_serial, k.rms_seq_forward_serial, k.rms_tiled_forward_serial,
+               k.rms_stream_forward_serial, k.rms_forward_parallel,
+               k.rms_seq_forward_parallel, k.rms_tiled_forward_parallel,
+               k.rms_stream_forward_parallel):
+        for offset in (64, 200, 2048, 3000):
+            y = placed(offset)
+            y[...] = np.nan
+            rstd = np.full(rows, np.nan, np.float32)
+            args = (x, w, eps, y, rstd, False)
+            backend.complete_rms_norm_rows(
+                backend.entry.call(fn, backend.RMS_FORWARD_WRITES, *args), args)
+            for got, exp in zip((y, rstd), want, strict=True):
+                _same_bits(got, exp.reshape(got.shape))

@@ -41,7 +41,7 @@ def output_pass(x, w, b, shift, mu, rstd, y, nt):
     xv, yv, wv, bv = raw(x), raw(y), raw(w), raw(b)
     if nt:
         for r in range(x.shape[0]):
-            ln_row_out_whole(xv, yv, r, n, shift[r], mu[r], rstd[r], wv, bv, STREAM)
+            ln_row_out_whole(xv, yv, r, n, shift[r], mu[r], rstd[r], wv, bv, STREAM, False)
         store_fence()
     else:
         for r in range(x.shape[0]):
