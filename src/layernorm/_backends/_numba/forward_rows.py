@@ -160,7 +160,7 @@ TILED_MIN_BYTES = 12 << 10
 #: thread 2.50-2.54 / 2.34-2.39 ms. RMSNorm gained nothing at 2048 (2 threads 19.4-21.8
 #: / 19.9-21.0 us).
 TILED_PARALLEL_MIN_BYTES = 8 << 10
-#: The output passes of the ``SEQUENTIAL``, ``STREAM`` and ``TILED`` orders run
+#: The output passes of the ``SEQUENTIAL`` and ``TILED`` orders (plain stores) run
 #: downwards when y lies ``1 .. ALIAS_WINDOW`` bytes after x modulo ``ALIAS_BYTES`` (no
 #: effect on results): upwards, the loads of x a few vectors ahead then share the low
 #: 12 address bits of stores to y still in flight and wait for them (4 KiB aliasing).
@@ -281,7 +281,7 @@ def ln_row_out_and_sums(xr, yr, r, n, shift, mean, rstd, w, b, rn, nshift, write
 def ln_row_out_whole(xr, yr, r, n, shift, mean, rstd, w, b, order, down):
     """:func:`ln_row_out` with the stores of ``order`` (``STREAM``: streaming stores,
     ``SEQUENTIAL``: plain ones; :func:`._simd.vstore_by`), the same values; ``down``:
-    the vectors go downwards (:func:`output_downwards`)."""
+    the vectors go downwards (:func:`output_downwards`; plain stores only)."""
     kv = splat(shift)
     mv = splat(mean)
     rv = splat(rstd)
@@ -296,7 +296,8 @@ def ln_row_out_whole(xr, yr, r, n, shift, mean, rstd, w, b, order, down):
     peeled = i
     body = i + (n - i) // LANES * LANES
     while i < body:
-        j = peeled + body - LANES - i if down else i
+        # (streaming stores, rows from DRAM, keep the upward pass: not measured there)
+        j = peeled + body - LANES - i if down and align == 1 else i
         v = ((vload(xr, r, j) - kv) - mv) * rv
         vstore_by(order, yr, affine(v, w, b, j), r, j)
         i += LANES
@@ -888,7 +889,7 @@ def _rms_row_out_whole(xr, yr, r, n, rstd, w, order, down):
     peeled = i
     body = i + (n - i) // LANES * LANES
     while i < body:
-        j = peeled + body - LANES - i if down else i
+        j = peeled + body - LANES - i if down and align == 1 else i
         vstore_by(order, yr, times_w(vload(xr, r, j) * rv, w, j), r, j)
         i += LANES
     while i < n:
