@@ -1004,6 +1004,15 @@ def test_parallel_forward_blocks_share_rows_evenly(granule):
             assert max(shares) - min(shares) <= 2 * granule, (rows, n, threads, shares)
 
 
+def _placed_after(x, offset):
+    """An empty float32 array of x's shape whose address is x's plus ``offset``
+    modulo 4 KiB."""
+    size = x.size * 4
+    buf = np.empty(size + 8192, np.uint8)
+    skip = (x.ctypes.data + offset - buf.ctypes.data) % 4096
+    return buf[skip:skip + size].view(np.float32).reshape(x.shape)
+
+
 @pytest.mark.parametrize("n", [771, 1541, 2048, 3085])
 def test_downward_output_passes_give_the_same_bits(n):
     """With y 1..2048 bytes after x modulo 4 KiB the whole-row and tiled loops write
@@ -1017,18 +1026,12 @@ def test_downward_output_passes_give_the_same_bits(n):
     eps = np.float32(1e-5)
     tab = k.merge_table(n, np.dtype(np.float32))
 
-    def placed(offset):
-        """A y whose address is x's plus ``offset`` modulo 4 KiB."""
-        buf = np.empty(rows * n * 4 + 8192, np.uint8)
-        skip = (x.ctypes.data + offset - buf.ctypes.data) % 4096
-        return buf[skip:skip + rows * n * 4].view(np.float32).reshape(rows, n)
-
     want = ln.layer_norm(x, n, w, b, return_stats=True, backend="numba")
     for fn in (k.ln_forward_serial, k.ln_seq_forward_serial, k.ln_tiled_forward_serial,
                k.ln_stream_forward_serial, k.ln_forward_parallel, k.ln_seq_forward_parallel,
                k.ln_tiled_forward_parallel, k.ln_stream_forward_parallel):
         for offset in (64, 200, 2048, 3000):  # downwards, downwards, downwards, upwards
-            y = placed(offset)
+            y = _placed_after(x, offset)
             y[...] = np.nan
             mean = np.full(rows, np.nan, np.float32)
             rstd = np.full(rows, np.nan, np.float32)
@@ -1049,18 +1052,13 @@ def test_downward_rms_output_passes_give_the_same_bits(n):
     w, _ = _params(n, 6)
     eps = np.float32(1e-5)
 
-    def placed(offset):
-        buf = np.empty(rows * n * 4 + 8192, np.uint8)
-        skip = (x.ctypes.data + offset - buf.ctypes.data) % 4096
-        return buf[skip:skip + rows * n * 4].view(np.float32).reshape(rows, n)
-
     want = ln.rms_norm(x, n, w, eps=1e-5, return_stats=True, backend="numba")
     for fn in (k.rms_forward_serial, k.rms_seq_forward_serial, k.rms_tiled_forward_serial,
                k.rms_stream_forward_serial, k.rms_forward_parallel,
                k.rms_seq_forward_parallel, k.rms_tiled_forward_parallel,
                k.rms_stream_forward_parallel):
         for offset in (64, 200, 2048, 3000):
-            y = placed(offset)
+            y = _placed_after(x, offset)
             y[...] = np.nan
             rstd = np.full(rows, np.nan, np.float32)
             args = (x, w, eps, y, rstd, False)

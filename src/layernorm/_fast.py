@@ -24,7 +24,7 @@ from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
 from ._dtypes import HALF_DTYPES, MACHINE_EPS, dtype_name
-from ._plans import accumulation_eps, kernel_ready, params_key, remember
+from ._plans import accumulation_eps, kernel_ready, params_key, remember_by_shapes
 from ._validate import plain_axes
 
 #: Planned calls at least this large may run in parallel and may write with streaming
@@ -160,17 +160,8 @@ def _lookup(shapes: tuple[Any, ...], x: Any, normalized_shape: Any, axis: Any, w
         key = (x.shape, x.dtype, normalized_shape, axis, *params_key(weight))
     else:
         key = (x.shape, x.dtype, normalized_shape, axis, *params_key(weight, bias))
-    try:
-        plan = _PLANS[key]
-    except KeyError:
-        plan = remember(_PLANS, key, lambda: _plan(x, normalized_shape, axis, weight, bias,
-                                                     rms))
-    if plan is not None:
-        if len(_PLANS) >= _plans.PLANS_MAX:
-            _PLANS.clear()
-            _PLANS[key] = plan
-        _PLANS[shapes] = plan
-    return plan
+    return remember_by_shapes(_PLANS, key, shapes,
+                              lambda: _plan(x, normalized_shape, axis, weight, bias, rms))
 
 
 def _flat(param: Any, plan: Plan, bits: Any) -> Any:

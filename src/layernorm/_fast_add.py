@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from . import _engine, _plans
+from . import _engine
 from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
 from ._dtypes import MACHINE_EPS, dtype_name
-from ._plans import accumulation_eps, kernel_ready, params_key, remember
+from ._plans import accumulation_eps, kernel_ready, params_key, remember_by_shapes
 from ._validate import plain_axes
 
 _NUMPY_ROUTE = Route("numpy", "numba")
@@ -158,16 +158,8 @@ def _lookup(shapes: tuple[Any, ...], x: Any, normalized_shape: Any, axis: Any, w
     remembered under ``shapes``; None if the call cannot take the short path (see
     :func:`._fast._lookup`)."""
     key = (rms, x.shape, x.dtype, normalized_shape, axis, *params_key(weight, bias))
-    try:
-        plan = _PLANS[key]
-    except KeyError:
-        plan = remember(_PLANS, key, lambda: _plan(x, normalized_shape, axis, weight, bias, rms))
-    if plan is not None:
-        if len(_PLANS) >= _plans.PLANS_MAX:
-            _PLANS.clear()
-            _PLANS[key] = plan
-        _PLANS[shapes] = plan
-    return plan
+    return remember_by_shapes(_PLANS, key, shapes,
+                              lambda: _plan(x, normalized_shape, axis, weight, bias, rms))
 
 
 def _keeps_dtype(residual_dtype: Any, plan: AddPlan, dtype: np.dtype) -> bool:

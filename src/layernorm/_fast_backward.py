@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from . import _engine, _plans
+from . import _engine
 from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
 from ._dtypes import dtype_name
-from ._plans import kernel_ready, remember
+from ._plans import kernel_ready, remember_by_shapes
 from ._validate import plain_axes
 
 _NUMPY_ROUTE = Route("numpy", "numba")
@@ -144,16 +144,8 @@ def _lookup(shapes: tuple[Any, ...], x: Any, normalized_shape: Any, axis: Any, w
     :func:`._fast._lookup`)."""
     wkey = (None, None) if weight is None else (weight.shape, weight.dtype)
     key = (rms, x.shape, x.dtype, normalized_shape, axis, *wkey)
-    try:
-        plan = _PLANS[key]
-    except KeyError:
-        plan = remember(_PLANS, key, lambda: _plan(x, normalized_shape, axis, weight, rms))
-    if plan is not None:
-        if len(_PLANS) >= _plans.PLANS_MAX:
-            _PLANS.clear()
-            _PLANS[key] = plan
-        _PLANS[shapes] = plan
-    return plan
+    return remember_by_shapes(_PLANS, key, shapes,
+                              lambda: _plan(x, normalized_shape, axis, weight, rms))
 
 
 def _fits(arr: Any, shape: tuple[int, ...], dtype: np.dtype) -> bool:

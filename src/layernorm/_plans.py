@@ -92,6 +92,32 @@ def remember(plans: dict[Any, Any], key: Any, build: Callable[[], Any]) -> Any:
     return plan
 
 
+def remember_by_shapes(plans: dict[Any, Any], key: Any, shapes: Any,
+                       build: Callable[[], Any]) -> Any:
+    """The plan under the full ``key`` (made by ``build`` and remembered on a first
+    call, see :func:`remember`), also remembered under ``shapes``, the key of the call's
+    shapes alone, where the short paths look first (they compare the plan's dtypes by
+    identity: hashing dtypes into every call's key cost a cache-resident call a
+    microsecond). None if the call cannot take the short path.
+
+    Examples
+    --------
+    >>> plans = {}
+    >>> remember_by_shapes(plans, ("s", "f4"), ("s",), lambda: 7), plans
+    (7, {('s', 'f4'): 7, ('s',): 7})
+    """
+    try:
+        plan = plans[key]
+    except KeyError:
+        plan = remember(plans, key, build)
+    if plan is not None:
+        if len(plans) >= PLANS_MAX:
+            plans.clear()
+            plans[key] = plan
+        plans[shapes] = plan
+    return plan
+
+
 def accumulation_eps(plan: Any, eps: Any) -> Any:
     """``eps`` in ``plan.acc`` (remembered in ``plan.eps_scalars``) if it is a finite
     float >= 0 that does not round to 0 there (unless it is 0) nor to infinity, else None
