@@ -1042,6 +1042,47 @@ def test_downward_output_passes_give_the_same_bits(n):
                 _same_bits(got, exp.reshape(got.shape))
 
 
+@pytest.mark.parametrize("n", [1024, 1037, 2048])
+def test_tiled_backward_at_any_placement_gives_the_same_bits(n):
+    """The tiled LayerNorm backward starts grad_x's vectors at a 64-byte boundary (one
+    element at a time before it) and runs its grad_x pass downwards when grad_x lies
+    just after grad_y or x modulo 4 KiB (backward.gx_downwards): at every placement of
+    grad_y and grad_x (both directions, heads of 0-15 elements), with and without
+    grad_residual, it must give the any-stride kernel's bits, partials included."""
+    k = backend.load_kernels()
+    rows = 37  # nine tiles and a row
+    x = _placed_after(np.empty((rows, n), np.float32), 16)
+    x[...] = _rows(rows, n, 41)
+    w, b = _params(n, 41)
+    _, mean, rstd = ln.layer_norm(x, n, w, b, return_stats=True)
+    mean, rstd = mean.reshape(rows), rstd.reshape(rows)
+    blocks = -(-rows // backend.GRAD_ROW_BLOCK)
+
+    def run(fn, gy, gx, gres, has_res):
+        gx[...] = np.nan
+        partials = np.zeros((2, blocks, n), np.float32)
+        sums = backend.entry.call(fn, backend.LN_BACKWARD_WRITES, gy, x, mean, rstd, w, gx,
+                                  partials, backend.GRAD_ROW_BLOCK, gres, has_res)
+        return gx.copy(), partials, sums
+
+    # (grad_y, grad_x) bytes after x modulo 4 KiB: grad_x just after x (downwards),
+    # just after both, just before both (upwards); misaligned by 4-60 bytes.
+    for gy_at, gx_at in ((2048, 64), (2048, 84), (0, 36), (16, 16), (2048, 3500),
+                         (1000, 940), (3000, 4092)):
+        gy = _placed_after(x, gy_at)
+        gy[...] = _rows(rows, n, 42, offset=0.0)
+        gres = _placed_after(x, 512)
+        gres[...] = _rows(rows, n, 43, offset=0.0)
+        for has_res in (False, True):
+            want = run(k.ln_gathered_backward_serial, gy, np.empty_like(x),
+                       gres if has_res else x, has_res)
+            for fn in (k.ln_tiled_backward_serial, k.ln_tiled_backward_parallel):
+                got = run(fn, gy, _placed_after(x, gx_at), gres if has_res else x,
+                          has_res)
+                for a, e in zip(got, want, strict=True):
+                    _same_bits(a, e)
+
+
 @pytest.mark.parametrize("n", [771, 2048, 3085])
 def test_downward_rms_output_passes_give_the_same_bits(n):
     """:func:`test_downward_output_passes_give_the_same_bits` for RMSNorm."""

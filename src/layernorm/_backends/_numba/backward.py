@@ -83,7 +83,7 @@ from ._simd import (
     vstore_nt,
 )
 from .diskcache import cached_njit
-from .rowmath import LANES, PLAIN, STREAM, copy_row, tree_sum
+from .rowmath import ALIAS_BYTES, LANES, PLAIN, STREAM, copy_row, tree_sum
 
 #: Rows at least this long run the backward two rows per pass in the any-stride path
 #: (no effect on results; measured: it pays once the partial sums no longer fit in L1).
@@ -292,15 +292,22 @@ def _read_hint(address, offset, stream):
         prefetch_l2_at(address, offset)
 
 
+def _gx_value(gyr, xr, r, i, wvec, mv, rv, mgv, mgxv, grr, has_res):
+    """grad_x of one vector of row ``r`` (plus grad_residual with ``has_res``), not
+    stored, and its (dy, dy * xhat), the row's dw/db terms."""
+    dy = vload(gyr, r, i)
+    xh = (vload(xr, r, i) - mv) * rv
+    g = ((dy * wvec - mgv) - xh * mgxv) * rv
+    return (g + vload(grr, r, i) if has_res else g), dy, dy * xh
+
+
 def _gx_vec(gyr, xr, gxr, r, i, wvec, mv, rv, mgv, mgxv, grr, has_res, stream):
     """grad_x of one vector of row ``r`` stored (plus grad_residual with ``has_res``;
     a streaming store with ``stream``, :data:`.rowmath.STREAM`, to an aligned address);
     returns its (dy, dy * xhat), the row's dw/db terms."""
-    dy = vload(gyr, r, i)
-    xh = (vload(xr, r, i) - mv) * rv
-    g = ((dy * wvec - mgv) - xh * mgxv) * rv
-    _store_gx(gxr, g + vload(grr, r, i) if has_res else g, r, i, stream)
-    return dy, dy * xh
+    g, dy, t = _gx_value(gyr, xr, r, i, wvec, mv, rv, mgv, mgxv, grr, has_res)
+    _store_gx(gxr, g, r, i, stream)
+    return dy, t
 
 
 def _gx_scalar(gyr, xr, gxr, r, i, w, m, s, mg, mgx, grr, has_res):
@@ -327,6 +334,8 @@ def _acc_means_tail(gyr, xr, r, body, count, wt, m, mv, rv, ag, ax):
 # The row helpers twice: inlined into the skewed loops (measured about 20% faster
 # there), and compiled once as functions for the tiled kernel, whose four rows per
 # loop would otherwise be typed once per call site (compile time).
+_gx_value = njit(inline="always", error_model="numpy")(_gx_value)
+_gx_value_fn = njit(error_model="numpy")(_gx_value.py_func)
 _gx_vec_fn = njit(error_model="numpy")(_gx_vec)
 _gx_scalar_fn = njit(error_model="numpy")(_gx_scalar)
 _acc_means_fn = njit(error_model="numpy")(_acc_means)
@@ -403,11 +412,28 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, ha
         store_fence()  # streaming stores done before another thread reads grad_x
 
 
+@njit(inline="always", error_model="numpy")
+def gx_downwards(gyv, xv, gxv):
+    """Whether the tiled kernels' grad_x pass runs downwards: when grad_x lies nearer
+    after grad_y or x than before them, modulo ``ALIAS_BYTES`` (no effect on results).
+
+    Upwards, a load of grad_y or x a few vectors ahead shares the low 12 address bits
+    of a grad_x store still in flight when grad_x lies a little after it, and waits
+    (4 KiB aliasing); downwards, when it lies a little before. Measured, Zen 4,
+    float32, 1 thread, in cache, x at a page boundary, grad_y 2 KiB after it, grad_x
+    1 KiB / 64 / 144 / 256 bytes after x, upwards: (121, 1024) 50 / 66 / 59 / 50 us,
+    (60, 2048) 47 / 63 / 68 / 61 us."""
+    dx = (vaddress(gxv, 0, 0) - vaddress(xv, 0, 0)) % ALIAS_BYTES
+    dg = (vaddress(gxv, 0, 0) - vaddress(gyv, 0, 0)) % ALIAS_BYTES
+    after = imin(dx if dx > 0 else ALIAS_BYTES, dg if dg > 0 else ALIAS_BYTES)
+    before = imin(ALIAS_BYTES - dx, ALIAS_BYTES - dg)
+    return before > after
+
+
 @njit(error_model="numpy")
 def _ln_bwd_tile_means(gyr, xr, gxr, r, n, mean_in, rstd_in, w, stream):
     """(mean of g, mean of g * xhat) of the ``TILE_ROWS`` rows from ``r``, their first
-    passes interleaved (each row's additions as :func:`_ln_bwd_means` makes them);
-    prefetches the tile's grad_x for writing."""
+    passes interleaved (each row's additions as :func:`_ln_bwd_means` makes them)."""
     rb, rc, rd = r + 1, r + 2, r + 3
     ma, mb, mc, md = mean_in[r], mean_in[rb], mean_in[rc], mean_in[rd]
     mva, mvb, mvc, mvd = splat(ma), splat(mb), splat(mc), splat(md)
@@ -416,16 +442,7 @@ def _ln_bwd_tile_means(gyr, xr, gxr, r, n, mean_in, rstd_in, w, stream):
     zero = splat(cast(0.0, ma))
     aga, axa, agb, axb, agc, axc, agd, axd = zero, zero, zero, zero, zero, zero, zero, zero
     body = n - n % LANES
-    base = vaddress(gxr, r, 0)
-    step = TILE_ROWS * itemsize(gxr)
     for i in range(0, body, LANES):
-        # The tile's grad_x lines in address order, TILE_ROWS lines per vector column.
-        o = i * step
-        if stream is None:
-            prefetch_at(base, o, True)
-            prefetch_at(base, o + 64, True)
-            prefetch_at(base, o + 128, True)
-            prefetch_at(base, o + 192, True)
         wvec = vload(w, 0, i)
         aga, axa = _acc_means_fn(gyr, xr, r, i, wvec, mva, rva, aga, axa)
         agb, axb = _acc_means_fn(gyr, xr, rb, i, wvec, mvb, rvb, agb, axb)
@@ -447,11 +464,12 @@ def _ln_bwd_tile_means(gyr, xr, gxr, r, n, mean_in, rstd_in, w, stream):
 
 @njit(error_model="numpy")
 def _ln_bwd_tile_out(gyr, xr, gxr, r, n, mean_in, rstd_in, sums, w, dw, db, grr, has_res,
-                     nxt, stream):
+                     nxt, down, stream):
     """grad_x of the ``TILE_ROWS`` rows from ``r`` and their dw/db terms, added in row
     order with one read and write of the partial vectors per tile: ``dw = ((dw + a) + b)
-    + ...`` is exactly the single-row passes. Prefetches grad_y and x of the rows from
-    ``nxt`` (the next tile) in address order."""
+    + ...`` is exactly the single-row passes. The vectors go downwards with ``down``
+    (:func:`gx_downwards`). With ``stream`` (streaming stores, rows from memory),
+    prefetches grad_y and x of the rows from ``nxt`` (the next tile) into L2."""
     (mga, mgxa), (mgb, mgxb), (mgc, mgxc), (mgd, mgxd) = sums
     rb, rc, rd = r + 1, r + 2, r + 3
     ma, sa, mb, sb = mean_in[r], rstd_in[r], mean_in[rb], rstd_in[rb]
@@ -460,34 +478,64 @@ def _ln_bwd_tile_out(gyr, xr, gxr, r, n, mean_in, rstd_in, sums, w, dw, db, grr,
     mvb, rvb, mgvb, mgxvb = splat(mb), splat(sb), splat(mgb), splat(mgxb)
     mvc, rvc, mgvc, mgxvc = splat(mc), splat(sc), splat(mgc), splat(mgxc)
     mvd, rvd, mgvd, mgxvd = splat(md), splat(sd), splat(mgd), splat(mgxd)
-    body = n - n % LANES
+    # grad_x's vectors start at a 64-byte boundary (the elements before it, and after
+    # the last whole vector, one at a time): a misaligned vector spans two lines, and
+    # rows a multiple of 4 KiB long put the tile's lines of grad_y, x and grad_x in
+    # one L1 set, which then holds too few of them (measured, (121, 1024) float32, 1
+    # thread, in cache, all three 16 bytes past a page: 78 -> ... us). Each element's
+    # arithmetic is the same whichever vector holds it (the same bits).
+    head = 0
+    while head < imin(n, LANES) and vaddress(gxr, r, head) % 64 != 0:
+        head += 1
+    if vaddress(gxr, r, head) % 64 != 0:
+        head = 0
+    body = head + (n - head) // LANES * LANES
+    _ln_bwd_tile_cols(gyr, xr, gxr, r, mean_in, rstd_in, sums, w, dw, db, grr, has_res,
+                      0, head)
     gbase = vaddress(gyr, nxt, 0)
     xbase = vaddress(xr, nxt, 0)
     step = TILE_ROWS * itemsize(gyr)
-    for i in range(0, body, LANES):
-        o = i * step
-        _read_hint(gbase, o, stream)
-        _read_hint(gbase, o + 64, stream)
-        _read_hint(gbase, o + 128, stream)
-        _read_hint(gbase, o + 192, stream)
-        _read_hint(xbase, o, stream)
-        _read_hint(xbase, o + 64, stream)
-        _read_hint(xbase, o + 128, stream)
-        _read_hint(xbase, o + 192, stream)
+    for k in range(head, body, LANES):
+        i = head + body - LANES - k if down else k
+        if stream is not None:
+            o = i * step
+            prefetch_l2_at(gbase, o)
+            prefetch_l2_at(gbase, o + 64)
+            prefetch_l2_at(gbase, o + 128)
+            prefetch_l2_at(gbase, o + 192)
+            prefetch_l2_at(xbase, o)
+            prefetch_l2_at(xbase, o + 64)
+            prefetch_l2_at(xbase, o + 128)
+            prefetch_l2_at(xbase, o + 192)
         wvec = vload(w, 0, i)
         dwv = vload(dw, 0, i)  # before the stores (4K aliasing, as in _ln_bwd_rows)
         dbv = vload(db, 0, i)
-        dya, ta = _gx_vec_fn(gyr, xr, gxr, r, i, wvec, mva, rva, mgva, mgxva, grr, has_res,
-                             stream)
-        dyb, tb = _gx_vec_fn(gyr, xr, gxr, rb, i, wvec, mvb, rvb, mgvb, mgxvb, grr,
-                             has_res, stream)
-        dyc, tc = _gx_vec_fn(gyr, xr, gxr, rc, i, wvec, mvc, rvc, mgvc, mgxvc, grr,
-                             has_res, stream)
-        dyd, td = _gx_vec_fn(gyr, xr, gxr, rd, i, wvec, mvd, rvd, mgvd, mgxvd, grr,
-                             has_res, stream)
+        # The four rows' loads before their stores: the rows of grad_y, x and grad_x
+        # are a multiple of 4 KiB long for rows of 1024 float32, so a load from the
+        # next row's offset in the page would wait on the pending store of this one.
+        ga, dya, ta = _gx_value_fn(gyr, xr, r, i, wvec, mva, rva, mgva, mgxva, grr,
+                                   has_res)
+        gb, dyb, tb = _gx_value_fn(gyr, xr, rb, i, wvec, mvb, rvb, mgvb, mgxvb, grr,
+                                   has_res)
+        gc, dyc, tc = _gx_value_fn(gyr, xr, rc, i, wvec, mvc, rvc, mgvc, mgxvc, grr,
+                                   has_res)
+        gd, dyd, td = _gx_value_fn(gyr, xr, rd, i, wvec, mvd, rvd, mgvd, mgxvd, grr,
+                                   has_res)
+        _store_gx(gxr, ga, r, i, stream)
+        _store_gx(gxr, gb, rb, i, stream)
+        _store_gx(gxr, gc, rc, i, stream)
+        _store_gx(gxr, gd, rd, i, stream)
         vstore(dw, (((dwv + ta) + tb) + tc) + td, 0, i)
         vstore(db, (((dbv + dya) + dyb) + dyc) + dyd, 0, i)
-    for i in range(body, n):
+    _ln_bwd_tile_cols(gyr, xr, gxr, r, mean_in, rstd_in, sums, w, dw, db, grr, has_res,
+                      body, n)
+
+
+@njit(error_model="numpy")
+def _ln_bwd_tile_cols(gyr, xr, gxr, r, mean_in, rstd_in, sums, w, dw, db, grr, has_res,
+                      c0, c1):
+    """:func:`_ln_bwd_tile_out` of columns ``c0 .. c1``, one element at a time."""
+    for i in range(c0, c1):
         tw = get(dw, 0, i)
         tb = get(db, 0, i)
         for q in range(TILE_ROWS):  # one loop body, not four (compile time)
@@ -514,12 +562,14 @@ def _ln_bwd_tiles(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, h
     dw = raw(partials[0, blk])
     db = raw(partials[1, blk])
     full = r0 + (r1 - r0) // TILE_ROWS * TILE_ROWS
+    # (streaming stores, rows from DRAM, keep the upward pass: not measured there)
+    down = stream is None and gx_downwards(gyv, xv, gxv)
     for r in range(r0, full, TILE_ROWS):
         sums = _ln_bwd_tile_means(gyv, xv, gxv, r, n, mean_in, rstd_in, wv, stream)
         # The last tile prefetches itself again (cached already).
         nxt = r + TILE_ROWS if r + 2 * TILE_ROWS <= rows else r
         _ln_bwd_tile_out(gyv, xv, gxv, r, n, mean_in, rstd_in, sums, wv, dw, db, grv,
-                         has_res, nxt, stream)
+                         has_res, nxt, down, stream)
     # The last rows one by one, from the tile's compiled helpers (compile time).
     body = n - n % LANES
     for r in range(full, r1):

@@ -62,6 +62,7 @@ from ._simd import (
 from .diskcache import cached_njit
 from .rescale import ln_row_rescaled, needs_rescaling, rms_row_rescaled, usable_rstd
 from .rowmath import (
+    ALIAS_BYTES,
     BLOCK_CHUNKS,
     BLOCK_MULTIPLE,
     CHUNK,
@@ -169,7 +170,6 @@ TILED_PARALLEL_MIN_BYTES = 8 << 10
 #: (242, 768) 38 / 33 / 31 / 28.6 us. The pipelined order (``PLAIN``, rows below
 #: ``SEQUENTIAL_MIN_ROW``) keeps its upward pass: a direction chosen at run time in its
 #: interleaved loop cost every call 5-12% at n = 768-1024.
-ALIAS_BYTES = 4096
 ALIAS_WINDOW = 2048
 #: The short-row path prefetches (a hint, no effect on results) the rows two blocks of
 #: ``LANES`` rows ahead, x for reading and y for writing, in runs of rows of at least

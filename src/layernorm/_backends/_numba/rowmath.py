@@ -123,6 +123,11 @@ CHUNK = LANES * PER_LANE
 BLOCK_CHUNKS = 64
 #: Elements per parallel work item (no effect on results).
 WORK_ELEMENTS = 1 << 15
+#: Loads and stores whose addresses agree modulo this many bytes look alike to the
+#: load-store unit: a load waits for an earlier store still in flight with the same low
+#: 12 address bits (4 KiB aliasing). The output passes choose their direction by it
+#: (:func:`.forward_rows.output_downwards`, the backward's tiled grad_x pass).
+ALIAS_BYTES = 4096
 
 
 #: The parallel forward kernels cut a call into a multiple of this many blocks (of about
