@@ -666,6 +666,10 @@ def _splits(k: Any, rows: int, n: int) -> bool:
 #: skewed: x of 2 MiB (512, 1024) 0.83, (256, 2048) 0.75, (128, 4096) 0.75; x of 4 MiB
 #: (1024, 1024) 1.3, (256, 4096) 1.3, (64, 16384) 1.16; from DRAM (8192, 1024) 1.42,
 #: (4096, 2048) 1.22, (2048, 4096) 1.32, (512, 16384) 1.18 (2 threads 1.15-1.29).
+#: Remeasured after the tiles lost their prefetches and gained aligned, downward-capable
+#: grad_x passes (public call, medians of five alternating processes, time with tiles
+#: from 768 / from 1024): 1 thread (81, 768) 0.89, (161, 768) 0.94, (320, 768) 1.06,
+#: (600, 768) 0.95; 2 threads 0.93, 1.05, 1.01, 1.08: within the noise, kept.
 TILE_FROM_N = 1024
 #: See :data:`TILE_FROM_N`.
 TILE_MAX_BYTES = 2 << 20
