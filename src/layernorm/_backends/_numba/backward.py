@@ -342,7 +342,6 @@ def _acc_means_tail(gyr, xr, r, body, count, wt, m, mv, rv, ag, ax):
 # loop would otherwise be typed once per call site (compile time).
 _gx_value = njit(inline="always", error_model="numpy")(_gx_value)
 _gx_value_fn = njit(error_model="numpy")(_gx_value.py_func)
-_gx_vec_fn = njit(error_model="numpy")(_gx_vec)
 _gx_scalar_fn = njit(error_model="numpy")(_gx_scalar)
 _acc_means_fn = njit(error_model="numpy")(_acc_means)
 _acc_means_tail_fn = njit(error_model="numpy")(_acc_means_tail)
@@ -497,7 +496,7 @@ def _ln_bwd_tile_out(gyr, xr, gxr, r, n, mean_in, rstd_in, sums, w, dw, db, grr,
         head = 0
     body = head + (n - head) // LANES * LANES
     _ln_bwd_tile_cols(gyr, xr, gxr, r, mean_in, rstd_in, sums, w, dw, db, grr, has_res,
-                      0, head)
+                      runtime(0), head)  # (a literal 0 would compile a second copy)
     gbase = vaddress(gyr, nxt, 0)
     xbase = vaddress(xr, nxt, 0)
     step = TILE_ROWS * itemsize(gyr)
@@ -593,8 +592,9 @@ def _ln_bwd_tiles(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, h
         mgx = tree_sum(ax) * inv_n
         mgv, mgxv = splat(mg), splat(mgx)
         for i in range(0, body, LANES):
-            dy, t = _gx_vec_fn(gyv, xv, gxv, r, i, vload(wv, 0, i), mv, rv, mgv, mgxv, grv,
-                               has_res, stream)
+            g, dy, t = _gx_value_fn(gyv, xv, r, i, vload(wv, 0, i), mv, rv, mgv, mgxv, grv,
+                                    has_res)
+            _store_gx(gxv, g, r, i, stream)
             vstore(dw, vload(dw, 0, i) + t, 0, i)
             vstore(db, vload(db, 0, i) + dy, 0, i)
         for i in range(body, n):
