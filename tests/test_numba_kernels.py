@@ -1042,6 +1042,64 @@ def test_downward_output_passes_give_the_same_bits(n):
                 _same_bits(got, exp.reshape(got.shape))
 
 
+def _placed_at(x, offset):
+    """A float32 copy of x whose address is ``offset`` bytes past a page boundary."""
+    size = x.size * 4
+    buf = np.empty(size + 8192, np.uint8)
+    skip = (offset - buf.ctypes.data) % 4096
+    out = buf[skip:skip + size].view(np.float32).reshape(x.shape)
+    out[...] = x
+    return out
+
+
+@pytest.mark.parametrize("n", [300, 771, 1541, 2048, 3085])
+def test_output_passes_from_an_aligned_head_give_the_same_bits(n):
+    """The row path's output passes start their vectors at x's first 64-byte boundary
+    (forward_rows.aligned_head) and finish the elements before it from a saved vector
+    (rows in the pipelined order) or one at a time (whole and tiled rows): at every
+    misalignment of x, in place too, every LayerNorm and RMSNorm row kernel must give
+    the bits of the aligned call, tails and a stopped row included."""
+    k = backend.load_kernels()
+    rows = 37
+    x0 = _rows(rows, n, 8)
+    x0[11] = np.linspace(-3e19, 4e19, n, dtype=np.float32)  # squares overflow: a stop
+    w, b = _params(n, 8)
+    eps = np.float32(1e-5)
+    tab = k.merge_table(n, np.dtype(np.float32))
+    want = ln.layer_norm(_placed_at(x0, 0), n, w, b, return_stats=True, backend="numba")
+    want_rms = ln.rms_norm(_placed_at(x0, 0), n, w, eps=1e-5, return_stats=True,
+                           backend="numba")
+    for offset in (4, 16, 36, 60):  # heads of 15, 12, 7 and 1 elements
+        for in_place in (False, True):
+            for fn in (k.ln_forward_serial, k.ln_seq_forward_serial,
+                       k.ln_tiled_forward_serial, k.ln_forward_parallel,
+                       k.ln_seq_forward_parallel, k.ln_tiled_forward_parallel):
+                x = _placed_at(x0, offset)
+                y = x if in_place else _placed_after(x, 1000)
+                if not in_place:
+                    y[...] = np.nan
+                mean = np.full(rows, np.nan, np.float32)
+                rstd = np.full(rows, np.nan, np.float32)
+                args = (x, w, b, eps, y, mean, rstd, tab, False)
+                backend.complete_layer_norm_rows(
+                    backend.entry.call(fn, backend.LN_FORWARD_WRITES, *args), args)
+                for got, exp in zip((y, mean, rstd), want, strict=True):
+                    _same_bits(got, exp.reshape(got.shape))
+            for fn in (k.rms_forward_serial, k.rms_seq_forward_serial,
+                       k.rms_tiled_forward_serial, k.rms_forward_parallel,
+                       k.rms_seq_forward_parallel, k.rms_tiled_forward_parallel):
+                x = _placed_at(x0, offset)
+                y = x if in_place else _placed_after(x, 1000)
+                if not in_place:
+                    y[...] = np.nan
+                rstd = np.full(rows, np.nan, np.float32)
+                args = (x, w, eps, y, rstd, False)
+                backend.complete_rms_norm_rows(
+                    backend.entry.call(fn, backend.RMS_FORWARD_WRITES, *args), args)
+                for got, exp in zip((y, rstd), want_rms, strict=True):
+                    _same_bits(got, exp.reshape(got.shape))
+
+
 @pytest.mark.parametrize("n", [1024, 1037, 2048])
 def test_tiled_backward_at_any_placement_gives_the_same_bits(n):
     """The tiled LayerNorm backward starts grad_x's vectors at a 64-byte boundary (one
