@@ -314,12 +314,12 @@ def ln_row_out_whole(xr, yr, r, n, shift, mean, rstd, w, b, order, down):
     kv = splat(shift)
     mv = splat(mean)
     rv = splat(rstd)
-    # Streaming stores need aligned addresses: peel elements up to the boundary (none
-    # for plain stores, whose alignment is 1).
+    # Streaming stores need y's vectors aligned: peel elements up to y's boundary.
+    # Plain stores (alignment 1) start at x's instead (aligned_head).
     align = store_alignment(order, yr)
     i = 0
-    while i < (n if align > 1 else imin(n, LANES)) and (
-            vaddress(xr, r, i) if align == 1 else vaddress(yr, r, i)) % imax(align, 64) != 0:
+    head = aligned_head(xr, r, n) if align == 1 else n
+    while i < head and (align == 1 or vaddress(yr, r, i) % align != 0):
         v = ((widen(get(xr, r, i)) - shift) - mean) * rstd
         put(yr, r, i, narrow(affine(v, w, b, i), yr))
         i += 1
@@ -932,8 +932,8 @@ def _rms_row_out_whole(xr, yr, r, n, rstd, w, order, down):
     rv = splat(rstd)
     align = store_alignment(order, yr)
     i = 0
-    while i < (n if align > 1 else imin(n, LANES)) and (
-            vaddress(xr, r, i) if align == 1 else vaddress(yr, r, i)) % imax(align, 64) != 0:
+    head = aligned_head(xr, r, n) if align == 1 else n
+    while i < head and (align == 1 or vaddress(yr, r, i) % align != 0):
         put(yr, r, i, narrow(times_w(widen(get(xr, r, i)) * rstd, w, i), yr))
         i += 1
     peeled = i
