@@ -1506,6 +1506,35 @@ def test_quantize_kernel_is_the_composition(rms, add, fmt, static):
             assert_bitwise(got_stat, want)
 
 
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rms", [False, True])
+def test_quantize_kernel_at_any_alignment_of_x(rms, fmt, static):
+    # The row path's output passes start at x's first 64-byte boundary and take the
+    # row's edges from overlapping first and last vectors: x at each offset into a
+    # cache line (heads of 15, 12, 7 and 1 elements), rows pipelined (200, 300) and one
+    # by one (1000, 1037), must give the composition's codes and scales.
+    for rows, n in [(37, 200), (37, 300), (11, 1000), (11, 1037)]:
+        x0 = data((rows, n), "float32", 5, 3.0)
+        w = data((n,), "float32", 6)
+        b = data((n,), "float32", 7)
+        scale = data((rows, 1), "float32", 8) ** 2 + 0.01 if static else None
+        params = {"weight": w} if rms else {"weight": w, "bias": b}
+        fn = ln.rms_norm if rms else ln.layer_norm
+        q_ref, s_ref = qref(fn(x0, **params), fmt, scale)
+        for offset in (4, 16, 36, 60):
+            buf = np.empty(x0.nbytes + 128, np.uint8)
+            skip = (offset - buf.ctypes.data) % 64
+            x = buf[skip:skip + x0.nbytes].view(np.float32).reshape(x0.shape)
+            x[...] = x0
+            with quantized_calls(strict=True) as calls:
+                y, s = fn(x, quantize=fmt, scale=scale, **params)
+            assert calls == [fmt]
+            assert_bitwise(y, q_ref)
+            if not static:
+                assert_bitwise(s, s_ref)
+
+
 @pytest.mark.parametrize("shape", [(300, 1000), (700, 200), (40, 4100)])  # by row, pipelined, tiled
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantize_kernel_serial_and_parallel_agree(fmt, shape):

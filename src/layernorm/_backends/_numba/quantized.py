@@ -92,6 +92,7 @@ from .diskcache import cached_njit
 from .forward_rows import (
     PLAIN,
     TILE_ROWS,
+    aligned_head,
     ln_raw_rows,
     ln_short_rows,
     rms_rows_rescued,
@@ -300,10 +301,22 @@ def ln_tail_y32(xv, r, yv, k, n, shift, mean, rstd, w, b, top):
 def ln_row_y32(xv, r, yv, k, n, shift, mean, rstd, w, b, pf):
     """Row ``r`` of ``xv`` normalized into row ``k`` of the float32 view ``yv`` (padded
     to whole vectors with zeros): :func:`ln_span_y32` of the whole row; returns the
-    :func:`._simd.vabsmax` of the row."""
-    top = ln_span_y32(xv, r, yv, k, 0, n // LANES * LANES, shift, mean, rstd, w, b,
+    :func:`._simd.vabsmax` of the row.
+
+    The vectors start at x's first 64-byte boundary (:func:`.forward_rows.aligned_head`,
+    as the plain forward's output passes do); the elements before it and after the
+    last whole vector come from x's first and last vectors, which overlap the others
+    and store the same values again (``y32`` is a buffer of its own, never x)."""
+    head = aligned_head(xv, r, n)
+    body = head + (n - head) // LANES * LANES
+    top = ln_span_y32(xv, r, yv, k, head, body, shift, mean, rstd, w, b,
                       splat(np.float32(0.0)), pf)
-    return ln_tail_y32(xv, r, yv, k, n, shift, mean, rstd, w, b, top)
+    if head == 0:
+        return ln_tail_y32(xv, r, yv, k, n, shift, mean, rstd, w, b, top)
+    top = ln_span_y32(xv, r, yv, k, 0, LANES, shift, mean, rstd, w, b, top, None)
+    if body < n:
+        top = ln_span_y32(xv, r, yv, k, n - LANES, n, shift, mean, rstd, w, b, top, None)
+    return top
 
 
 @njit(inline="always", error_model="numpy")
@@ -337,11 +350,20 @@ def ln_tail_codes(xv, r, qv, qr, fv, bv8, n, shift, mean, rstd, w, b, fmt, inv):
 
 @njit(inline="always", error_model="numpy")
 def ln_row_codes(xv, r, qv, qr, fv, bv8, n, shift, mean, rstd, w, b, fmt, inv, pf):
-    """Row ``r`` of ``xv`` normalized as :func:`ln_row_y32` does, times ``inv`` and
-    quantized straight into row ``qr`` of ``qv``; ``pf`` as in :func:`ln_span_y32`."""
-    ln_span_codes(xv, r, qv, qr, 0, n // LANES * LANES, shift, mean, rstd, w, b, fmt, inv,
-                  pf)
-    ln_tail_codes(xv, r, qv, qr, fv, bv8, n, shift, mean, rstd, w, b, fmt, inv)
+    """Row ``r`` of ``xv`` normalized as :func:`ln_row_y32` does (from x's first 64-byte
+    boundary, the edges from overlapping vectors: the same codes stored again), times
+    ``inv`` and quantized straight into row ``qr`` of ``qv``; ``pf`` as in
+    :func:`ln_span_y32`."""
+    head = aligned_head(xv, r, n)
+    body = head + (n - head) // LANES * LANES
+    ln_span_codes(xv, r, qv, qr, head, body, shift, mean, rstd, w, b, fmt, inv, pf)
+    if head == 0:
+        ln_tail_codes(xv, r, qv, qr, fv, bv8, n, shift, mean, rstd, w, b, fmt, inv)
+        return
+    ln_span_codes(xv, r, qv, qr, 0, LANES, shift, mean, rstd, w, b, fmt, inv, None)
+    if body < n:
+        ln_span_codes(xv, r, qv, qr, n - LANES, n, shift, mean, rstd, w, b, fmt, inv,
+                      None)
 
 
 @njit(inline="always", error_model="numpy")
@@ -372,9 +394,15 @@ def rms_tail_y32(xv, r, yv, k, n, rstd, w, top):
 @njit(inline="always", error_model="numpy")
 def rms_row_y32(xv, r, yv, k, n, rstd, w, pf):
     """:func:`ln_row_y32` for RMSNorm."""
-    top = rms_span_y32(xv, r, yv, k, 0, n // LANES * LANES, rstd, w,
-                       splat(np.float32(0.0)), pf)
-    return rms_tail_y32(xv, r, yv, k, n, rstd, w, top)
+    head = aligned_head(xv, r, n)
+    body = head + (n - head) // LANES * LANES
+    top = rms_span_y32(xv, r, yv, k, head, body, rstd, w, splat(np.float32(0.0)), pf)
+    if head == 0:
+        return rms_tail_y32(xv, r, yv, k, n, rstd, w, top)
+    top = rms_span_y32(xv, r, yv, k, 0, LANES, rstd, w, top, None)
+    if body < n:
+        top = rms_span_y32(xv, r, yv, k, n - LANES, n, rstd, w, top, None)
+    return top
 
 
 @njit(inline="always", error_model="numpy")
@@ -405,8 +433,15 @@ def rms_tail_codes(xv, r, qv, qr, fv, bv8, n, rstd, w, fmt, inv):
 @njit(inline="always", error_model="numpy")
 def rms_row_codes(xv, r, qv, qr, fv, bv8, n, rstd, w, fmt, inv, pf):
     """:func:`ln_row_codes` for RMSNorm."""
-    rms_span_codes(xv, r, qv, qr, 0, n // LANES * LANES, rstd, w, fmt, inv, pf)
-    rms_tail_codes(xv, r, qv, qr, fv, bv8, n, rstd, w, fmt, inv)
+    head = aligned_head(xv, r, n)
+    body = head + (n - head) // LANES * LANES
+    rms_span_codes(xv, r, qv, qr, head, body, rstd, w, fmt, inv, pf)
+    if head == 0:
+        rms_tail_codes(xv, r, qv, qr, fv, bv8, n, rstd, w, fmt, inv)
+        return
+    rms_span_codes(xv, r, qv, qr, 0, LANES, rstd, w, fmt, inv, None)
+    if body < n:
+        rms_span_codes(xv, r, qv, qr, n - LANES, n, rstd, w, fmt, inv, None)
 
 
 @njit(error_model="numpy")
