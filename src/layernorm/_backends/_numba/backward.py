@@ -340,8 +340,8 @@ def _acc_means_tail(gyr, xr, r, body, count, wt, m, mv, rv, ag, ax):
 # The row helpers twice: inlined into the skewed loops (measured about 20% faster
 # there), and compiled once as functions for the tiled kernel, whose four rows per
 # loop would otherwise be typed once per call site (compile time).
+_gx_value_fn = njit(error_model="numpy")(_gx_value)
 _gx_value = njit(inline="always", error_model="numpy")(_gx_value)
-_gx_value_fn = njit(error_model="numpy")(_gx_value.py_func)
 _gx_scalar_fn = njit(error_model="numpy")(_gx_scalar)
 _acc_means_fn = njit(error_model="numpy")(_acc_means)
 _acc_means_tail_fn = njit(error_model="numpy")(_acc_means_tail)
