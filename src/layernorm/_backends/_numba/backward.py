@@ -89,7 +89,7 @@ from ._simd import (
     vstore_nt,
 )
 from .diskcache import cached_njit
-from .rowmath import ALIAS_BYTES, LANES, PLAIN, STREAM, copy_row, tree_sum
+from .rowmath import ALIAS_BYTES, LANES, PLAIN, STREAM, aligned_head, copy_row, tree_sum
 
 #: Rows at least this long run the backward two rows per pass in the any-stride path
 #: (no effect on results; measured: it pays once the partial sums no longer fit in L1).
@@ -483,17 +483,14 @@ def _ln_bwd_tile_out(gyr, xr, gxr, r, n, mean_in, rstd_in, sums, w, dw, db, grr,
     mvb, rvb, mgvb, mgxvb = splat(mb), splat(sb), splat(mgb), splat(mgxb)
     mvc, rvc, mgvc, mgxvc = splat(mc), splat(sc), splat(mgc), splat(mgxc)
     mvd, rvd, mgvd, mgxvd = splat(md), splat(sd), splat(mgd), splat(mgxd)
-    # grad_x's vectors start at a 64-byte boundary (the elements before it, and after
-    # the last whole vector, one at a time): a misaligned vector spans two lines, and
-    # rows a multiple of 4 KiB long put the tile's lines of grad_y, x and grad_x in
-    # one L1 set, which then holds too few of them (measured, (121, 1024) float32, 1
-    # thread, in cache, all three 16 bytes past a page: 78 -> ... us). Each element's
-    # arithmetic is the same whichever vector holds it (the same bits).
-    head = 0
-    while head < imin(n, LANES) and vaddress(gxr, r, head) % 64 != 0:
-        head += 1
-    if vaddress(gxr, r, head) % 64 != 0:
-        head = 0
+    # grad_x's vectors start at its first 64-byte boundary (aligned_head; the elements
+    # before it, and after the last whole vector, one at a time): a misaligned vector
+    # spans two lines, and rows a multiple of 4 KiB long put the tile's lines of
+    # grad_y, x and grad_x in one L1 set, which then holds too few of them (measured,
+    # (121, 1024) float32, 1 thread, in cache, all three 16 bytes past a page, with the
+    # loads before the stores: 81-86 -> 68-69 us, 61-63 us once the prefetches went).
+    # Each element's arithmetic is the same whichever vector holds it (the same bits).
+    head = aligned_head(gxr, r, n)
     body = head + (n - head) // LANES * LANES
     _ln_bwd_tile_cols(gyr, xr, gxr, r, mean_in, rstd_in, sums, w, dw, db, grr, has_res,
                       runtime(0), head)  # (a literal 0 would compile a second copy)

@@ -72,6 +72,7 @@ from .rowmath import (
     SEQUENTIAL,
     STREAM,
     TILED,
+    aligned_head,
     block_end,
     block_span,
     blocked,
@@ -204,24 +205,6 @@ def output_downwards(xv, yv):
 
 
 @njit(inline="always", error_model="numpy")
-def aligned_head(xr, r, n):
-    """Elements of row ``r`` before the first ``min(64, vector bytes)`` boundary of x,
-    where the output passes of the row path start their vectors (the elements before it
-    through one saved vector, :func:`ln_row_out_from`; no effect on results): 0 for an
-    aligned row, a row shorter than two vectors or one whose elements are misaligned.
-    A load across a cache line costs a second access: measured, Zen 4, float32, 1
-    thread, in cache, x 16 bytes past a 64-byte boundary / aligned, before:
-    LayerNorm (242, 768) 35.6 / 30.7 us, (90, 2048) 38.0 / 35.2 us; RMSNorm (242, 768)
-    29.0 / 23.8 us."""
-    align = imin(64, LANES * itemsize(xr))
-    address = vaddress(xr, r, 0)
-    head = (align - address % align) % align // itemsize(xr)
-    if n < 2 * LANES or address % itemsize(xr) != 0:
-        head = 0
-    return head
-
-
-@njit(inline="always", error_model="numpy")
 def ln_tile_span(xr, yr, r, start, end, shift, mean, rstd, w, b, down):
     """:func:`ln_row_span` upwards or (``down``) downwards, for the ``TILED`` order."""
     kv = splat(shift)
@@ -237,7 +220,7 @@ def ln_tile_span(xr, yr, r, start, end, shift, mean, rstd, w, b, down):
 def ln_row_out_from(xr, yr, r, n, shift, mean, rstd, w, b, start, head, xh):
     """Row ``r``'s output pass from element ``start`` (``head`` plus a multiple of
     ``LANES``) on, ``y = fma(((x - K) - mean) * rstd, w, b)``, plain stores; with
-    ``head`` > 0 (:func:`aligned_head`) the vectors start at element ``head`` and the
+    ``head`` > 0 (:func:`.rowmath.aligned_head`) the vectors start at element ``head`` and the
     first vector's elements are finished from ``xh``, x's first vector loaded before any
     of the row's stores (in place, the vectors from ``head`` overwrite its last
     elements; writing them again from ``xh`` stores the same values)."""

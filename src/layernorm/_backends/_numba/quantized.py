@@ -92,7 +92,6 @@ from .diskcache import cached_njit
 from .forward_rows import (
     PLAIN,
     TILE_ROWS,
-    aligned_head,
     ln_raw_rows,
     ln_short_rows,
     rms_rows_rescued,
@@ -103,6 +102,7 @@ from .fused import PARALLEL_BLOCKS, add_block, block_rows
 from .rescale import needs_rescaling
 from .rowmath import (
     LANES,
+    aligned_head,
     finish,
     row_moments,
 )
@@ -303,7 +303,7 @@ def ln_row_y32(xv, r, yv, k, n, shift, mean, rstd, w, b, pf):
     to whole vectors with zeros): :func:`ln_span_y32` of the whole row; returns the
     :func:`._simd.vabsmax` of the row.
 
-    The vectors start at x's first 64-byte boundary (:func:`.forward_rows.aligned_head`,
+    The vectors start at x's first 64-byte boundary (:func:`.rowmath.aligned_head`,
     as the plain forward's output passes do); the elements before it and after the
     last whole vector come from x's first and last vectors, which overlap the others
     and store the same values again (``y32`` is a buffer of its own, never x)."""

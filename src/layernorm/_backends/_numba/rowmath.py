@@ -87,11 +87,13 @@ from ._simd import (
     down8,
     fma,
     get,
+    itemsize,
     lane,
     put,
     raw,
     runtime,
     splat,
+    vaddress,
     vload,
     vload_tail,
     vstore,
@@ -128,6 +130,25 @@ WORK_ELEMENTS = 1 << 15
 #: 12 address bits (4 KiB aliasing). The output passes choose their direction by it
 #: (:func:`.forward_rows.output_downwards`, the backward's tiled grad_x pass).
 ALIAS_BYTES = 4096
+
+
+@njit(inline="always", error_model="numpy")
+def aligned_head(xr, r, n):
+    """Elements of row ``r`` before the first ``min(64, vector bytes)`` boundary of x,
+    where the output passes start their vectors (the elements before it through one
+    saved vector, :func:`.forward_rows.ln_row_out_from`, or one at a time, as the
+    backward's tiles do; no effect on results): 0 for an aligned row, a row shorter
+    than two vectors or one whose elements are misaligned.
+    A load across a cache line costs a second access: measured, Zen 4, float32, 1
+    thread, in cache, x 16 bytes past a 64-byte boundary / aligned, before:
+    LayerNorm (242, 768) 35.6 / 30.7 us, (90, 2048) 38.0 / 35.2 us; RMSNorm (242, 768)
+    29.0 / 23.8 us."""
+    align = imin(64, LANES * itemsize(xr))
+    address = vaddress(xr, r, 0)
+    head = (align - address % align) % align // itemsize(xr)
+    if n < 2 * LANES or address % itemsize(xr) != 0:
+        head = 0
+    return head
 
 
 #: The parallel forward kernels cut a call into a multiple of this many blocks (of about
