@@ -1004,13 +1004,52 @@ def test_parallel_forward_blocks_share_rows_evenly(granule):
             assert max(shares) - min(shares) <= 2 * granule, (rows, n, threads, shares)
 
 
+def _empty_at(shape, offset):
+    """An empty float32 array whose address is ``offset`` bytes past a page boundary."""
+    size = int(np.prod(shape)) * 4
+    buf = np.empty(size + 8192, np.uint8)
+    skip = (offset - buf.ctypes.data) % 4096
+    return buf[skip:skip + size].view(np.float32).reshape(shape)
+
+
 def _placed_after(x, offset):
     """An empty float32 array of x's shape whose address is x's plus ``offset``
     modulo 4 KiB."""
-    size = x.size * 4
-    buf = np.empty(size + 8192, np.uint8)
-    skip = (x.ctypes.data + offset - buf.ctypes.data) % 4096
-    return buf[skip:skip + size].view(np.float32).reshape(x.shape)
+    return _empty_at(x.shape, (x.ctypes.data + offset) % 4096)
+
+
+def _placed_at(x, offset):
+    """A float32 copy of x whose address is ``offset`` bytes past a page boundary."""
+    out = _empty_at(x.shape, offset)
+    out[...] = x
+    return out
+
+
+def _check_ln_rows(fn, x, y, w, b, tab, want):
+    """Forward kernel ``fn`` (its stopped rows completed) of x into y, which it must
+    fill (y NaN unless it is x), against ``want``'s bits (y, mean, rstd)."""
+    rows = x.shape[0]
+    if y is not x:
+        y[...] = np.nan
+    mean = np.full(rows, np.nan, np.float32)
+    rstd = np.full(rows, np.nan, np.float32)
+    args = (x, w, b, np.float32(1e-5), y, mean, rstd, tab, False)
+    backend.complete_layer_norm_rows(
+        backend.entry.call(fn, backend.LN_FORWARD_WRITES, *args), args)
+    for got, exp in zip((y, mean, rstd), want, strict=True):
+        _same_bits(got, exp.reshape(got.shape))
+
+
+def _check_rms_rows(fn, x, y, w, want):
+    """:func:`_check_ln_rows` for an RMSNorm kernel (y, rstd)."""
+    if y is not x:
+        y[...] = np.nan
+    rstd = np.full(x.shape[0], np.nan, np.float32)
+    args = (x, w, np.float32(1e-5), y, rstd, False)
+    backend.complete_rms_norm_rows(
+        backend.entry.call(fn, backend.RMS_FORWARD_WRITES, *args), args)
+    for got, exp in zip((y, rstd), want, strict=True):
+        _same_bits(got, exp.reshape(got.shape))
 
 
 @pytest.mark.parametrize("n", [771, 1541, 2048, 3085])
@@ -1023,7 +1062,6 @@ def test_downward_output_passes_give_the_same_bits(n):
     x = _rows(rows, n, 5)
     x[11] = np.linspace(-3e19, 4e19, n, dtype=np.float32)  # squares overflow: a stop
     w, b = _params(n, 5)
-    eps = np.float32(1e-5)
     tab = k.merge_table(n, np.dtype(np.float32))
 
     want = ln.layer_norm(x, n, w, b, return_stats=True, backend="numba")
@@ -1031,25 +1069,7 @@ def test_downward_output_passes_give_the_same_bits(n):
                k.ln_stream_forward_serial, k.ln_forward_parallel, k.ln_seq_forward_parallel,
                k.ln_tiled_forward_parallel, k.ln_stream_forward_parallel):
         for offset in (64, 200, 2048, 3000):  # downwards, downwards, downwards, upwards
-            y = _placed_after(x, offset)
-            y[...] = np.nan
-            mean = np.full(rows, np.nan, np.float32)
-            rstd = np.full(rows, np.nan, np.float32)
-            args = (x, w, b, eps, y, mean, rstd, tab, False)
-            backend.complete_layer_norm_rows(
-                backend.entry.call(fn, backend.LN_FORWARD_WRITES, *args), args)
-            for got, exp in zip((y, mean, rstd), want, strict=True):
-                _same_bits(got, exp.reshape(got.shape))
-
-
-def _placed_at(x, offset):
-    """A float32 copy of x whose address is ``offset`` bytes past a page boundary."""
-    size = x.size * 4
-    buf = np.empty(size + 8192, np.uint8)
-    skip = (offset - buf.ctypes.data) % 4096
-    out = buf[skip:skip + size].view(np.float32).reshape(x.shape)
-    out[...] = x
-    return out
+            _check_ln_rows(fn, x, _placed_after(x, offset), w, b, tab, want)
 
 
 @pytest.mark.parametrize("n", [300, 771, 1541, 2048, 3085])
@@ -1064,7 +1084,6 @@ def test_output_passes_from_an_aligned_head_give_the_same_bits(n):
     x0 = _rows(rows, n, 8)
     x0[11] = np.linspace(-3e19, 4e19, n, dtype=np.float32)  # squares overflow: a stop
     w, b = _params(n, 8)
-    eps = np.float32(1e-5)
     tab = k.merge_table(n, np.dtype(np.float32))
     want = ln.layer_norm(_placed_at(x0, 0), n, w, b, return_stats=True, backend="numba")
     want_rms = ln.rms_norm(_placed_at(x0, 0), n, w, eps=1e-5, return_stats=True,
@@ -1075,29 +1094,14 @@ def test_output_passes_from_an_aligned_head_give_the_same_bits(n):
                        k.ln_tiled_forward_serial, k.ln_forward_parallel,
                        k.ln_seq_forward_parallel, k.ln_tiled_forward_parallel):
                 x = _placed_at(x0, offset)
-                y = x if in_place else _placed_after(x, 1000)
-                if not in_place:
-                    y[...] = np.nan
-                mean = np.full(rows, np.nan, np.float32)
-                rstd = np.full(rows, np.nan, np.float32)
-                args = (x, w, b, eps, y, mean, rstd, tab, False)
-                backend.complete_layer_norm_rows(
-                    backend.entry.call(fn, backend.LN_FORWARD_WRITES, *args), args)
-                for got, exp in zip((y, mean, rstd), want, strict=True):
-                    _same_bits(got, exp.reshape(got.shape))
+                _check_ln_rows(fn, x, x if in_place else _placed_after(x, 1000), w, b, tab,
+                               want)
             for fn in (k.rms_forward_serial, k.rms_seq_forward_serial,
                        k.rms_tiled_forward_serial, k.rms_forward_parallel,
                        k.rms_seq_forward_parallel, k.rms_tiled_forward_parallel):
                 x = _placed_at(x0, offset)
-                y = x if in_place else _placed_after(x, 1000)
-                if not in_place:
-                    y[...] = np.nan
-                rstd = np.full(rows, np.nan, np.float32)
-                args = (x, w, eps, y, rstd, False)
-                backend.complete_rms_norm_rows(
-                    backend.entry.call(fn, backend.RMS_FORWARD_WRITES, *args), args)
-                for got, exp in zip((y, rstd), want_rms, strict=True):
-                    _same_bits(got, exp.reshape(got.shape))
+                _check_rms_rows(fn, x, x if in_place else _placed_after(x, 1000), w,
+                                want_rms)
 
 
 @pytest.mark.parametrize("n", [1024, 1037, 2048])
@@ -1149,7 +1153,6 @@ def test_downward_rms_output_passes_give_the_same_bits(n):
     x = _rows(rows, n, 6)
     x[11] = np.linspace(-3e19, 4e19, n, dtype=np.float32)  # squares overflow: a stop
     w, _ = _params(n, 6)
-    eps = np.float32(1e-5)
 
     want = ln.rms_norm(x, n, w, eps=1e-5, return_stats=True, backend="numba")
     for fn in (k.rms_forward_serial, k.rms_seq_forward_serial, k.rms_tiled_forward_serial,
@@ -1157,11 +1160,4 @@ def test_downward_rms_output_passes_give_the_same_bits(n):
                k.rms_seq_forward_parallel, k.rms_tiled_forward_parallel,
                k.rms_stream_forward_parallel):
         for offset in (64, 200, 2048, 3000):
-            y = _placed_after(x, offset)
-            y[...] = np.nan
-            rstd = np.full(rows, np.nan, np.float32)
-            args = (x, w, eps, y, rstd, False)
-            backend.complete_rms_norm_rows(
-                backend.entry.call(fn, backend.RMS_FORWARD_WRITES, *args), args)
-            for got, exp in zip((y, rstd), want, strict=True):
-                _same_bits(got, exp.reshape(got.shape))
+            _check_rms_rows(fn, x, _placed_after(x, offset), w, want)
