@@ -10,6 +10,8 @@ call to the general path, which raises the same errors as before.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -60,6 +62,9 @@ def _bits(a):
 def _assert_same(got, want):
     assert type(got) is tuple and len(got) == len(want)
     for g, w in zip(got, want, strict=True):
+        if type(w) is not np.ndarray:  # a static scale, returned as passed
+            assert type(g) is type(w) and g == w
+            continue
         assert type(g) is np.ndarray
         assert g.dtype == w.dtype and g.shape == w.shape
         assert np.array_equal(_bits(g), _bits(w))
@@ -330,3 +335,133 @@ def test_calls_of_one_shape_and_several_dtypes_each_get_their_own_plan(rms):
             got = _add(rms, x, r, w, b, return_stats=True)
             _assert_same(got, _add(rms, x, r, w, b, return_stats=True, backend="numba"))
             assert got[0].dtype == x.dtype
+
+
+# --------------------------------------------------------------------------- quantized
+
+FORMATS = ["int8", "float8_e4m3fn", "float8_e5m2"]
+
+
+def _quant_planned(rms, x, quantize):
+    return [plan for key, plan in _fast_add._QUANT_PLANS.items()
+            if key[0] == rms and key[1] == x.shape and key[-1] == quantize]
+
+
+# int8 on every row path; the float8 formats (each compiles kernels of its own) on one.
+@pytest.mark.parametrize(("shape", "quantize"),
+                         [(s, "int8") for s in SHAPES]
+                         + [((121, 768), f) for f in FORMATS[1:]],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
+@pytest.mark.parametrize("scale", [None, 0.03])
+@pytest.mark.parametrize("rms", [False, True])
+def test_quantized_short_path_matches_the_general_path_bitwise(general_calls, shape,
+                                                               quantize, scale, rms):
+    rng = np.random.default_rng(41)
+    x, r, w, b = _inputs(rng, shape, "float32", "both")
+    x0, r0 = x.copy(), r.copy()
+    for return_stats in (False, True):
+        want = _add(rms, x, r, w, b, quantize=quantize, scale=scale,
+                    return_stats=return_stats, backend="numba")
+        general_calls.clear()
+        for _ in range(2):  # the plan's first call, then a call that finds it
+            got = _add(rms, x, r, w, b, quantize=quantize, scale=scale,
+                       return_stats=return_stats)
+        assert not general_calls
+        _assert_same(got, want)
+        # the scale: per-row (keepdims, float32) or the caller's, as the general path
+        assert (got[2] is scale) if scale is not None else got[2].shape == want[2].shape
+    assert len(_quant_planned(rms, x, quantize)) == 1
+    assert np.array_equal(x, x0) and np.array_equal(r, r0)  # inputs untouched
+    # Given outputs: the codes into out=, h into residual_out= or in place into x or r.
+    want = _add(rms, x, r, w, b, quantize=quantize, scale=scale, backend="numba")
+    general_calls.clear()
+    for target in ("fresh", "x", "residual"):
+        xi, ri = x.copy(), r.copy()
+        q = np.empty(shape, want[0].dtype)
+        h = {"fresh": np.empty_like(x), "x": xi, "residual": ri}[target]
+        got = _add(rms, xi, ri, w, b, quantize=quantize, scale=scale, out=q, residual_out=h)
+        assert got[0] is q and got[1] is h and not general_calls
+        _assert_same(got, want)
+        if target != "x":
+            assert np.array_equal(xi, x)
+        if target != "residual":
+            assert np.array_equal(ri, r)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_quantized_rows_whose_squares_overflow_are_completed(general_calls, rms):
+    rng = np.random.default_rng(43)
+    x, r, w, b = _inputs(rng, (37, 300), "float32", "both")
+    x[1::3] *= np.float32(1e19)
+    for scale in (None, 0.5):
+        want = _add(rms, x, r, w, b, quantize="int8", scale=scale, return_stats=True,
+                    backend="numba")
+        general_calls.clear()
+        for _ in range(2):
+            got = _add(rms, x, r, w, b, quantize="int8", scale=scale, return_stats=True)
+        assert not general_calls and np.abs(got[0]).max() > 0
+        _assert_same(got, want)
+
+
+def _quantized_fallbacks():
+    rng = np.random.default_rng(45)
+    x, r, w, b = _inputs(rng, (6, 32), "float32", "both")
+    return {
+        "float64 x": dict(x=x.astype(np.float64), r=r.astype(np.float64),
+                          w=w.astype(np.float64), b=b.astype(np.float64)),
+        "float16 residual": dict(r=r.astype(np.float16)),
+        "float64 stream": dict(residual_dtype="float64"),
+        "numpy scale": dict(scale=np.float32(0.25)),
+        "array scale": dict(scale=np.full((6, 1), 0.25, np.float32)),
+        "offset gain": dict(weight_offset=1.0),
+        "float16 weight": dict(w=w.astype(np.float16)),
+        "strided out": dict(out=np.empty((6, 64), np.int8)[:, ::2]),
+        "out a view of h": dict(out_in_h=True),
+    }, (x, r, w, b)
+
+
+@pytest.mark.parametrize("case", list(_quantized_fallbacks()[0]))
+@pytest.mark.parametrize("rms", [False, True])
+def test_other_quantized_calls_take_the_general_path(general_calls, case, rms):
+    def call(**kwargs):
+        cases, (x, r, w, b) = _quantized_fallbacks()
+        spec = dict(cases[case])
+        x, r = spec.pop("x", x), spec.pop("r", r)
+        w, b = spec.pop("w", w), spec.pop("b", b)
+        if spec.pop("out_in_h", False):
+            h = np.empty((6, 32), np.float32)
+            spec.update(residual_out=h, out=h.view(np.int8)[:, :32])
+        return _add(rms, x, r, w, b, quantize="int8", **spec, **kwargs)
+
+    try:
+        want = call(backend="numba")
+    except (TypeError, ValueError) as exc:  # the general path refuses it: so must both
+        with pytest.raises(type(exc), match=re.escape(str(exc))):
+            call()
+        return
+    general_calls.clear()
+    got = call()
+    assert len(general_calls) == 1
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("spec", [dict(scale=-1.0), dict(scale=0.0),
+                                  dict(scale=float("inf")), dict(scale=1e-45),
+                                  dict(quantize="int4"), dict(quantize="float8_e4m3fn",
+                                                              out="int8 codes")],
+                         ids=["negative", "zero", "inf", "inverse overflows", "int4",
+                              "out dtype"])
+@pytest.mark.parametrize("rms", [False, True])
+def test_invalid_quantized_calls_raise_the_general_paths_errors(spec, rms):
+    rng = np.random.default_rng(47)
+    x, r, w, b = _inputs(rng, (3, 64), "float32", "both")
+    _add(rms, x, r, w, b, quantize="int8")  # a plan for x first
+    spec = {"quantize": "int8", **spec}
+    if spec.get("out") == "int8 codes":
+        spec["out"] = np.empty(x.shape, np.int8)
+    errors = []
+    for backend in ("numba", None):
+        with pytest.raises((TypeError, ValueError)) as info:
+            _add(rms, x, r, w, b, backend=backend, **spec)
+        errors.append((type(info.value), str(info.value)))
+    assert errors[0] == errors[1]

@@ -394,6 +394,14 @@ def _add_norm(x: Any, residual: Any, normalized_shape: Any, weight: Any, bias: A
                                     residual_dtype, return_stats, out, residual_out, rms)
         if result is not None:
             return result
+    elif (type(x) is np.ndarray and backend is None and quantize is not None
+            and (weight_offset is _NO_OFFSET
+                 or (type(weight_offset) is float and weight_offset == 0.0))):
+        result = _fast_add.add_norm_quantized(x, residual, normalized_shape, weight, bias,
+                                              eps, axis, residual_dtype, quantize, scale,
+                                              return_stats, out, residual_out, rms)
+        if result is not None:
+            return result
     where = route(x, backend)
     extras = {"weight_offset": weight_offset, "residual_dtype": residual_dtype,
               "quantize": quantize, "scale": scale, "return_stats": return_stats, "out": out,

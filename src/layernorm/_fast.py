@@ -458,8 +458,11 @@ class QuantPlan:
         return inv
 
 
-def _quant_plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
-                quantize: str, rms: bool) -> QuantPlan | None:
+def quant_plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
+               quantize: str, rms: bool) -> QuantPlan | None:
+    """A new :class:`QuantPlan` for calls like this one (float32 ``x``, trailing
+    normalized axes, float32 or absent parameters), or None: such calls take the
+    general path. Raises what :func:`._engine.request` raises for bad arguments."""
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
     req = _engine.request(x, _NUMPY_ROUTE, normalized_shape, axis, **params)
     layout = req.layout
@@ -502,7 +505,7 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
         plan = _PLANS[key]
     except KeyError:
         try:
-            plan = _quant_plan(x, normalized_shape, axis, weight, bias, quantize, rms)
+            plan = quant_plan(x, normalized_shape, axis, weight, bias, quantize, rms)
         except (TypeError, ValueError, KeyError):
             plan = None  # the general path raises the error
         if len(_PLANS) >= _plans.PLANS_MAX:
@@ -512,6 +515,29 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
         return None
     if plan is None:
         return None
+    if out is None:
+        q = np.empty(x.shape, plan.qdtype)
+    elif _usable_out(out, x, weight, bias, plan.qdtype):  # 8-bit codes: never x itself
+        q = out
+    else:
+        return None
+    tail = run_quantized(plan, x, None, None, q, weight, bias, eps, scale, return_stats)
+    return None if tail is None else (q, *tail)
+
+
+def run_quantized(plan: QuantPlan, x: Any, residual: Any, h: Any, q: Any, weight: Any,
+                  bias: Any, eps: Any, scale: Any, return_stats: bool) -> tuple | None:
+    """Run ``plan``'s quantizing kernel: the norm of ``x`` (with ``residual``: of
+    ``h = x + residual``, written to ``h``) quantized into ``q``.
+
+    The caller has checked every array against the plan (shapes, float32 dtypes,
+    contiguity; ``q`` of the plan's 8-bit dtype and sharing no memory with another
+    argument; ``h`` usable, possibly ``x`` or ``residual`` itself) and that ``scale`` is
+    None or a Python float. Returns ``(scale,)``, then ``(mean, rstd)`` (RMSNorm:
+    ``(rstd,)``) with ``return_stats``; or None, before anything is written, for an
+    ``eps`` or a static scale the general path must check.
+    """
+    rms = plan.rms
     if rms and eps is None:
         eps = plan.default_eps
     e = plan.eps_scalars.get(eps) if type(eps) is float else None
@@ -526,18 +552,15 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
         if inv is None and (inv := plan.inverse(scale)) is None:
             return None
         scale_rows = plan.no_stats
-    if out is None:
-        q = np.empty(x.shape, plan.qdtype)
-    elif _usable_out(out, x, weight, bias, plan.qdtype):  # 8-bit codes: never x itself
-        q = out
-    else:
-        return None
     # Every reshape skipped where the shapes already fit: at one (1, 256) row each costs
     # about a tenth of a microsecond, a thirtieth of the call.
     if plan.same_shape:
-        q2, x2 = q.view(_UINT8), x
+        q2, x2, r2, h2 = q.view(_UINT8), x, residual, h
     else:
-        q2, x2 = q.reshape(plan.shape2).view(_UINT8), x.reshape(plan.shape2)
+        shape2 = plan.shape2
+        q2, x2 = q.reshape(shape2).view(_UINT8), x.reshape(shape2)
+        r2 = None if residual is None else residual.reshape(shape2)
+        h2 = None if h is None else h.reshape(shape2)
     w = plan.ones if weight is None else weight if weight.ndim == 1 else weight.reshape(-1)
     if return_stats:
         mean = None if rms else np.empty(plan.stats_shape, np.float32)
@@ -551,13 +574,13 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
     else:
         tail, run = (plan.tag, plan.static, inv, scale_rows), plan.run_static
     if rms:
-        args = (x2, None, w, e, None, q2, r, *tail)
+        args = (x2, r2, w, e, h2, q2, r, *tail)
     else:
         b = plan.negative_zeros if bias is None else bias if bias.ndim == 1 else bias.reshape(-1)
-        args = (x2, None, w, b, e, None, q2, m, r, plan.tab, *tail)
+        args = (x2, r2, w, b, e, h2, q2, m, r, plan.tab, *tail)
     stopped = run(*args)
     if stopped:
         _numba.complete_quantized_rows(stopped, args, rms)
     if not return_stats:
-        return q, scale
-    return (q, scale, rstd) if rms else (q, scale, mean, rstd)
+        return (scale,)
+    return (scale, rstd) if rms else (scale, mean, rstd)
