@@ -262,6 +262,7 @@ def test_memory_regime_in_a_run(monkeypatch):
     (["--threads", "999"], "--threads"),
     (["--op", "batch_norm"], "--op"),
     (["--regime", "l2"], "--regime"),
+    (["--quantize", "int4"], "--quantize"),
     (["--roofline", "--regime", "cache"], "--regime"),
     (["--dask", "--regime", "memory"], "--regime"),
 ])
@@ -541,26 +542,99 @@ def test_bench_fusions_structure(tmp_path):
                 str(path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(path.read_text())["results"]
-    # Forward only (the fusions' backward is the norm's, with grad_residual).
+    # A fusion's backward cell is its norm's backward with grad_residual.
     assert {(r["op"], r["direction"]) for r in results} == {
-        ("add_layer_norm", "forward"), ("add_rms_norm", "forward")}
+        (op, d) for op in ("add_layer_norm", "add_rms_norm") for d in ("forward", "backward")}
     per_array = 64 * 128 * 4
     for rec in results:
         assert "error" not in rec, rec
         assert rec["gbps"] == pytest.approx(rec["bytes"] / rec["median_s"] / 1e9)
-        if rec["kind"] != "copy":  # reads x and residual, writes h and y
+        if rec["direction"] == "forward":
+            if rec["kind"] != "copy":  # reads x and residual, writes h and y
+                assert rec["bytes"] == 4 * per_array
+            # The floor: the best preallocated baseline moving those 4 arrays.
+            assert rec["copy_impl"] in ("copy 2x np.copyto", "copy 2x torch copy_")
+            continue
+        # backward: grad_y, x and grad_residual read, grad_x written; without the
+        # residual gradient three arrays; the floor is grad_y + x (by bandwidth)
+        if rec["impl"] == impls.OURS_NO_RESIDUAL:
+            assert rec["bytes"] == 3 * per_array
+        elif rec["kind"] != "copy":
             assert rec["bytes"] == 4 * per_array
-        # The floor: the best preallocated baseline moving those 4 arrays.
-        assert rec["copy_impl"] in ("copy 2x np.copyto", "copy 2x torch copy_")
+        assert rec["copy_impl"] in ("stream np.add", "stream torch add")
     fresh = [r for r in results if r["phase"] == "fresh"]
-    speedups = {(r["op"], r["impl"]): r["speedup"] for r in fresh if r["kind"] == "peer"}
+    speedups = {(r["op"], r["direction"], r["impl"]): r["speedup"]
+                for r in fresh if r["kind"] == "peer"}
     for op in ("add_layer_norm", "add_rms_norm"):
         # prealloc peers against our out= call, fresh ones against our fresh call
-        assert speedups[(op, "unfused add, norm out=")] > 0
-        assert speedups[(op, "unfused add, norm")] > 0
+        assert speedups[(op, "forward", "unfused add, norm out=")] > 0
+        assert speedups[(op, "forward", "unfused add, norm")] > 0
+        assert speedups[(op, "backward", "unfused backward, + g_res")] > 0
+        # the fused backward against the same backward without grad_residual
+        fused = [r for r in fresh if r["op"] == op and r["direction"] == "backward"
+                 and r["impl"] == impls.OURS_FRESH]
+        assert len(fused) == 1 and fused[0]["relative_to"] == impls.OURS_NO_RESIDUAL
+        plain = next(r for r in fresh if r["op"] == op and r["direction"] == "backward"
+                     and r["impl"] == impls.OURS_NO_RESIDUAL)
+        assert fused[0]["vs_base"] == pytest.approx(fused[0]["median_s"] / plain["median_s"])
     assert "add + LayerNorm forward, float32, 1 thread(s)" in proc.stdout
-    assert "add + RMSNorm forward, float32, 1 thread(s)" in proc.stdout
-    assert "copy 2x np.copyto" in proc.stdout
+    assert "add + RMSNorm backward, float32, 1 thread(s)" in proc.stdout
+    assert "copy 2x np.copyto" in proc.stdout and "vs base" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_times_quantized_output_against_the_plain_call(tmp_path):
+    path = tmp_path / "bench.json"
+    proc = _run("bench", "--op", "layer_norm", "add_rms_norm", "--quantize", "int8",
+                "float8_e5m2", "--shape", "64,128", "--threads", "1", "--repeats", "2",
+                "--no-progress", "--json", str(path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(path.read_text())
+    assert report["settings"]["quantize"] == ["int8", "float8_e5m2"]
+    per_array = 64 * 128 * 4
+    fresh = [r for r in report["results"] if r["phase"] == "fresh"]
+    for op, arrays in (("layer_norm", 2), ("add_rms_norm", 4)):
+        cell = {r["impl"]: r for r in fresh if r["op"] == op}
+        base = cell[impls.OURS_OUT]
+        for fmt in ("int8", "float8_e5m2"):
+            for suffix in ("", " scale="):
+                rec = cell[f"{impls.OURS_OUT} {fmt}{suffix}"]
+                assert "error" not in rec, rec
+                assert rec["output"] == "prealloc" and rec["relative_to"] == impls.OURS_OUT
+                assert rec["vs_base"] == pytest.approx(rec["median_s"] / base["median_s"])
+                # y's 4 bytes per element become one byte of codes
+                assert rec["bytes"] == (arrays - 1) * per_array + 64 * 128
+                assert rec["gbps"] == pytest.approx(rec["bytes"] / rec["median_s"] / 1e9)
+    assert "vs base" in proc.stdout and "time vs base:" in proc.stdout
+
+
+def test_timed_quantized_and_fusion_backward_calls_compute_what_they_claim():
+    # The quantized calls' codes are the plain call's y quantized; the fusion's
+    # backward is the norm's backward plus grad_residual, as its peers compute it.
+    import layernorm as ln
+
+    case = impls.make_case("layer_norm", "forward", "float32", (16, 64), seed=3)
+    case.extras["quantize"] = ("int8",)
+    timed = {i.name: i for i in impls.ours_impls(case)}
+    y = ln.layer_norm(case.x, weight=case.weight, bias=case.bias, eps=impls.EPS)
+    codes, scale = timed[f"{impls.OURS_OUT} int8"].fn()
+    np.testing.assert_allclose(codes * scale, y, atol=float(scale.max()))
+    codes, scale = timed[f"{impls.OURS_OUT} int8 scale="].fn()
+    assert scale == impls.STATIC_SCALE and np.abs(codes).max() > 10
+    np.testing.assert_allclose(codes * scale, np.clip(y, -128 * scale, 127 * scale),
+                               atol=scale)
+    for op in ("add_layer_norm", "add_rms_norm"):
+        case = impls.make_case(op, "backward", "float32", (16, 64), seed=5)
+        case.extras["threads"] = 1
+        timed = impls.ours_impls(case) + impls.peer_impls(case)
+        names = {i.name: i for i in timed}
+        plain = _first_output(names[impls.OURS_NO_RESIDUAL].fn())
+        want = plain + case.grad_residual
+        assert np.abs(case.grad_residual).max() > 0.1
+        for impl in timed:
+            if impl.name != impls.OURS_NO_RESIDUAL and impl.name != "layernorm array_api":
+                np.testing.assert_allclose(_first_output(impl.fn()), want, rtol=1e-4,
+                                           atol=1e-4, err_msg=impl.name)
 
 
 def test_fusions_are_opt_in_ops():

@@ -158,8 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="thread counts to run, e.g. 1,2 (default: Numba's)")
     p_bench.add_argument("--op", nargs="+", metavar="OP",
                          help="layer_norm, rms_norm (default: both), add_layer_norm, "
-                              "add_rms_norm (the residual add fused in; forward only, "
-                              "against the unfused add then norm)")
+                              "add_rms_norm (the residual add fused in, against the "
+                              "unfused add then norm; with --backward, the norm's "
+                              "backward with grad_residual against it without)")
+    p_bench.add_argument("--quantize", nargs="+", metavar="FORMAT",
+                         help="also time each forward quantized into a preallocated "
+                              "out= in these formats (int8, float8_e4m3fn, float8_e5m2), "
+                              "with per-row and given scales, against the plain call")
     p_bench.add_argument("--regime", nargs="+", metavar="REGIME",
                          help="cache (one working set of <= 1.5 MB, reused: bound by "
                               "arithmetic) and/or memory (inputs rotated over > 128 MiB: "

@@ -51,6 +51,8 @@ EPS = 1e-5
 COPY, OURS, PEER = "copy", "layernorm", "peer"
 #: Our Numba path with a fresh output and into ``out=``: the denominators of speed-ups.
 OURS_FRESH, OURS_OUT = "layernorm numba", "layernorm numba out="
+#: A fusion's backward without ``grad_residual`` (what the fused one is reported against).
+OURS_NO_RESIDUAL = "layernorm numba, no grad_residual"
 #: Table titles of the operations.
 TITLES = {"layer_norm": "LayerNorm", "rms_norm": "RMSNorm",
           "add_layer_norm": "add + LayerNorm", "add_rms_norm": "add + RMSNorm"}
@@ -82,6 +84,8 @@ class Case:
     bias: Any = None
     grad_y: Any = None
     residual: Any = None
+    #: A fusion's backward: the gradient reaching h from the residual stream.
+    grad_residual: Any = None
     mean: Any = None
     rstd: Any = None
     extras: dict[str, Any] = field(default_factory=dict)
@@ -98,8 +102,8 @@ class Case:
     @property
     def moved_bytes(self) -> int:
         """The floor of memory traffic: forward reads x and writes y (a fusion also reads
-        the residual and writes h); backward reads grad_y and x and writes grad_x
-        (statistics and parameters are negligible)."""
+        the residual and writes h); backward reads grad_y and x and writes grad_x (a
+        fusion's also reads grad_residual); statistics and parameters are negligible."""
         return _arrays(self.op, self.direction) * self.array_bytes
 
     @property
@@ -130,8 +134,42 @@ def has_bias(op: str) -> bool:
 
 def _arrays(op: str, direction: str) -> int:
     if direction == "backward":
-        return 3
+        return 4 if is_add(op) else 3
     return 4 if is_add(op) else 2
+
+
+def floor_arrays(op: str, direction: str) -> int:
+    """Arrays of x's size the cell's bandwidth floor (its best preallocated baseline)
+    moves: the operation's own traffic, except for a fusion's backward (4 arrays: no
+    NumPy call reads three and writes one), whose floor is the backward's three-array
+    ``grad_y + x``, compared by bandwidth.
+
+    Examples
+    --------
+    >>> floor_arrays("add_layer_norm", "forward"), floor_arrays("add_rms_norm", "backward")
+    (4, 3)
+    """
+    return 3 if direction == "backward" else _arrays(op, direction)
+
+
+def quantized_dtype(fmt: str) -> Any:
+    """The NumPy dtype of ``quantize=fmt`` output (``ml_dtypes`` for the float8 formats).
+
+    Examples
+    --------
+    >>> quantized_dtype("int8")
+    dtype('int8')
+    """
+    if fmt == "int8":
+        return np.dtype(np.int8)
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, fmt))
+
+
+#: The static scale the ``scale=`` quantized calls are given: ``4 / qmax`` of int8 (the
+#: randn rows' outputs within about 4 standard deviations are not saturated).
+STATIC_SCALE = 4.0 / 127.0
 
 
 @dataclass
@@ -145,6 +183,13 @@ class Impl:
     note: str = ""
     #: Arrays of x's size it reads and writes in all (baselines only; 2 for a copy).
     arrays: int = 2
+    #: Bytes it reads and writes, where not the case's (``Case.moved_bytes``): 8-bit
+    #: outputs, a fusion's backward without its residual gradient.
+    moved: int | None = None
+    #: The implementation of the same cell whose time this one's is reported against
+    #: (``vs_base`` in the records: a quantized call against the plain one into
+    #: ``out=``, a backward with ``grad_residual`` against the one without).
+    relative_to: str = ""
 
 
 def numpy_dtype(name: str) -> Any:
@@ -181,11 +226,14 @@ def make_case(op: str, direction: str, dtype: str, shape: tuple[int, int],
     weight = (1.0 + 0.1 * rng.standard_normal(d)).astype(dt)
     bias = (0.1 * rng.standard_normal(d)).astype(dt) if has_bias(op) else None
     case = Case(op, direction, dtype, (n, d), x=x, weight=weight, bias=bias)
-    if is_add(op):
+    if is_add(op) and direction == "forward":
         case.residual = rng.standard_normal((n, d), dtype=np.float32).astype(dt)
     if direction == "backward":
+        # A fusion's backward is its norm's (x standing for h) with grad_residual.
         case.grad_y = rng.standard_normal((n, d), dtype=np.float32).astype(dt)
-        if op == "layer_norm":
+        if is_add(op):
+            case.grad_residual = rng.standard_normal((n, d), dtype=np.float32).astype(dt)
+        if has_bias(op):
             _, case.mean, case.rstd = ln.layer_norm(x, weight=weight, bias=bias, eps=EPS,
                                                     return_stats=True)
         else:
@@ -223,6 +271,7 @@ def replica(case: Case) -> Case:
     return Case(case.op, case.direction, case.dtype, case.shape, x=fresh(case.x),
                 weight=fresh(case.weight), bias=fresh(case.bias),
                 grad_y=fresh(case.grad_y), residual=fresh(case.residual),
+                grad_residual=fresh(case.grad_residual),
                 mean=fresh(case.mean), rstd=fresh(case.rstd), extras=dict(case.extras))
 
 
@@ -276,7 +325,7 @@ def copy_impls(case: Case) -> list[Impl]:
         ts, td = _to_torch(src), _to_torch(dst)
         impls.append(Impl("copy torch copy_", COPY, PREALLOC, lambda: td.copy_(ts),
                           "uses torch's threads"))
-    if is_add(case.op):
+    if is_add(case.op) and case.direction == "forward":
         res = case.residual
         dst2 = np.empty_like(res)
 
@@ -317,11 +366,16 @@ def torch_add(a: Any, b: Any, out: Any) -> Any:
 
 
 def ours_impls(case: Case, output: str = FRESH) -> list[Impl]:
-    """Our Numba path (into ``out=`` and with a fresh output) and our generic path."""
+    """Our Numba path (into ``out=`` and with a fresh output) and our generic path; the
+    quantized forward into ``out=`` in each format of ``case.extras["quantize"]``; a
+    fusion's backward with and without ``grad_residual``."""
     import layernorm as ln
 
     x, w, b, eps = case.x, case.weight, case.bias, EPS
     impls: list[Impl] = []
+    quantized = quantized_impls(case) if case.direction == "forward" else []
+    if is_add(case.op) and case.direction == "backward":
+        return fusion_backward_impls(case, output)
     if is_add(case.op):
         res, y, h = case.residual, np.empty_like(x), np.empty_like(case.residual)
         fn = ln.add_layer_norm if case.op == "add_layer_norm" else ln.add_rms_norm
@@ -332,6 +386,7 @@ def ours_impls(case: Case, output: str = FRESH) -> list[Impl]:
                  "one pass: h into residual_out=, y into out="),
             Impl(OURS_FRESH, OURS, output, lambda: fn(x, res, weight=w, eps=eps, **kw),
                  "one pass: fresh h and y"),
+            *quantized,
         ]
     if case.direction == "forward":
         out = np.empty_like(x)
@@ -354,7 +409,7 @@ def ours_impls(case: Case, output: str = FRESH) -> list[Impl]:
                 impls.append(Impl("layernorm array_api", OURS, output,
                                   lambda: ln.rms_norm(x, weight=w, eps=eps, backend="array_api"),
                                   "generic path on NumPy"))
-        return impls
+        return impls + quantized
 
     gy, mean, rstd = case.grad_y, case.mean, case.rstd
     if case.op == "layer_norm":
@@ -379,6 +434,73 @@ def ours_impls(case: Case, output: str = FRESH) -> list[Impl]:
 
 
 # --------------------------------------------------------------------------- NumPy
+
+
+def quantized_impls(case: Case) -> list[Impl]:
+    """The forward of ``case`` (a norm, or a fusion with ``h`` into ``residual_out=``)
+    quantized into a preallocated 8-bit ``out=``, in each format of
+    ``case.extras["quantize"]``: with per-row scales (``scale=None``) and with a static
+    scale (:data:`STATIC_SCALE`), each reported against the plain call into ``out=``."""
+    import layernorm as ln
+
+    formats = case.extras.get("quantize", ())
+    if not formats:
+        return []
+    x, w, b, eps = case.x, case.weight, case.bias, EPS
+    kw: dict[str, Any] = {"weight": w, "eps": eps}
+    if has_bias(case.op):
+        kw["bias"] = b
+    if is_add(case.op):
+        res, h = case.residual, np.empty_like(case.residual)
+        fn = ln.add_layer_norm if case.op == "add_layer_norm" else ln.add_rms_norm
+        args: tuple[Any, ...] = (x, res)
+        kw["residual_out"] = h
+    else:
+        fn = ln.layer_norm if case.op == "layer_norm" else ln.rms_norm
+        args = (x,)
+    # The 8-bit codes replace y's bytes; the rest of the traffic is the case's.
+    moved = case.moved_bytes - case.array_bytes + x.size
+    impls = []
+    for fmt in formats:
+        q = np.empty(x.shape, dtype=quantized_dtype(fmt))
+        for scale, words in ((None, "per-row scales"), (STATIC_SCALE, "a given scale")):
+            name = f"{OURS_OUT} {fmt}" + (" scale=" if scale is not None else "")
+            impls.append(Impl(
+                name, OURS, PREALLOC,
+                lambda fmt=fmt, q=q, scale=scale: fn(*args, quantize=fmt, scale=scale,
+                                                     out=q, **kw),
+                f"{fmt} codes into out=, {words}; vs the plain call into out=",
+                moved=moved, relative_to=OURS_OUT))
+    return impls
+
+
+def fusion_backward_impls(case: Case, output: str = FRESH) -> list[Impl]:
+    """A fusion's backward: its norm's backward with ``grad_residual`` (grad_x +
+    grad_residual in one pass), reported against the same backward without it."""
+    import layernorm as ln
+
+    gy, x, gr, w = case.grad_y, case.x, case.grad_residual, case.weight
+    mean, rstd = case.mean, case.rstd
+    if has_bias(case.op):
+        def plain() -> Any:
+            return ln.layer_norm_backward(gy, x, mean, rstd, w)
+
+        def fused() -> Any:
+            return ln.layer_norm_backward(gy, x, mean, rstd, w, grad_residual=gr)
+    else:
+        def plain() -> Any:
+            return ln.rms_norm_backward(gy, x, rstd, w)
+
+        def fused() -> Any:
+            return ln.rms_norm_backward(gy, x, rstd, w, grad_residual=gr)
+
+    return [
+        Impl(OURS_FRESH, OURS, output, fused,
+             "grad_x + grad_residual in one pass; vs the backward without it",
+             relative_to=OURS_NO_RESIDUAL),
+        Impl(OURS_NO_RESIDUAL, OURS, output, plain, "grad_x alone",
+             moved=3 * case.array_bytes),
+    ]
 
 
 def numpy_layer_norm(x: Any, w: Any, b: Any, eps: float) -> Any:
@@ -440,9 +562,31 @@ def unfused_impls(case: Case) -> list[Impl]:
             Impl("unfused add, norm", PEER, FRESH, fresh, "h = x + r; norm(h)")]
 
 
+def unfused_backward_impls(case: Case) -> list[Impl]:
+    """A fusion's backward unfused, as a caller would write it: our norm's backward, then
+    ``grad_x + grad_residual`` with NumPy."""
+    import layernorm as ln
+
+    gy, x, gr, w = case.grad_y, case.x, case.grad_residual, case.weight
+    mean, rstd = case.mean, case.rstd
+    if has_bias(case.op):
+        def unfused() -> Any:
+            gx, gw, gb = ln.layer_norm_backward(gy, x, mean, rstd, w)
+            return gx + gr, gw, gb
+    else:
+        def unfused() -> Any:
+            gx, gw = ln.rms_norm_backward(gy, x, rstd, w)
+            return gx + gr, gw
+
+    return [Impl("unfused backward, + g_res", PEER, FRESH, unfused,
+                 "norm backward, then grad_x + grad_residual")]
+
+
 def numpy_impls(case: Case) -> list[Impl]:
     """The NumPy composite reference (fresh temporaries, single-threaded)."""
     if is_add(case.op):
+        if case.direction == "backward":
+            return unfused_backward_impls(case)
         return unfused_impls(case)
     acc = acc_dtype(case.dtype)
     x = case.x
@@ -487,7 +631,7 @@ def torch_impls(case: Case, output: str = FRESH) -> list[Impl]:
     shape = (case.shape[1],)
     eps = EPS
     label = "as it comes" if output == FRESH else output
-    if is_add(case.op):
+    if is_add(case.op) and case.direction == "forward":
         tr = _to_torch(case.residual)
         if case.op == "add_layer_norm":
             def fn_add() -> Any:
@@ -519,7 +663,7 @@ def torch_impls(case: Case, output: str = FRESH) -> list[Impl]:
     xr = x.clone().requires_grad_(True)
     wr = w.clone().requires_grad_(True)
     inputs: tuple[Any, ...]
-    if case.op == "layer_norm":
+    if has_bias(case.op):
         br = b.clone().requires_grad_(True)
         y = F.layer_norm(xr, shape, wr, br, eps)
         inputs = (xr, wr, br)
@@ -529,6 +673,16 @@ def torch_impls(case: Case, output: str = FRESH) -> list[Impl]:
         inputs = (xr, wr)
         name = "torch autograd rms_norm"
     gy = _to_torch(case.grad_y)
+    if is_add(case.op):
+        # A fusion's: the gradient reaching h from the residual stream added after.
+        gr = _to_torch(case.grad_residual)
+
+        def fn_back_res() -> Any:
+            gx, *rest = torch.autograd.grad(y, inputs, gy, retain_graph=True)
+            return gx + gr, *rest
+
+        return [Impl(f"{name} + g_res", PEER, output, fn_back_res,
+                     f"{label}; graph built once; then grad_x + grad_residual")]
 
     def fn_back() -> Any:
         return torch.autograd.grad(y, inputs, gy, retain_graph=True)

@@ -34,9 +34,12 @@ def format_table(report: dict[str, Any]) -> str:
         key = (rec["phase"], rec.get("regime", MEMORY), rec["threads"], rec["op"],
                rec["direction"], rec["dtype"])
         groups.setdefault(key, []).append(rec)
-    header = (f"{'shape':>11}  {'implementation':<27} {'output':<11} {'µs':>9} "
-              f"{'GB/s':>7} {'% copy':>7} {'speed-up':>9}")
+    plain_header = (f"{'shape':>11}  {'implementation':<27} {'output':<11} {'µs':>9} "
+                    f"{'GB/s':>7} {'% copy':>7} {'speed-up':>9}")
     for (phase, data, threads, op, direction, dtype), recs in groups.items():
+        # A column of time against a base implementation, where the group has one.
+        relative = any(rec.get("vs_base") for rec in recs)
+        header = plain_header + (f" {'vs base':>8}" if relative else "")
         name = TITLES[op]
         outputs = ("outputs as they come" if phase == FRESH
                    else "malloc reuses freed memory (no mmap, no trim)")
@@ -56,10 +59,12 @@ def format_table(report: dict[str, Any]) -> str:
                              f"failed: {rec['error'][:60]}")
                 continue
             speed = f"{rec['speedup']:.2f}" if rec.get("speedup") else ""
+            vs_base = f" {rec['vs_base']:>8.2f}" if rec.get("vs_base") else ""
             lines.append(
                 f"{label:>11}  {impl:<27} {rec['output']:<11} {_fmt(rec['us'], 2):>9} "
-                f"{_fmt(rec['gbps']):>7} {_fmt(rec['pct_copy']):>7} {speed:>9}")
+                f"{_fmt(rec['gbps']):>7} {_fmt(rec['pct_copy']):>7} {speed:>9}{vs_base}")
         lines.extend(_summary_lines(recs))
+        lines.extend(_relative_lines(recs))
     lines += [
         "",
         "GB/s: forward reads x and writes y (add + norm: also reads the residual and "
@@ -72,6 +77,9 @@ def format_table(report: dict[str, Any]) -> str:
         "call reads from DRAM (bound by bandwidth; single rows are too small for it).",
         "speed-up: the peer's time / layernorm numba's with the same data and output "
         "regimes (prealloc: layernorm numba out=; >1: layernorm is faster).",
+        "vs base: a variant's time / the call it extends, same cell and rounds (quantized "
+        "into out= / the plain call into out=; backward with grad_residual / without it; "
+        "< 1.10 and < 1.15 are the fusion issue's targets).",
         "Output regimes: prealloc = into memory allocated before timing (out=); fresh = a new "
         "output per call; heap reuse = fresh, with freed memory reused by malloc.",
         "Medians of interleaved rounds; JAX uses XLA's own threads whatever --threads says.",
@@ -91,6 +99,18 @@ def _summary_lines(recs: list[dict[str, Any]]) -> list[str]:
     parts = [f"{name} ({regime}) {min(v):.2f}-{max(v):.2f}x"
              for (name, regime), v in by_peer.items()]
     return ["  layernorm vs " + "; ".join(parts)]
+
+
+def _relative_lines(recs: list[dict[str, Any]]) -> list[str]:
+    """The range of each variant's time over its base's across the group's shapes."""
+    by_variant: dict[str, list[float]] = {}
+    for rec in recs:
+        if rec.get("vs_base"):
+            by_variant.setdefault(rec["impl"], []).append(rec["vs_base"])
+    if not by_variant:
+        return []
+    parts = [f"{name} {min(v):.2f}-{max(v):.2f}x" for name, v in by_variant.items()]
+    return ["  time vs base: " + "; ".join(parts)]
 
 
 def write_json(report: dict[str, Any], path: str) -> None:

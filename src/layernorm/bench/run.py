@@ -24,11 +24,19 @@ How it measures
 * "speed-up" is a peer's time divided by ours with the same output regime
   (``fresh`` with ``fresh``, ``heap reuse`` with ``heap reuse``, ``prealloc`` with our
   ``out=`` call); > 1 means we are faster.
-* The fusions (``add_layer_norm``, ``add_rms_norm``; forward only) read ``x`` and
-  ``residual`` and write ``h`` and ``y``: their floor is two preallocated copies timed
-  as one call (``x`` into one buffer, ``residual`` into another), and their peers are
-  the unfused add then norm (into preallocated arrays, and with fresh ones) and torch's
-  ``x + residual`` then ``F.layer_norm`` / ``F.rms_norm``.
+* The fusions (``add_layer_norm``, ``add_rms_norm``) read ``x`` and ``residual`` and
+  write ``h`` and ``y``: their floor is two preallocated copies timed as one call (``x``
+  into one buffer, ``residual`` into another), and their peers are the unfused add then
+  norm (into preallocated arrays, and with fresh ones) and torch's ``x + residual``
+  then ``F.layer_norm`` / ``F.rms_norm``. Their backward is the norm's with
+  ``grad_residual`` (``grad_x + grad_residual`` in one pass, reading four arrays): it is
+  reported against the same backward without it (``vs base``), against the norm's
+  backward followed by the addition, and against torch's autograd followed by it; its
+  floor is the backward's (``grad_y + x``, by bandwidth).
+* ``--quantize FORMAT``: every forward cell also times the call quantized into a
+  preallocated 8-bit ``out=`` (per-row scales, and a given scale), reported against the
+  plain call into ``out=`` (``vs base``: its time over the plain one's); their bytes
+  count the 8-bit output.
 * After every ``fresh`` measurement, when torch is installed on glibc, a second pass
   switches malloc to reuse freed memory (see :mod:`.impls`) and times torch and
   us again in that regime.
@@ -114,7 +122,7 @@ def summarize(case: Case, impls: Sequence[Impl], timings: dict[str, dict[str, An
               threads: int, phase: str) -> list[dict[str, Any]]:
     """One record per implementation, with GB/s, % of the best copy and speed-up."""
     # The floor: the best preallocated baseline that moves the operation's own bytes.
-    floor_arrays = case.moved_bytes // case.array_bytes if case.array_bytes else 2
+    floor_arrays = impls_mod.floor_arrays(case.op, case.direction)
     best_copy, best_copy_gbps = None, 0.0
     for impl in impls:
         t = timings[impl.name]
@@ -130,7 +138,10 @@ def summarize(case: Case, impls: Sequence[Impl], timings: dict[str, dict[str, An
     records = []
     for impl in impls:
         t = timings[impl.name]
-        moved = impl.arrays * case.array_bytes if impl.kind == COPY else case.moved_bytes
+        if impl.kind == COPY:
+            moved = impl.arrays * case.array_bytes
+        else:
+            moved = case.moved_bytes if impl.moved is None else impl.moved
         rec: dict[str, Any] = {
             "op": case.op, "direction": case.direction, "dtype": case.dtype,
             "shape": list(case.shape), "threads": threads, "phase": phase,
@@ -154,6 +165,9 @@ def summarize(case: Case, impls: Sequence[Impl], timings: dict[str, dict[str, An
             best_copy=impl.name == best_copy,
             speedup=(median / ours) if impl.kind == PEER and ours else None,
         )
+        base = timings.get(impl.relative_to, {}).get("median_s")
+        if base:
+            rec.update(relative_to=impl.relative_to, vs_base=median / base)
         records.append(rec)
     return records
 
@@ -162,12 +176,11 @@ def summarize(case: Case, impls: Sequence[Impl], timings: dict[str, dict[str, An
 
 
 def _cases(settings: Settings) -> list[tuple[str, str, str, str, tuple[int, int]]]:
-    # The fusions have no backward of their own (it is the norm's, with grad_residual).
+    # A fusion's backward cell is its norm's backward with grad_residual.
     return [(regime, op, direction, dtype, shape)
             for regime in settings.regimes
             for direction in settings.directions for op in settings.ops
-            for dtype in settings.dtypes for shape in settings.shapes
-            if direction == "forward" or not impls_mod.is_add(op)]
+            for dtype in settings.dtypes for shape in settings.shapes]
 
 
 def time_cell(impls: Sequence[Impl], repeats: int, target_s: float
@@ -230,6 +243,7 @@ def run(settings: Settings, progress: bool = True) -> dict[str, Any]:
                         continue
                     for case in sets:
                         case.extras["threads"] = threads
+                        case.extras["quantize"] = settings.quantize
                     impls = build_regime_impls(sets, phase)
                     timings = time_cell(impls, settings.repeats, settings.target_s)
                     results += summarize(sets[0], impls, timings, threads, phase)

@@ -15,6 +15,8 @@ OPS = ("layer_norm", "rms_norm")
 #: The transformer-block fusions (forward only): ``h = x + residual``, then the norm of h.
 ADD_OPS = ("add_layer_norm", "add_rms_norm")
 DIRECTIONS = ("forward", "backward")
+#: The 8-bit formats ``--quantize`` can time (the ``quantize=`` argument's values).
+QUANTIZE_FORMATS = ("int8", "float8_e4m3fn", "float8_e5m2")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 #: Where the inputs are when a call starts: one reused working set of at most 1.5 MB,
 #: or a rotation over more than 128 MiB (see :mod:`.impls`).
@@ -46,6 +48,8 @@ class Settings:
     target_s: float
     heap_reuse: bool = True
     regimes: tuple[str, ...] = REGIMES
+    #: 8-bit formats whose quantized forward is timed beside the plain one.
+    quantize: tuple[str, ...] = ()
 
 
 def _split(values: Iterable[str] | None) -> list[str]:
@@ -114,6 +118,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if repeats < 1:
         raise UsageError(f"--repeats must be >= 1; got {repeats}")
     directions = ("forward", "backward") if args.backward else ("forward",)
+    quantize = split_choices(getattr(args, "quantize", None), QUANTIZE_FORMATS,
+                             "--quantize")
     return Settings(ops, directions, dtypes, shapes, threads, repeats,
-                    target_s=0.002 if args.quick else 0.01, regimes=regimes)
+                    target_s=0.002 if args.quick else 0.01, regimes=regimes,
+                    quantize=quantize)
 
