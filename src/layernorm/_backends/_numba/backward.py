@@ -381,6 +381,8 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, ha
         gpf = vaddress(gyv, imin(r + ahead, last), 0)
         xpf = vaddress(xv, imin(r + ahead, last), 0)
         wpf = vaddress(gxv, imin(r + 1, last), 0)
+        # grad_residual is read by the grad_x pass only, a row after grad_y and x
+        rpf = vaddress(grv, imin(r + ahead - 1, last), 0)
         m, s = mean_in[r], rstd_in[r]
         mn = mean_in[rn]
         mv, rv, mgv, mgxv = splat(m), splat(s), splat(mg), splat(mgx)
@@ -391,6 +393,8 @@ def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, ha
             o = i * itemsize(gyv)
             _read_hint(gpf, o, stream)
             _read_hint(xpf, o, stream)
+            if has_res:
+                _read_hint(rpf, o, stream)
             if stream is None:
                 prefetch_at(wpf, i * itemsize(gxv), True)
             wvec = vload(wv, 0, i)
@@ -496,6 +500,7 @@ def _ln_bwd_tile_out(gyr, xr, gxr, r, n, mean_in, rstd_in, sums, w, dw, db, grr,
                       runtime(0), head)  # (a literal 0 would compile a second copy)
     gbase = vaddress(gyr, nxt, 0)
     xbase = vaddress(xr, nxt, 0)
+    rbase = vaddress(grr, nxt, 0)
     step = TILE_ROWS * itemsize(gyr)
     for k in range(head, body, LANES):
         i = head + body - LANES - k if down else k
@@ -509,6 +514,11 @@ def _ln_bwd_tile_out(gyr, xr, gxr, r, n, mean_in, rstd_in, sums, w, dw, db, grr,
             prefetch_l2_at(xbase, o + 64)
             prefetch_l2_at(xbase, o + 128)
             prefetch_l2_at(xbase, o + 192)
+            # (without grad_residual, x stands in: its lines again, no branch)
+            prefetch_l2_at(rbase, o)
+            prefetch_l2_at(rbase, o + 64)
+            prefetch_l2_at(rbase, o + 128)
+            prefetch_l2_at(rbase, o + 192)
         wvec = vload(w, 0, i)
         dwv = vload(dw, 0, i)  # before the stores (4K aliasing, as in _ln_bwd_rows)
         dbv = vload(db, 0, i)
@@ -961,6 +971,7 @@ def _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res,
         gpf = vaddress(gyv, imin(r + ahead, last), 0)
         xpf = vaddress(xv, imin(r + ahead, last), 0)
         wpf = vaddress(gxv, imin(r + 1, last), 0)
+        rpf = vaddress(grv, imin(r + ahead - 1, last), 0)  # as in _ln_bwd_rows
         s = rstd_in[r]
         rv, mgxv, rvn = splat(s), splat(mgx), splat(rstd_in[rn])
         acc = zero
@@ -968,6 +979,8 @@ def _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res,
             o = i * itemsize(gyv)
             _read_hint(gpf, o, stream)
             _read_hint(xpf, o, stream)
+            if has_res:
+                _read_hint(rpf, o, stream)
             if stream is None:
                 prefetch_at(wpf, i * itemsize(gxv), True)
             wvec = vload(wv, 0, i)
