@@ -589,16 +589,17 @@ def test_quantized_forward_is_fused(native_xp, monkeypatch, x_name):
     real = backend.quantized_forward
     monkeypatch.setattr(backend, "quantized_forward",
                         lambda *a: (calls.append(a[9]), real(*a))[1])
-    real_short = _fast.quantized
+    real_short = _fast.run_quantized
 
     def short_spy(*args):
-        # Small NumPy float32 calls reach the same kernels through the short path.
+        # Small NumPy float32 calls reach the same kernels through the short paths'
+        # runner (its codes array, argument 4, has the format's dtype).
         result = real_short(*args)
         if result is not None:
-            calls.append(args[8])
+            calls.append(args[4].dtype.name)
         return result
 
-    monkeypatch.setattr(_fast, "quantized", short_spy)
+    monkeypatch.setattr(_fast, "run_quantized", short_spy)
     monkeypatch.setattr(_engine, "quantize_rows", lambda *a, **k: pytest.fail("composed"))
     formats = ["int8"] if xp is not np else ["int8", "float8_e4m3fn", "float8_e5m2"]
     lengths = variant_lengths("float32") if xp is not np else [7, 300, 4099]
