@@ -39,7 +39,7 @@ from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
 from ._dtypes import MACHINE_EPS, dtype_name
-from ._plans import accumulation_eps, kernel_ready, params_key, remember_by_shapes
+from ._plans import PLANS_MAX, accumulation_eps, kernel_ready, params_key, remember_by_shapes
 from ._validate import plain_axes
 
 _NUMPY_ROUTE = Route("numpy", "numba")
@@ -404,7 +404,7 @@ def add_norm_quantized(x: Any, residual: Any, normalized_shape: Any, weight: Any
             plan = _fast.quant_plan(x, normalized_shape, axis, weight, bias, quantize, rms)
         except (TypeError, ValueError, KeyError):
             plan = None  # the general path raises the error
-        if len(_QUANT_PLANS) >= 64:
+        if len(_QUANT_PLANS) >= PLANS_MAX:
             _QUANT_PLANS.clear()
         _QUANT_PLANS[key] = plan
     except TypeError:  # unhashable normalized_shape
