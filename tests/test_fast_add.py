@@ -285,6 +285,17 @@ def _errors():
     }
 
 
+def _assert_same_errors(rms, x, r, w, b, **spec):
+    """The call fails with the same error type and message on the general path
+    (``backend="numba"``) and by the short path's hand-off."""
+    errors = []
+    for backend in ("numba", None):
+        with pytest.raises((TypeError, ValueError)) as info:
+            _add(rms, x, r, w, b, backend=backend, **spec)
+        errors.append((type(info.value), str(info.value)))
+    assert errors[0] == errors[1]
+
+
 @pytest.mark.parametrize("case", list(_errors()[-1]))
 @pytest.mark.parametrize("rms", [False, True])
 def test_invalid_calls_raise_the_general_paths_errors(case, rms):
@@ -294,12 +305,7 @@ def test_invalid_calls_raise_the_general_paths_errors(case, rms):
     r, w = spec.pop("r", r), spec.pop("w", w)
     if isinstance(spec.get("out"), str):
         spec["out"] = spec["residual_out"] = x
-    errors = []
-    for backend in ("numba", None):
-        with pytest.raises((TypeError, ValueError)) as info:
-            _add(rms, x, r, w, b, backend=backend, **spec)
-        errors.append((type(info.value), str(info.value)))
-    assert errors[0] == errors[1]
+    _assert_same_errors(rms, x, r, w, b, **spec)
 
 
 @pytest.mark.parametrize("rms", [False, True])
@@ -343,8 +349,9 @@ FORMATS = ["int8", "float8_e4m3fn", "float8_e5m2"]
 
 
 def _quant_planned(rms, x, quantize):
+    # keys: (x's shape, normalized_shape, axis, weight's and bias's shapes, quantize, rms)
     return [plan for key, plan in _fast_add._QUANT_PLANS.items()
-            if key[0] == rms and key[1] == x.shape and key[-1] == quantize]
+            if key[0] == x.shape and key[-2] == quantize and key[-1] == rms]
 
 
 # int8 on every row path; the float8 formats (each compiles kernels of its own) on one.
@@ -459,9 +466,4 @@ def test_invalid_quantized_calls_raise_the_general_paths_errors(spec, rms):
     spec = {"quantize": "int8", **spec}
     if spec.get("out") == "int8 codes":
         spec["out"] = np.empty(x.shape, np.int8)
-    errors = []
-    for backend in ("numba", None):
-        with pytest.raises((TypeError, ValueError)) as info:
-            _add(rms, x, r, w, b, backend=backend, **spec)
-        errors.append((type(info.value), str(info.value)))
-    assert errors[0] == errors[1]
+    _assert_same_errors(rms, x, r, w, b, **spec)

@@ -458,11 +458,8 @@ class QuantPlan:
         return inv
 
 
-def quant_plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
-               quantize: str, rms: bool) -> QuantPlan | None:
-    """A new :class:`QuantPlan` for calls like this one (float32 ``x``, trailing
-    normalized axes, float32 or absent parameters), or None: such calls take the
-    general path. Raises what :func:`._engine.request` raises for bad arguments."""
+def _quant_plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
+                quantize: str, rms: bool) -> QuantPlan | None:
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
     req = _engine.request(x, _NUMPY_ROUTE, normalized_shape, axis, **params)
     layout = req.layout
@@ -474,10 +471,17 @@ def quant_plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
                      _numba.load_kernels(), rms)
 
 
-def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, axis: Any,
-              return_stats: bool, out: Any, quantize: Any, scale: Any, rms: bool) -> Any:
-    """The result of a known small ``quantize=`` call of :func:`layernorm.layer_norm`
-    (``rms``: :func:`layernorm.rms_norm`, ``bias`` None), else None."""
+def find_quant_plan(plans: dict[Any, Any], x: Any, normalized_shape: Any, weight: Any,
+                    bias: Any, axis: Any, quantize: Any, scale: Any,
+                    rms: bool) -> QuantPlan | None:
+    """The :class:`QuantPlan` in ``plans`` for a ``quantize=`` call like this one (made
+    and kept there on its first call), or None: the call takes the general path.
+
+    Eligible: float32 ``x`` and parameters (``weight``/``bias`` None or float32 NumPy
+    arrays), ``quantize`` a string, ``scale`` None or a Python float, the normalized
+    axes trailing. ``plans`` is the caller's: a plan's kernel entry point is resolved
+    for the arguments its first call passed (with or without a residual).
+    """
     if (x.dtype is not _FLOAT32 or type(quantize) is not str
             or not (scale is None or type(scale) is float)
             or (normalized_shape is not None and type(normalized_shape) is not int
@@ -502,17 +506,26 @@ def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, a
         return None
     key = (x.shape, normalized_shape, axis, wshape, bshape, quantize, rms)
     try:
-        plan = _PLANS[key]
+        return plans[key]
     except KeyError:
         try:
-            plan = quant_plan(x, normalized_shape, axis, weight, bias, quantize, rms)
+            plan = _quant_plan(x, normalized_shape, axis, weight, bias, quantize, rms)
         except (TypeError, ValueError, KeyError):
             plan = None  # the general path raises the error
-        if len(_PLANS) >= _plans.PLANS_MAX:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        if len(plans) >= _plans.PLANS_MAX:
+            plans.clear()
+        plans[key] = plan
+        return plan
     except TypeError:  # unhashable normalized_shape
         return None
+
+
+def quantized(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any, axis: Any,
+              return_stats: bool, out: Any, quantize: Any, scale: Any, rms: bool) -> Any:
+    """The result of a known small ``quantize=`` call of :func:`layernorm.layer_norm`
+    (``rms``: :func:`layernorm.rms_norm`, ``bias`` None), else None."""
+    plan = find_quant_plan(_PLANS, x, normalized_shape, weight, bias, axis, quantize, scale,
+                           rms)
     if plan is None:
         return None
     if out is None:

@@ -39,7 +39,7 @@ from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
 from ._dtypes import MACHINE_EPS, dtype_name
-from ._plans import PLANS_MAX, accumulation_eps, kernel_ready, params_key, remember_by_shapes
+from ._plans import accumulation_eps, kernel_ready, params_key, remember_by_shapes
 from ._validate import plain_axes
 
 _NUMPY_ROUTE = Route("numpy", "numba")
@@ -377,40 +377,16 @@ def add_norm_quantized(x: Any, residual: Any, normalized_shape: Any, weight: Any
         ``(y, h, scale)``, then ``(mean, rstd)`` (RMSNorm: ``(rstd,)``) with
         ``return_stats``; or None: the call takes the general path.
     """
-    if (x.dtype is not _FLOAT32 or type(quantize) is not str
-            or not (scale is None or type(scale) is float)
-            or (normalized_shape is not None and type(normalized_shape) is not int
-                and not plain_axes(normalized_shape))
-            or (axis is not None and type(axis) is not int and not plain_axes(axis))
-            or not kernel_ready(x)):
-        return None
-    params = []
-    for p in (weight, bias):
-        if p is not None:
-            if not (type(p) is np.ndarray and p.dtype is _FLOAT32 and kernel_ready(p)):
-                return None
-            params.append(p)
     if (type(residual) is not np.ndarray or residual.shape != x.shape
-            or residual.dtype is not _FLOAT32 or not kernel_ready(residual)):
+            or residual.dtype is not _FLOAT32 or not kernel_ready(residual)
+            or (residual_dtype is not None and not _keeps_dtype(residual_dtype, _FLOAT32))):
         return None
-    if residual_dtype is not None and not _keeps_dtype(residual_dtype, _FLOAT32):
-        return None
-    key = (rms, x.shape, normalized_shape, axis, None if weight is None else weight.shape,
-           None if bias is None else bias.shape, quantize)
-    try:
-        plan = _QUANT_PLANS[key]
-    except KeyError:
-        try:
-            plan = _fast.quant_plan(x, normalized_shape, axis, weight, bias, quantize, rms)
-        except (TypeError, ValueError, KeyError):
-            plan = None  # the general path raises the error
-        if len(_QUANT_PLANS) >= PLANS_MAX:
-            _QUANT_PLANS.clear()
-        _QUANT_PLANS[key] = plan
-    except TypeError:  # unhashable normalized_shape
-        return None
+    # (x, weight and bias are checked there: float32, their layouts usable)
+    plan = _fast.find_quant_plan(_QUANT_PLANS, x, normalized_shape, weight, bias, axis,
+                                 quantize, scale, rms)
     if plan is None:
         return None
+    params = [p for p in (weight, bias) if p is not None]
     inputs = tuple((a, a.flags.owndata) for a in (x, residual, *params))
     if residual_out is None:
         h = np.empty(x.shape, _FLOAT32)
