@@ -474,25 +474,27 @@ def quantized_impls(case: Case) -> list[Impl]:
     return impls
 
 
+def _norm_backward(case: Case) -> Callable[..., Any]:
+    """Our backward of ``case``'s norm (a fusion's: x stands for h) on its inputs, a
+    callable taking the keyword arguments to add (``grad_residual=``)."""
+    import layernorm as ln
+
+    gy, x, w, mean, rstd = case.grad_y, case.x, case.weight, case.mean, case.rstd
+    if has_bias(case.op):
+        return lambda **kw: ln.layer_norm_backward(gy, x, mean, rstd, w, **kw)
+    return lambda **kw: ln.rms_norm_backward(gy, x, rstd, w, **kw)
+
+
 def fusion_backward_impls(case: Case, output: str = FRESH) -> list[Impl]:
     """A fusion's backward: its norm's backward with ``grad_residual`` (grad_x +
     grad_residual in one pass), reported against the same backward without it."""
-    import layernorm as ln
+    backward, gr = _norm_backward(case), case.grad_residual
 
-    gy, x, gr, w = case.grad_y, case.x, case.grad_residual, case.weight
-    mean, rstd = case.mean, case.rstd
-    if has_bias(case.op):
-        def plain() -> Any:
-            return ln.layer_norm_backward(gy, x, mean, rstd, w)
+    def plain() -> Any:
+        return backward()
 
-        def fused() -> Any:
-            return ln.layer_norm_backward(gy, x, mean, rstd, w, grad_residual=gr)
-    else:
-        def plain() -> Any:
-            return ln.rms_norm_backward(gy, x, rstd, w)
-
-        def fused() -> Any:
-            return ln.rms_norm_backward(gy, x, rstd, w, grad_residual=gr)
+    def fused() -> Any:
+        return backward(grad_residual=gr)
 
     return [
         Impl(OURS_FRESH, OURS, output, fused,
@@ -565,18 +567,11 @@ def unfused_impls(case: Case) -> list[Impl]:
 def unfused_backward_impls(case: Case) -> list[Impl]:
     """A fusion's backward unfused, as a caller would write it: our norm's backward, then
     ``grad_x + grad_residual`` with NumPy."""
-    import layernorm as ln
+    backward, gr = _norm_backward(case), case.grad_residual
 
-    gy, x, gr, w = case.grad_y, case.x, case.grad_residual, case.weight
-    mean, rstd = case.mean, case.rstd
-    if has_bias(case.op):
-        def unfused() -> Any:
-            gx, gw, gb = ln.layer_norm_backward(gy, x, mean, rstd, w)
-            return gx + gr, gw, gb
-    else:
-        def unfused() -> Any:
-            gx, gw = ln.rms_norm_backward(gy, x, rstd, w)
-            return gx + gr, gw
+    def unfused() -> Any:
+        gx, *grads = backward()
+        return gx + gr, *grads
 
     return [Impl("unfused backward, + g_res", PEER, FRESH, unfused,
                  "norm backward, then grad_x + grad_residual")]
