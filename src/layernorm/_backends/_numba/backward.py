@@ -88,6 +88,7 @@ from ._simd import (
     vstore,
     vstore_nt,
 )
+from .callee import callee_njit
 from .diskcache import cached_njit
 from .rowmath import ALIAS_BYTES, LANES, PLAIN, STREAM, aligned_head, copy_row, tree_sum
 
@@ -204,7 +205,7 @@ def _ln_bwd_vector(gyr, xr, gxr, r, i, w, mv, rv, mgv, mgxv, dwk, dbk, grr, has_
     return dwk + dy * xh, dbk + dy
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _ln_bwd_rows_short(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
     """:func:`_ln_bwd_rows` for contiguous rows shorter than ``5 * LANES`` (four vectors + tail).
 
@@ -340,18 +341,18 @@ def _acc_means_tail(gyr, xr, r, body, count, wt, m, mv, rv, ag, ax):
 # The row helpers twice: inlined into the skewed loops (measured about 20% faster
 # there), and compiled once as functions for the tiled kernel, whose four rows per
 # loop would otherwise be typed once per call site (compile time).
-_gx_value_fn = njit(error_model="numpy")(_gx_value)
+_gx_value_fn = callee_njit(_gx_value)
 _gx_value = njit(inline="always", error_model="numpy")(_gx_value)
-_gx_scalar_fn = njit(error_model="numpy")(_gx_scalar)
-_acc_means_fn = njit(error_model="numpy")(_acc_means)
-_acc_means_tail_fn = njit(error_model="numpy")(_acc_means_tail)
+_gx_scalar_fn = callee_njit(_gx_scalar)
+_acc_means_fn = callee_njit(_acc_means)
+_acc_means_tail_fn = callee_njit(_acc_means_tail)
 _gx_vec = njit(inline="always", error_model="numpy")(_gx_vec)
 _gx_scalar = njit(inline="always", error_model="numpy")(_gx_scalar)
 _acc_means = njit(inline="always", error_model="numpy")(_acc_means)
 _acc_means_tail = njit(inline="always", error_model="numpy")(_acc_means_tail)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _ln_bwd_rows(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res,
                  stream):
     """Unit-stride rows ``r0 .. r1`` (partial block ``blk``), skewed: one loop computes
@@ -439,7 +440,7 @@ def gx_downwards(gyv, xv, gxv):
     return before > after
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _ln_bwd_tile_means(gyr, xr, gxr, r, n, mean_in, rstd_in, w, stream):
     """(mean of g, mean of g * xhat) of the ``TILE_ROWS`` rows from ``r``, their first
     passes interleaved (each row's additions as :func:`_ln_bwd_means` makes them)."""
@@ -471,7 +472,7 @@ def _ln_bwd_tile_means(gyr, xr, gxr, r, n, mean_in, rstd_in, w, stream):
             (tree_sum(agd) * inv_n, tree_sum(axd) * inv_n))
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _ln_bwd_tile_out(gyr, xr, gxr, r, n, mean_in, rstd_in, sums, w, dw, db, grr, has_res,
                      nxt, down, stream):
     """grad_x of the ``TILE_ROWS`` rows from ``r`` and their dw/db terms, added in row
@@ -543,7 +544,7 @@ def _ln_bwd_tile_out(gyr, xr, gxr, r, n, mean_in, rstd_in, sums, w, dw, db, grr,
                       body, n)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _ln_bwd_tile_cols(gyr, xr, gxr, r, mean_in, rstd_in, sums, w, dw, db, grr, has_res,
                       c0, c1):
     """:func:`_ln_bwd_tile_out` of columns ``c0 .. c1``, one element at a time."""
@@ -560,7 +561,7 @@ def _ln_bwd_tile_cols(gyr, xr, gxr, r, mean_in, rstd_in, sums, w, dw, db, grr, h
         put(db, 0, i, tb)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _ln_bwd_tiles(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res,
                   stream):
     """Unit-stride rows ``r0 .. r1`` (partial block ``blk``) in tiles of ``TILE_ROWS``
@@ -612,7 +613,7 @@ def _ln_bwd_tiles(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, h
         store_fence()  # streaming stores done before another thread reads grad_x
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _ln_bwd_gathered(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
     """Rows ``r0 .. r1`` of any stride: copied (in pairs for long rows) into contiguous
     scratch rows, computed as :func:`_ln_bwd_rows` computes them, copied back."""
@@ -837,7 +838,7 @@ def ln_short_backward_parallel(gy, x, mean_in, rstd_in, w, gx, partials, block_r
     return _block_sums(partials)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _ln_bwd_columns(gy, x, mean_in, rstd_in, w, gx, partials, stats, block_rows, c0, c1,
                     gres, has_res):
     """grad_x of columns ``c0 .. c1`` of every row and their dw/db terms, block by block
@@ -934,7 +935,7 @@ def _rms_bwd_rows_out(gyr, xr, gxr, ra, rb, two, c0, c1, sa, sb, w, dw, grr, has
         put(dw, 0, i, tw)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
     """Unit-stride rows ``r0 .. r1`` (partial block ``blk``), as :func:`_ln_bwd_rows`."""
     n = x.shape[1]
@@ -951,7 +952,7 @@ def _rms_bwd_rows(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
                           has_res)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res, stream):
     """Unit-stride rows ``r0 .. r1``, skewed and prefetched as :func:`_ln_bwd_rows` (each
     row's operations those of :func:`_rms_bwd_mean` and :func:`_rms_bwd_rows_out`;
@@ -1007,7 +1008,7 @@ def _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res,
         store_fence()  # streaming stores done before another thread reads grad_x
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _rms_bwd_gathered(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
     """Rows of any stride through scratch rows, as :func:`_ln_bwd_gathered`."""
     n = x.shape[1]
@@ -1139,7 +1140,7 @@ def rms_gathered_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, 
     return _block_sums(partials)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _rms_bwd_columns(gy, x, rstd_in, w, gx, partials, stats, block_rows, c0, c1, gres,
                      has_res):
     """:func:`_ln_bwd_columns` for RMSNorm (``stats[r]``: row ``r``'s mean of g * xhat;
@@ -1169,7 +1170,7 @@ def rms_split_backward_parallel(gy, x, rstd_in, w, gx, partials, block_rows, gre
     return _block_sums(partials)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols, gres, has_res):
     n = x.shape[1]
     inner = x.shape[2]

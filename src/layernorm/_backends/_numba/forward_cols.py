@@ -16,6 +16,7 @@ from numba import njit, prange
 
 from ._scalars import cast, imax, imin, widen
 from ._simd import WIDTH, alive, copy2, fma, load2, raw, runtime, splat, store2, wide
+from .callee import callee_njit
 from .diskcache import cached_njit
 from .rescale import ln_column_rescaled, rms_column_rescaled, usable_rstd
 from .rowmath import (
@@ -44,7 +45,7 @@ def _lane_tree_sum(lt, top):
         h = h // 2
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _col_chunk(x2, row0, c0, g, kv, pad):
     # Leaves written out: a helper called with the constants 0 .. 7 would be compiled
     # once per constant.
@@ -94,7 +95,7 @@ def _col_lane_sums(x2, c0, j, kv, zero, pad):
     return a, q, ta, tq
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _col_redo(x2, c, shift, mu, tab):
     """:func:`.rowmath.redo` of column ``c`` of the tile ``x2``, as a scratch row."""
     n = x2.shape[0]
@@ -194,7 +195,7 @@ def _store_tile(yt, y2, c0, valid, unit):
             y2[i, c0 + k] = yt[i, k]
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item):
     lm, lm2, lt, cs = scratch
     xt, yt = tiles
@@ -250,7 +251,7 @@ def ln_forward_cols_parallel(x, w, b, eps, y, mean_out, rstd_out, tab):
             _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _col_square_chunk(x2, row0, c0, g, zero):
     # Leaves written out: a helper called with the constants 0 .. 7 would be compiled
     # once per constant.
@@ -323,7 +324,7 @@ def _rms_cols(x2, y2, c0, w, eps, lanes, totals, cs, rstd_out, r0, valid):
             rms_column_rescaled(x2, y2, c0 + k, eps, w, rstd_out, r0 + k)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item):
     totals, _, lanes, cs = scratch
     xt, yt = tiles

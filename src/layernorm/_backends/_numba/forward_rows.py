@@ -59,6 +59,7 @@ from ._simd import (
     vstore_by,
     wide,
 )
+from .callee import callee_njit
 from .diskcache import cached_njit
 from .rescale import ln_row_rescaled, needs_rescaling, rms_row_rescaled, usable_rstd
 from .rowmath import (
@@ -320,7 +321,7 @@ def ln_row_out_whole(xr, yr, r, n, shift, mean, rstd, w, b, order, down):
         i += 1
 
 
-@njit(error_model="numpy")
+@callee_njit
 def ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1, s0):
     """Rows ``r0 .. r1`` of unit-stride :class:`._simd.Raw` views on the row path; their
     statistics go to ``s0 ..``; ``stream`` is ``PLAIN``, ``STREAM`` or ``SEQUENTIAL``
@@ -382,7 +383,7 @@ def tile_elements(wv):
     return imax(TILE_BYTES // itemsize(wv) // LANES, 1) * LANES
 
 
-@njit(error_model="numpy")
+@callee_njit
 def ln_tiled_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
     """:func:`ln_long_rows` in the ``TILED`` order, for long rows: ``TILE_ROWS`` rows
     at a time, the statistics of each row (and the elements of its last partial
@@ -492,7 +493,7 @@ def _ln_rows_in_order_typed(xv, yv, wv, bv, tv, eps, n, order, mean_out, rstd_ou
     return pipelined
 
 
-@njit(error_model="numpy")
+@callee_njit
 def ln_raw_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1, s0):
     """:func:`ln_short_rows` or :func:`ln_long_rows`, by ``n``, rescaling the rows they
     stop at: every row done, for callers that serve every row length with one compiled
@@ -530,7 +531,7 @@ def _folded_tree_sums(sv, first):
     return fold1(fold2(b0, b1), fold2(b2, b3))
 
 
-@njit(error_model="numpy")
+@callee_njit
 def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
     """:func:`ln_long_rows` for rows of at most ``SHORT_ROW_MAX``, ``LANES`` rows at a time.
 
@@ -600,7 +601,7 @@ def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
     return stop
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _ln_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1):
     """Strided rows ``r0 .. r1``: ``LANES`` at a time through contiguous scratch rows,
     computed by :func:`ln_raw_rows`."""
@@ -661,7 +662,7 @@ def ln_stream_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     return stop
 
 
-@njit(error_model="numpy")
+@callee_njit
 def stopped_blocks(pending):
     """The ``(stop, end)`` rows of the blocks in ``pending`` that stopped before an
     overflowing row (``stop < end``), in order, moved to its front: a view of them, or
@@ -781,7 +782,7 @@ def ln_gathered_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
         _ln_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _row_square_chunk(xr, r, base, g, zero):
     # Leaves written out: a helper called with the constants 0 .. 7 would be compiled
     # once per constant.
@@ -827,10 +828,10 @@ def _row_sum_squares_from(xr, r, n, acc, total, first, like):
 # function for longer rows (rare, and long), so that their float64 totals and closing
 # stay out of the loop of the short ones (which they slowed by 5-9% at n = 128-256).
 _row_sum_squares_inlined = njit(inline="always", error_model="numpy")(_row_sum_squares_from)
-_row_sum_squares_from = njit(error_model="numpy")(_row_sum_squares_from)
+_row_sum_squares_from = callee_njit(_row_sum_squares_from)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _blocked_sum_of_squares(xr, r, n, acc, first, like):
     """:func:`row_sum_of_squares` of a row of several blocks (``like``'s type)."""
     total = wide(splat(cast(0.0, like)))
@@ -930,7 +931,7 @@ def _rms_row_out_whole(xr, yr, r, n, rstd, w, order, down):
         i += 1
 
 
-@njit(error_model="numpy")
+@callee_njit
 def rms_raw_rows(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, s0):
     """RMSNorm of rows ``r0 .. r1`` of unit-stride :class:`._simd.Raw` views; their
     ``rstd`` goes to ``s0 ..`` (the RMSNorm twin of :func:`ln_long_rows`, stopping as
@@ -971,7 +972,7 @@ def rms_raw_rows(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, s0):
     return stop
 
 
-@njit(error_model="numpy")
+@callee_njit
 def rms_tiled_rows(xv, yv, wv, eps, n, rstd_out, r0, r1, s0):
     """:func:`rms_raw_rows` in the ``TILED`` order, tiled as :func:`ln_tiled_rows`
     is (the same operations per row, the same bits); returns as it does."""
@@ -1030,7 +1031,7 @@ def _rms_rows_in_order_typed(xv, yv, wv, eps, n, order, rstd_out, r0, r1, s0):
     return pipelined
 
 
-@njit(error_model="numpy")
+@callee_njit
 def rms_rows_rescued(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, s0):
     """:func:`rms_raw_rows` with the rows it stops at rescaled: every row done (for the
     fusions)."""
@@ -1042,7 +1043,7 @@ def rms_rows_rescued(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, s0):
         r = stop + 1
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _rms_gathered(x, w, eps, y, rstd_out, r0, r1):
     """Strided rows ``r0 .. r1`` through a contiguous scratch row."""
     n = x.shape[1]

@@ -43,6 +43,7 @@ from ._simd import (
     vload,
     vstore,
 )
+from .callee import callee_njit
 from .diskcache import cached_njit
 from .forward_rows import (
     ln_rows_in_order,
@@ -70,7 +71,7 @@ def _add_row(xv, rv, hv, r, n):
         put(hv, r, i, narrow(widen(get(xv, r, i)) + widen(get(rv, r, i)), hv))
 
 
-@njit(error_model="numpy")
+@callee_njit
 def add_block(x, res, h, r0, r1):
     """``h`` of rows ``r0 .. r1``; returns its view (rows ``0 .. r1 - r0``)."""
     n = x.shape[1]
@@ -91,7 +92,7 @@ def _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, stream, r0, 
                                  r0)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _add_ln_short_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, r0, r1):
     """:func:`_add_ln_block` for rows of at most ``SHORT_ROW_MAX``."""
     hv = add_block(x, res, h, r0, r1)

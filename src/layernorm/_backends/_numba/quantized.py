@@ -88,6 +88,7 @@ from ._simd import (
     vload,
     vstore,
 )
+from .callee import callee_njit
 from .diskcache import cached_njit
 from .forward_rows import (
     PLAIN,
@@ -444,7 +445,7 @@ def rms_row_codes(xv, r, qv, qr, fv, bv8, n, rstd, w, fmt, inv, pf):
         rms_span_codes(xv, r, qv, qr, n - LANES, n, rstd, w, fmt, inv, None)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, inv_rows,
                   scale_out, bufs, r0, rows, pipelined):
     """LayerNorm rows ``0 .. rows`` of the view ``xv`` (rows ``r0 ..`` of the call)
@@ -502,7 +503,7 @@ def ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, i
     return stop
 
 
-@njit(error_model="numpy")
+@callee_njit
 def rms_rows_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_out, bufs,
                    r0, rows, pipelined):
     """:func:`ln_rows_quant` for RMSNorm (statistics as
@@ -543,7 +544,7 @@ def rms_rows_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_ou
     return stop
 
 
-@njit(error_model="numpy")
+@callee_njit
 def ln_tiled_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, inv_rows,
                    scale_out, bufs, r0, rows):
     """:func:`ln_rows_quant` for rows with at least ``TILED_MIN_BYTES`` of weight, the
@@ -605,7 +606,7 @@ def ln_tiled_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, 
     return stop
 
 
-@njit(error_model="numpy")
+@callee_njit
 def rms_tiled_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_out, bufs,
                     r0, rows):
     """:func:`ln_tiled_quant` for RMSNorm (statistics as :func:`rms_rows_quant`)."""
@@ -727,7 +728,7 @@ def _row_buffers(rows, n, dynamic, pipelined):
             np.empty((1, LANES), dtype=np.uint8), np.empty(rows, dtype=np.float32))
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _quantize_block(y32, q, r0, r1, fmt, dynamic, inv_rows, scale_out):
     """Rows ``r0 .. r1`` of ``q`` from rows ``0 ..`` of ``y32``: every row's ``1 / scale``
     first, then the codes (the rows' chains of ``amax``, scale and inverse do not depend
@@ -759,7 +760,7 @@ def _block_input_typed(x, res, h, r0, r1):
     return lambda x, res, h, r0, r1: add_block(x, res, h, r0, r1)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt, dynamic, inv_rows,
               scale_out, bufs, r0, r1, pipelined):
     """Rows ``r0 .. r1`` on the row path; returns the row the norm stopped at (``r1``:
@@ -769,7 +770,7 @@ def _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt, dynamic, in
                                  inv_rows, scale_out, bufs, r0, r1 - r0, pipelined)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _ln_short_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt, dynamic,
                     inv_rows, scale_out, y32, r0, r1):
     """:func:`_ln_block` for rows of at most ``SHORT_ROW_MAX``."""
@@ -780,7 +781,7 @@ def _ln_short_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt, dynam
     return stop
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows, scale_out, bufs,
                r0, r1, pipelined):
     """:func:`_ln_block` for RMSNorm."""

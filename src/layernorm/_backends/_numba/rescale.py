@@ -47,6 +47,7 @@ from numba import njit
 
 from ._scalars import cast, narrow, widen
 from ._simd import affine, alive, get, put, put_stat, raw, times_w
+from .callee import callee_njit
 
 #: The largest ``rstd`` of the fast row arithmetic that :func:`usable_rstd` accepts, for
 #: float32 and for float64 accumulation. A larger one means ``var + eps`` below
@@ -71,7 +72,7 @@ def usable_rstd(rstd):
     return rstd > 0 and rstd <= limit
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _power_of_two_scale(xr, r, n, eps, shifted):
     """``2**-e`` with ``m * 2**-e`` in ``[0.5, 1)``, ``m`` the largest ``|x|`` of the row
     (with ``shifted``, the largest ``|x - x[0]|``, measured on halves so that it cannot
@@ -104,7 +105,7 @@ def _scaled(xr, r, i, scale):
     return np.float64(widen(get(xr, r, i))) * scale
 
 
-@njit(error_model="numpy")
+@callee_njit
 def ln_row_rescaled(xr, yr, r, n, eps, w, b, mean_out, rstd_out, s):
     """LayerNorm of row ``r`` of the :class:`._simd.Raw` view ``xr`` into ``yr``, rescaled.
 
@@ -132,7 +133,7 @@ def ln_row_rescaled(xr, yr, r, n, eps, w, b, mean_out, rstd_out, s):
     return True
 
 
-@njit(error_model="numpy")
+@callee_njit
 def rms_row_rescaled(xr, yr, r, n, eps, w, rstd_out, s):
     """RMSNorm of row ``r`` of ``xr`` into ``yr``, rescaled; ``rstd`` to ``rstd_out[s]``.
 
@@ -153,7 +154,7 @@ def rms_row_rescaled(xr, yr, r, n, eps, w, rstd_out, s):
     return True
 
 
-@njit(error_model="numpy")
+@callee_njit
 def _column_row(x2, c):
     # A column of a tile as a contiguous scratch row (the rescaled functions read rows).
     n = x2.shape[0]
@@ -163,7 +164,7 @@ def _column_row(x2, c):
     return xs
 
 
-@njit(error_model="numpy")
+@callee_njit
 def ln_column_rescaled(x2, y2, c, eps, w, b, mean_out, rstd_out, s):
     """:func:`ln_row_rescaled` for column ``c`` of the 2-D tiles ``x2``/``y2``
     (``w``, ``b``: 1-D arrays)."""
@@ -181,7 +182,7 @@ def ln_column_rescaled(x2, y2, c, eps, w, b, mean_out, rstd_out, s):
     return done
 
 
-@njit(error_model="numpy")
+@callee_njit
 def rms_column_rescaled(x2, y2, c, eps, w, rstd_out, s):
     """:func:`rms_row_rescaled` for column ``c`` of the 2-D tiles ``x2``/``y2``."""
     xs = _column_row(x2, c)

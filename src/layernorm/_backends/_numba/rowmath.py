@@ -99,6 +99,7 @@ from ._simd import (
     vstore,
     wide,
 )
+from .callee import callee_njit
 from .diskcache import cached_njit
 
 LANES = WIDTH
@@ -256,7 +257,7 @@ def finish(shift, mu, m2, n, eps):
     return mt, shift + mt, rstd
 
 
-@njit(error_model="numpy")
+@callee_njit
 def tree_sum(v):
     v = v + down8(v)
     v = v + down4(v)
@@ -332,7 +333,7 @@ def chunk_sums(v0, v1, v2, v3, v4, v5, v6, v7):
     return tree8(v0, v1, v2, v3, v4, v5, v6, v7), square_tree(v0, v1, v2, v3, v4, v5, v6, v7)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def row_chunk(xr, r, base, g, kv, pad):
     """Sum and sum of squares of a row's chunk at ``base`` (``g`` groups, absent leaves
     ``pad``), of ``v = x - kv``: :func:`chunk_sums` of its leaves."""
@@ -402,9 +403,9 @@ def lane_sums_tail(xr, r, n, shift, a, q):
 # pipelined row loop calls lane_sums_tail, whose arguments and results are the lane sums
 # alone: passing the float64 totals through a call too cost 4-16% in cache at n = 256-1024.
 _lane_sums_tail_inlined = njit(inline="always", error_model="numpy")(lane_sums_tail)
-lane_sums_tail = njit(error_model="numpy")(lane_sums_tail)
+lane_sums_tail = callee_njit(lane_sums_tail)
 _lane_sums_from_inlined = njit(inline="always", error_model="numpy")(lane_sums_from)
-lane_sums_from = njit(error_model="numpy")(lane_sums_from)
+lane_sums_from = callee_njit(lane_sums_from)
 
 
 @njit(inline="always", error_model="numpy")
@@ -447,7 +448,7 @@ def cancelled(m2, ss, tab):
     return m2 < np.float64(get(tab, 0, TAB_CANCEL)) * ss
 
 
-@njit(error_model="numpy")
+@callee_njit
 def redo(xr, r, n, shift, mu, tab):
     """(shift, shifted mean, M2) of a unit-stride row, redone with the shift
     ``shift + mu`` (step 4; ``mu`` in the accumulation type): for the paths that
@@ -488,7 +489,7 @@ def row_moments(xr, r, n, tab):
     return checked_moments(xr, r, n, shift, a, q, ta, tq, tab)
 
 
-@njit(error_model="numpy")
+@callee_njit
 def copy_row(dst, rd, src, rs):
     # An explicit loop: slice assignment compiles a large generic implementation.
     for i in range(src.shape[1]):
