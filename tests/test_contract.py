@@ -411,6 +411,32 @@ def test_mixed_libraries_are_a_type_error_naming_both(library):
         ln.layer_norm_backward(convert(xn), x, mean, rstd)
 
 
+def test_mixed_library_scales_are_a_type_error_naming_both(library):
+    other, convert = _foreign(library)
+    rng = np.random.default_rng(16)
+    x = library.asarray(random_rows(rng, (2, 4), "float32"))
+    scale = convert(np.full((2, 1), 0.02, np.float32))
+    with pytest.raises(TypeError, match=rf"scale comes from {other}.*x comes from {library}"):
+        ln.layer_norm(x, quantize="int8", scale=scale)
+    with pytest.raises(TypeError, match=rf"scale comes from {other}.*x comes from {library}"):
+        ln.add_rms_norm(x, x, quantize="int8", scale=scale)
+
+
+@pytest.mark.parametrize("scalar", [np.float32(0.03), np.float64(0.03), 0.03],
+                         ids=["np.float32", "np.float64", "float"])
+def test_scalar_scales_go_with_every_library(library, scalar):
+    rng = np.random.default_rng(17)
+    xn = random_rows(rng, (3, 8), "float32")
+    codes, scale = ln.layer_norm(library.asarray(xn), quantize="int8", scale=scalar)
+    expected, _ = ln.layer_norm(xn, quantize="int8", scale=0.03)
+    np.testing.assert_array_equal(library.to_numpy(codes), expected)
+    assert float(scale) == float(scalar)
+    codes, _, _ = ln.add_layer_norm(library.asarray(xn), library.asarray(xn), quantize="int8",
+                                    scale=scalar)
+    expected, _, _ = ln.add_layer_norm(xn, xn, quantize="int8", scale=0.03)
+    np.testing.assert_array_equal(library.to_numpy(codes), expected)
+
+
 def test_backward_errors(library):
     rng = np.random.default_rng(0)
     xn = random_rows(rng, (3, 5), "float32")

@@ -1052,8 +1052,18 @@ def test_quantize_errors():
     for bad in (0.0, -1.0, float("inf"), float("nan"), 10**400, -(10**400)):
         with pytest.raises(ValueError, match="scale must be positive and finite"):
             ln.rms_norm(x, quantize="int8", scale=bad)
-    with pytest.raises(ValueError, match="scale must be positive and finite in every"):
+    with pytest.raises(ValueError, match=r"scale must be positive and finite in every "
+                                         r"element, got values from 0\.0 to 1\.0"):
         ln.rms_norm(x, quantize="int8", scale=np.array([[1.0], [0.0]]))
+    # A mask cannot be honoured (the masked value would set the codes): rejected, on a
+    # first call and on a planned one.
+    masked = np.ma.masked_array([[1e-3], [0.5]], mask=[[True], [False]], dtype=np.float32)
+    for fn in (ln.layer_norm, ln.rms_norm, ln.add_layer_norm, ln.add_rms_norm):
+        args = (x, x) if fn.__name__.startswith("add") else (x,)
+        for _ in range(2):
+            fn(*args, quantize="int8", scale=np.float32(0.5))
+            with pytest.raises(TypeError, match=r"scale is a numpy\.ma\.MaskedArray"):
+                fn(*args, quantize="int8", scale=masked)
     with pytest.raises(ValueError, match=r"broadcastable to the statistics' shape \(2, 1\)"):
         ln.rms_norm(x, quantize="int8", scale=np.ones(4))
     # A static scale the accumulation dtype cannot hold, or whose 1 / scale it cannot: in

@@ -518,6 +518,90 @@ def test_array_api_backend_uses_torch_namespace_and_autograd():
     _gradcheck(lambda a, b: ln.rms_norm(a, 9, b, backend="array_api"), x, w)
 
 
+@pytest.mark.parametrize("fn", ["layer_norm", "rms_norm", "add_layer_norm", "backward"])
+def test_generic_path_outputs_are_c_contiguous(fn):
+    x = _randn(12, 7, seed=40, dtype=torch.float32).t()  # (7, 12), not C-contiguous
+    if fn == "backward":
+        _, mean, rstd = ln.layer_norm(x, return_stats=True)
+        out = ln.layer_norm_backward(x.cos(), x, mean, rstd, backend="array_api")[0]
+        expected = ln.layer_norm_backward(x.cos(), x, mean, rstd)[0]
+    elif fn == "add_layer_norm":
+        out, h = ln.add_layer_norm(x, x.sin(), backend="array_api")
+        assert h.is_contiguous() and torch.equal(h, x + x.sin())
+        expected = ln.add_layer_norm(x, x.sin())[0]
+    else:
+        out = getattr(ln, fn)(x, backend="array_api")
+        expected = getattr(ln, fn)(x)
+    assert out.is_contiguous()
+    np.testing.assert_allclose(_np64(out), _np64(expected), atol=1e-5)
+
+
+def test_tensor_subclasses_take_the_torch_route():
+    class Subclass(torch.Tensor):
+        pass
+
+    x = _randn(3, 8, seed=41, dtype=torch.float32).as_subclass(Subclass)
+    w = _randn(8, seed=42, dtype=torch.float32)
+    assert ln.backend_name(x) == "numba"
+    y = ln.layer_norm(x, 8, w)
+    plain = x.as_subclass(torch.Tensor)
+    assert torch.equal(y.as_subclass(torch.Tensor), ln.layer_norm(plain, 8, w))
+    with pytest.raises(TypeError, match="weight comes from numpy"):
+        ln.layer_norm(x, 8, w.numpy())
+
+
+# torch's forward AD loads its decompositions with the deprecated torch.jit.script.
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script.*:DeprecationWarning")
+@pytest.mark.parametrize("rms", [False, True])
+def test_forward_mode_ad_gives_torch_tangents(rms):
+    import torch.autograd.forward_ad as fwad
+
+    x = _randn(4, 10, seed=43)
+    tx = _randn(4, 10, seed=44)
+    w, tw = _randn(10, seed=45), _randn(10, seed=46)
+    ours = ln.rms_norm if rms else ln.layer_norm
+    theirs = F.rms_norm if rms else F.layer_norm
+    with fwad.dual_level():
+        y = ours(fwad.make_dual(x, tx), 10, fwad.make_dual(w, tw))
+        tangent = fwad.unpack_dual(y).tangent
+        expected = fwad.unpack_dual(theirs(fwad.make_dual(x, tx), (10,),
+                                           fwad.make_dual(w, tw))).tangent
+    assert tangent is not None
+    np.testing.assert_allclose(_np64(tangent), _np64(expected), rtol=1e-10, atol=1e-12)
+    with fwad.dual_level():
+        y, h = ln.add_layer_norm(fwad.make_dual(x, tx), x.cos())
+        np.testing.assert_array_equal(_np64(fwad.unpack_dual(h).tangent), _np64(tx))
+        assert fwad.unpack_dual(y).tangent is not None
+
+
+def test_quantized_add_keeps_the_residual_gradient():
+    x = _randn(3, 16, seed=47, dtype=torch.float32).requires_grad_()
+    r = _randn(3, 16, seed=48, dtype=torch.float64).requires_grad_()
+    codes, h, _ = ln.add_rms_norm(x, r, quantize="int8")
+    assert not codes.requires_grad and h.requires_grad
+    np.testing.assert_array_equal(_np64(h), _np64(x) + _np64(r))
+    g = _randn(3, 16, seed=49)
+    h.backward(g)
+    assert x.grad.dtype == torch.float32 and r.grad.dtype == torch.float64
+    np.testing.assert_array_equal(_np64(x.grad), _np64(g.float()))
+    np.testing.assert_array_equal(_np64(r.grad), _np64(g))
+
+
+@pytest.mark.parametrize("name", ["out", "residual_out"])
+def test_outputs_that_require_grad_are_refused(name):
+    x = _randn(2, 8, seed=50, dtype=torch.float32)
+    leaf = torch.zeros(2, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match=f"{name}= is a tensor that requires grad"):
+        ln.add_layer_norm(x, x.cos(), **{name: leaf})
+    if name == "out":
+        with pytest.raises(RuntimeError, match="out= is a tensor that requires grad"):
+            ln.layer_norm(x, out=leaf)
+    assert torch.equal(leaf, torch.zeros(2, 8))
+    with torch.no_grad():
+        ln.layer_norm(x, out=leaf)
+    assert torch.equal(leaf.detach(), ln.layer_norm(x))
+
+
 def test_other_devices_use_the_generic_path():
     x = torch.empty(2, 3, 4, device="meta")
     assert ln.backend_name(x) == "array_api"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import numbers
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +64,13 @@ def _classify(x: Any) -> str:
     root = type(x).__module__.split(".", 1)[0]
     if root in ("cupy", "torch", "dask"):
         return root
+    # Subclasses defined elsewhere (a tensor subclass of a user's module) belong to the
+    # library of their base class; an unimported library has no arrays to check for.
+    for library, module_name, base in _ARRAY_TYPES:
+        module = sys.modules.get(module_name)
+        cls = getattr(module, base, None) if module is not None else None
+        if cls is not None and isinstance(x, cls):
+            return library
     from array_api_compat import is_array_api_obj
 
     if is_array_api_obj(x) and not isinstance(x, np.generic):
@@ -70,6 +79,28 @@ def _classify(x: Any) -> str:
         f"x must be an array (NumPy, CuPy, torch, Dask or any array-API array), "
         f"got {type(x).__module__}.{type(x).__qualname__}"
     )
+
+
+#: The array base class of each library with a native route: (library, module, class).
+_ARRAY_TYPES = (("torch", "torch", "Tensor"), ("cupy", "cupy", "ndarray"),
+                ("dask", "dask.array", "Array"))
+
+
+def given_array(value: Any) -> Any:
+    """``value`` where it is an array, None for None and numbers (Python or NumPy scalars).
+
+    For the library checks of arguments that may be either (``scale=``): a number goes
+    with arrays of any library.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> given_array(np.float32(0.5)) is None, given_array(np.ones(2)).shape
+    (True, (2,))
+    """
+    if value is None or isinstance(value, (numbers.Number, np.generic)):
+        return None
+    return value
 
 
 def library_of(x: Any, name: str = "x") -> str:

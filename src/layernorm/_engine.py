@@ -27,8 +27,9 @@ import numpy as np
 
 from . import _layout
 from ._backends import _array_api as generic
-from ._dispatch import Route, check_companions
+from ._dispatch import Route, check_companions, given_array
 from ._dtypes import HALF_DTYPES, MACHINE_EPS, SUPPORTED, accumulation_name, dtype_name
+from ._layout import c_contiguous
 from ._validate import (
     QUANTIZE_QMAX,
     check_eps,
@@ -545,7 +546,7 @@ def sum_dtypes(x_name: str, residual_name: str, residual_dtype: Any) -> tuple[st
 
 def residual_sum(xp: Any, x: Any, residual: Any, add: str, h_name: str) -> Any:
     """``h = x + residual`` computed in ``add`` and rounded once to ``h_name``."""
-    return astype(xp, astype(xp, x, add) + astype(xp, residual, add), h_name)
+    return c_contiguous(astype(xp, astype(xp, x, add) + astype(xp, residual, add), h_name))
 
 
 def check_grad_residual(grad_residual: Any, req: Request) -> None:
@@ -657,7 +658,9 @@ def check_scale(xp: Any, scale: Any, stats_shape: tuple[int, ...], acc: str) -> 
         raise TypeError(f"scale must have a real dtype, got dtype {kind}")
     good = xp.all((scale > 0) & xp.isfinite(scale))
     if not bool(good):
-        raise ValueError("scale must be positive and finite in every element")
+        low, high = float(xp.min(scale)), float(xp.max(scale))
+        raise ValueError("scale must be positive and finite in every element, got values "
+                         f"from {low!r} to {high!r}")
     with np.errstate(over="ignore", divide="ignore"):
         s = astype(xp, scale, acc)
         usable = bool(xp.all(xp.isfinite(s) & xp.isfinite(1 / s)))
@@ -795,7 +798,7 @@ def normalize_ex(x: Any, route: Route, normalized_shape: Any, weight: Any, bias:
                  scale: Any = None) -> tuple[Any, Any, Any, Any]:
     """:func:`normalize` with ``weight_offset`` and ``quantize``: ``(y, scale, mean, rstd)``."""
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
-    check_companions(x, route.library, out=out, **params)
+    check_companions(x, route.library, out=out, scale=given_array(scale), **params)
     req = request(x, route, normalized_shape, axis, **params)
     eps = resolve_eps(eps, req, rms)
     xp = namespace(route.library, x)
@@ -1021,7 +1024,7 @@ def add_normalize(x: Any, residual: Any, route: Route, normalized_shape: Any, we
     """
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
     check_companions(x, route.library, residual=residual, out=out, residual_out=residual_out,
-                     **params)
+                     scale=given_array(scale), **params)
     req_x = request(x, route, normalized_shape, axis, **params)
     r_name = check_residual(residual, req_x)
     add, h_name = sum_dtypes(req_x.dtype, r_name, residual_dtype)

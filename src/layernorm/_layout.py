@@ -80,3 +80,27 @@ def writable_canonical(out: Any, layout: Layout, may_share_memory: Any) -> Any |
     if view.size and not may_share_memory(view, out):
         return None
     return view
+
+
+def c_contiguous(arr: Any) -> Any:
+    """``arr``, or a C-ordered copy of it where its library shows a layout and it is not.
+
+    The contract's outputs are new C-contiguous arrays; elementwise operations keep the
+    layout of their input (NumPy, CuPy and torch alike), so the generic path's results
+    on a transposed or Fortran-ordered ``x`` are not. torch tensors (``is_contiguous``)
+    and NumPy/CuPy arrays (``flags``) are copied where needed; other array-API arrays
+    show no layout and are returned as they are. torch's ``contiguous`` is
+    differentiable.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> c_contiguous(np.ones((2, 3), order="F")).flags.c_contiguous
+    True
+    """
+    if hasattr(arr, "is_contiguous"):
+        return arr if arr.is_contiguous() else arr.contiguous()
+    flags = getattr(arr, "flags", None)
+    if flags is not None and hasattr(flags, "c_contiguous") and not flags.c_contiguous:
+        return arr.copy(order="C")
+    return arr

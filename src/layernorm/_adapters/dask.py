@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .. import _engine
-from .._dispatch import Route, check_companions, describe, library_of, route
+from .._dispatch import Route, check_companions, describe, given_array, library_of, route
 from .._dtypes import accumulation_name
 from .._validate import check_given
 
@@ -269,9 +269,11 @@ def _fused(rms: bool, x: Any, residual: Any, dask_route: Route, ns: Any, weight:
         h_dtype = _engine.dtype_of(np, h_name)
         stats_req = _engine.Request(req.layout, h_name, accumulation_name(h_name), req.backend)
     eps = _engine.resolve_eps(eps, stats_req, rms)
-    if hasattr(scale, "shape") and library_of(scale, "scale") == "dask":
+    scale_array = given_array(scale)
+    if scale_array is not None and library_of(scale_array, "scale") == "dask":
         raise TypeError("scale must be a number or a NumPy array for Dask inputs, got a Dask "
                         "array; pass scale.compute()")
+    check_companions(x, "dask", scale=scale_array)
     offset, quantize = _engine.check_extras(np, req, weight, weight_offset, quantize, scale,
                                             None)
     if quantize is not None:
@@ -281,7 +283,7 @@ def _fused(rms: bool, x: Any, residual: Any, dask_route: Route, ns: Any, weight:
     stats_chunks = _stats_chunks(xr.chunks, axes)
     ind = tuple(range(x.ndim))
     static = None
-    if scale is not None and hasattr(scale, "shape"):
+    if scale_array is not None:
         static = _as_dask(np.broadcast_to(scale, req.layout.stats_shape), stats_chunks)
     pairs = [(xr, ind), (_as_dask(residual, xr.chunks), ind), (_param(weight), axes),
              (_param(bias), axes), (static, ind)]

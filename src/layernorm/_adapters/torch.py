@@ -35,9 +35,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.autograd.forward_ad as fwad
 
 from .. import _engine
-from .._dispatch import Route, check_companions
+from .._dispatch import Route, check_companions, given_array
 from .._dtypes import accumulation_name, dtype_name
 from .._validate import check_float_dtype, check_no_internal_overlap, check_out
 
@@ -71,12 +72,38 @@ def _wants_grad(*tensors: Any) -> bool:
     )
 
 
-def _no_out_with_grad(out: Any, *tensors: Any) -> None:
-    if out is not None and _wants_grad(*tensors):
+def _no_out_with_grad(out: Any, *tensors: Any, name: str = "out") -> None:
+    """No ``out=`` where autograd would need to see the write (as torch's ``out=`` ops)."""
+    if out is None or not torch.is_grad_enabled():
+        return
+    if out.requires_grad:
         raise RuntimeError(
-            "out= does not support automatic differentiation (an input requires grad); "
-            "call without out= or under torch.no_grad()"
+            f"{name}= is a tensor that requires grad, which the kernels cannot overwrite "
+            f"in place (torch refuses such in-place writes too); pass {name}.detach() or a "
+            "tensor that does not require grad, or call under torch.no_grad()"
         )
+    if _wants_grad(*tensors):
+        raise RuntimeError(
+            f"{name}= does not support automatic differentiation (an input requires grad); "
+            f"call without {name}= or under torch.no_grad()"
+        )
+
+
+def _has_tangent(*tensors: Any) -> bool:
+    """Whether forward-mode AD is active and one of ``tensors`` is a dual tensor.
+
+    Cheap when no ``forward_ad.dual_level`` is open (a module-level counter)."""
+    if getattr(fwad, "_current_level", 0) < 0:
+        return False
+    return any(t is not None and fwad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def _differentiable_route(route: Route, *tensors: Any) -> Route:
+    """``route``, or the generic route where forward-mode AD needs tangents: the kernels
+    have no forward derivative, torch's own operations on the generic path do."""
+    if route.backend != "array_api" and _has_tangent(*tensors):
+        return Route(route.library, "array_api")
+    return route
 
 
 def _written(*tensors: Any) -> None:
@@ -495,7 +522,9 @@ def layer_norm(x: Any, route: Route, normalized_shape: Any, weight: Any, bias: A
                quantize: Any = None, scale: Any = None) -> Any:
     """:func:`layernorm.layer_norm` for a torch tensor ``x``; returns torch tensors."""
     _check_inputs(x, weight=weight, bias=bias, out=out)
+    check_companions(x, "torch", scale=given_array(scale))
     _no_out_with_grad(out, x, weight, bias)
+    route = _differentiable_route(route, x, weight, bias)
     if (quantize is not None or scale is not None or type(weight_offset) is not float
             or weight_offset != 0.0):
         return _extended_forward(route, False, x, normalized_shape, weight, bias, eps, axis,
@@ -510,7 +539,9 @@ def rms_norm(x: Any, route: Route, normalized_shape: Any, weight: Any, eps: Any,
              scale: Any = None) -> Any:
     """:func:`layernorm.rms_norm` for a torch tensor ``x``; returns torch tensors."""
     _check_inputs(x, weight=weight, out=out)
+    check_companions(x, "torch", scale=given_array(scale))
     _no_out_with_grad(out, x, weight)
+    route = _differentiable_route(route, x, weight)
     if (quantize is not None or scale is not None or type(weight_offset) is not float
             or weight_offset != 0.0):
         return _extended_forward(route, True, x, normalized_shape, weight, None, eps, axis,
@@ -693,6 +724,22 @@ class _AddNormFunction(torch.autograd.Function):
                 None)
 
 
+class _ResidualSum(torch.autograd.Function):
+    """``h = x + residual``, computed without gradients (a quantized ``add_`` call), made
+    differentiable: its gradient goes to ``x`` and to ``residual`` unchanged (in their
+    dtypes), as for torch's own ``x + residual``."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Any, x: Any, residual: Any) -> Any:
+        ctx.dtypes = (x.dtype, residual.dtype)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx: Any, grad_h: Any) -> tuple[Any, ...]:
+        x_dtype, r_dtype = ctx.dtypes
+        return None, grad_h.to(x_dtype), grad_h.to(r_dtype)
+
+
 def _share_storage(a: Any, b: Any) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
@@ -706,12 +753,10 @@ def add_norm(x: Any, residual: Any, route: Route, normalized_shape: Any, weight:
         bias = None
     _check_inputs(x, residual=residual, weight=weight, bias=bias, out=out,
                   residual_out=residual_out)
+    check_companions(x, "torch", scale=given_array(scale))
     _no_out_with_grad(out, x, residual, weight, bias)
-    if residual_out is not None and _wants_grad(x, residual, weight, bias):
-        raise RuntimeError(
-            "residual_out= does not support automatic differentiation (an input requires "
-            "grad); call without residual_out= or under torch.no_grad()"
-        )
+    _no_out_with_grad(residual_out, x, residual, weight, bias, name="residual_out")
+    route = _differentiable_route(route, x, residual, weight, bias)
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
     req_x = _engine.request(x, route, normalized_shape, axis, **params)
     r_name = _engine.check_residual(residual, req_x)
@@ -734,6 +779,8 @@ def add_norm(x: Any, residual: Any, route: Route, normalized_shape: Any, weight:
             y, h, s, mean, rstd = _add_forward(route, rms, x, residual, normalized_shape, gain,
                                                bias, eps, axis, add, h_name, quantize, scale,
                                                out, residual_out)
+        if _wants_grad(x, residual):  # h, the residual stream, is
+            h = _ResidualSum.apply(h, x, residual)
     else:
         y, h, s, mean, rstd = _add_forward(route, rms, x, residual, normalized_shape, gain,
                                            bias, eps, axis, add, h_name, quantize, scale, out,

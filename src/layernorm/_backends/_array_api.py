@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .._layout import c_contiguous
+
 
 def _acc(xp: Any, acc_name: str) -> Any:
     return xp.float64 if acc_name == "float64" else xp.float32
@@ -110,7 +112,7 @@ def layer_norm(
     acc = _acc(xp, acc_name)
     if _is_empty_row(x, axes):
         mean, rstd = _empty_rows(xp, x, axes, acc)
-        return xp.astype(x, x.dtype, copy=True), mean, rstd
+        return c_contiguous(xp.astype(x, x.dtype, copy=True)), mean, rstd
     xa = xp.astype(x, acc)
     shift = _first_of_rows(xa, axes)
     # The difference of two huge finite values (3e38 - -3e38 in float32) overflows: the
@@ -131,7 +133,7 @@ def layer_norm(
         y = y * _param(xp, weight, bshape, acc)
     if bias is not None:
         y = y + _param(xp, bias, bshape, acc)
-    return xp.astype(y, x.dtype), mean, rstd
+    return c_contiguous(xp.astype(y, x.dtype)), mean, rstd
 
 
 def rms_norm(
@@ -141,7 +143,7 @@ def rms_norm(
     """RMSNorm over ``axes``; returns ``(y, rstd)``."""
     acc = _acc(xp, acc_name)
     if _is_empty_row(x, axes):
-        return xp.astype(x, x.dtype, copy=True), _empty_rows(xp, x, axes, acc)[1]
+        return c_contiguous(xp.astype(x, x.dtype, copy=True)), _empty_rows(xp, x, axes, acc)[1]
     xa = xp.astype(x, acc)
     scale = _row_scale(xp, xa, axes, acc_name, eps)
     xs = xa * scale
@@ -151,7 +153,7 @@ def rms_norm(
     rstd = rstd_scaled * scale
     if weight is not None:
         y = y * _param(xp, weight, bshape, acc)
-    return xp.astype(y, x.dtype), rstd
+    return c_contiguous(xp.astype(y, x.dtype)), rstd
 
 
 def _other_axes(ndim: int, axes: tuple[int, ...]) -> tuple[int, ...]:
@@ -173,7 +175,7 @@ def layer_norm_backward(
     other = _other_axes(x.ndim, axes)
     grad_w = xp.sum(dy * xhat, axis=other)
     grad_b = xp.sum(dy, axis=other)
-    return xp.astype(grad_x, x.dtype), grad_w, grad_b
+    return c_contiguous(xp.astype(grad_x, x.dtype)), grad_w, grad_b
 
 
 def rms_norm_backward(
@@ -189,4 +191,4 @@ def rms_norm_backward(
     mean_gx = xp.mean(g * xhat, axis=axes, keepdims=True)
     grad_x = (g - xhat * mean_gx) * r
     grad_w = xp.sum(dy * xhat, axis=_other_axes(x.ndim, axes))
-    return xp.astype(grad_x, x.dtype), grad_w
+    return c_contiguous(xp.astype(grad_x, x.dtype)), grad_w
