@@ -62,6 +62,10 @@ def test_state_dict_round_trip_and_errors():
         layer.load_state_dict({**state, "running_mean": np.ones(5)})
     with pytest.raises(ValueError, match=r"\(5,\).*\(4,\)"):
         layer.load_state_dict({"weight": np.ones(4), "bias": np.ones(5)})
+    masked = np.ma.masked_array(np.full(5, 2.0), mask=[True, False, False, False, False])
+    with pytest.raises(TypeError, match=r"state_dict\['weight'\] is a numpy\.ma\.MaskedArray"):
+        layer.load_state_dict({"weight": masked, "bias": np.ones(5)})
+    np.testing.assert_array_equal(layer.state_dict()["weight"], state["weight"].astype(np.float32))
 
 
 def _torch_layer_norm(torch, n):
@@ -161,3 +165,9 @@ def test_invalid_constructor_arguments():
         ln.LayerNorm("4")
     with pytest.raises(ValueError, match="normalized_shape"):
         ln.RMSNorm(())
+    for bad in ("int32", np.int64, "bool"):
+        with pytest.raises(TypeError, match=r"dtype must be one of float16, bfloat16, "
+                                            r"float32, float64 .*got (int32|int64|bool)"):
+            ln.LayerNorm(4, dtype=bad)
+    with pytest.raises(TypeError, match="got complex64"):
+        ln.RMSNorm(4, dtype="complex64")

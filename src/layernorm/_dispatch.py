@@ -48,17 +48,18 @@ class Route:
     backend: str
 
 
-def _classify(x: Any) -> str:
+def _classify(x: Any, name: str = "x") -> str:
     if isinstance(x, np.ndarray):
         if isinstance(x, np.ma.MaskedArray):
             raise TypeError(
-                "x is a numpy.ma.MaskedArray: a mask cannot be honoured by a normalization "
-                "over whole rows; pass x.filled(value) or x.data explicitly"
+                f"{name} is a numpy.ma.MaskedArray: a mask cannot be honoured by a "
+                f"normalization over whole rows; pass {name}.filled(value) or {name}.data "
+                "explicitly"
             )
         if isinstance(x, np.matrix):
             raise TypeError(
-                "x is a numpy.matrix, whose operations do not follow ndarray semantics; "
-                "pass np.asarray(x)"
+                f"{name} is a numpy.matrix, whose operations do not follow ndarray "
+                f"semantics; pass np.asarray({name})"
             )
         return "numpy"
     root = type(x).__module__.split(".", 1)[0]
@@ -76,7 +77,7 @@ def _classify(x: Any) -> str:
     if is_array_api_obj(x) and not isinstance(x, np.generic):
         return "array_api"
     raise TypeError(
-        f"x must be an array (NumPy, CuPy, torch, Dask or any array-API array), "
+        f"{name} must be an array (NumPy, CuPy, torch, Dask or any array-API array), "
         f"got {type(x).__module__}.{type(x).__qualname__}"
     )
 
@@ -118,12 +119,7 @@ def library_of(x: Any, name: str = "x") -> str:
     """
     kind = _LIBRARY_BY_TYPE.get(type(x))
     if kind is None:
-        try:
-            kind = _classify(x)
-        except TypeError as exc:
-            if name != "x":
-                raise TypeError(str(exc).replace("x ", f"{name} ", 1)) from None
-            raise
+        kind = _classify(x, name)
         _LIBRARY_BY_TYPE[type(x)] = kind
     return kind
 

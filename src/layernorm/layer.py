@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ._api import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
-from ._dtypes import dtype_name
+from ._dtypes import SUPPORTED, dtype_name
 from ._validate import as_int_tuple, check_eps, check_weight_offset
 
 
@@ -79,6 +81,10 @@ class _Norm:
         self._xp = xp
         self._device = device
         self._dtype = _resolve_dtype(xp, dtype)
+        kind = dtype_name(self._dtype)
+        if kind not in SUPPORTED:
+            raise TypeError(f"dtype must be one of {', '.join(SUPPORTED)} (the parameters' "
+                            f"float dtype), got {kind}")
         self.weight: Any = None
         self.bias: Any = None
         self._has_bias = bool(has_bias) and self.elementwise_affine
@@ -131,6 +137,9 @@ class _Norm:
                 raise ValueError(
                     f"state_dict[{name!r}] must have shape {self.normalized_shape}, got {shape}"
                 )
+            if isinstance(value, np.ma.MaskedArray):
+                raise TypeError(f"state_dict[{name!r}] is a numpy.ma.MaskedArray, whose mask "
+                                f"a parameter cannot hold; pass its .filled(value) or .data")
             values[name] = _copied_as(self._xp, value, self._dtype, self._device)
         for name, value in values.items():
             setattr(self, name, value)
