@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from numpy.lib.stride_tricks import as_strided
 
@@ -278,6 +278,8 @@ def _scaled_ref_rows(name, x, eps):
 
 
 @settings(max_examples=60, deadline=None)
+@example(dtype="float32", exponent=-20, eps="tiny", n=1, layout="rows", name="rms_norm",
+         seed=0)
 @given(dtype=st.sampled_from(["float32", "float64"]), exponent=st.integers(-320, 300),
        eps=st.sampled_from([0.0, 1e-5, 1e-40, "tiny"]), n=st.sampled_from([1, 3, 40, 129, 300]),
        layout=st.sampled_from(["rows", "strided", "columns"]),
@@ -304,7 +306,10 @@ def test_rows_of_any_magnitude_property(dtype, exponent, eps, n, layout, name, s
         y = FUNCTIONS[name](np.ascontiguousarray(x.T)[None], axis=1, eps=eps)[0].T
     else:
         y = FUNCTIONS[name](x, eps=eps)
-    ref = _scaled_ref_rows(name, x, eps)
+    # eps is added in the accumulation dtype (float32 here for float32 rows), which
+    # rounds a subnormal one: float32(1e-44) is 9.8e-45, 2% less, which moves y by 9e-5
+    # on a row whose squares are as small.
+    ref = _scaled_ref_rows(name, x, float(DTYPES[dtype](eps)))
     finite = np.isfinite(ref)
     assert np.array_equal(np.isfinite(y), finite)
     if not finite.any():  # n = 1 with eps = 0: every row constant
