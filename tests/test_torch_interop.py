@@ -308,6 +308,14 @@ def test_grads_match_torch_autograd_and_stats_are_not_differentiable():
     c = _randn(5, 24, seed=19)
     y, mean, rstd = ln.layer_norm(x, 24, w, b, return_stats=True)
     assert not mean.requires_grad and not rstd.requires_grad
+    # ... on every route, as torch.native_layer_norm has them.
+    for backend in (None, "array_api"):
+        stats = [*ln.layer_norm(x, 24, w, b, return_stats=True, backend=backend)[1:],
+                 *ln.rms_norm(x, 24, w, return_stats=True, backend=backend)[1:],
+                 *ln.add_layer_norm(x, c, 24, w, b, return_stats=True, backend=backend)[2:],
+                 *ln.layer_norm(x, 24, w, b, weight_offset=0.5, return_stats=True,
+                                backend=backend)[1:]]
+        assert not any(t.requires_grad for t in stats)
     (y * c).sum().backward()
     ours = [t.grad.clone() for t in (x, w, b)]
     for t in (x, w, b):

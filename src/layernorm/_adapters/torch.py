@@ -475,13 +475,21 @@ class _NormFunction(torch.autograd.Function):
 
 def _plain_forward(route: Route, rms: bool, x: Any, ns: Any, weight: Any, bias: Any, eps: Any,
                    axis: Any, out: Any) -> tuple[Any, Any, Any]:
-    """``(y, mean, rstd)``, through our autograd node when a gradient is wanted."""
+    """``(y, mean, rstd)``, through our autograd node when a gradient is wanted.
+
+    The statistics are not differentiable on any route (as torch's
+    ``native_layer_norm`` has them): the generic route's are detached."""
     if route.backend != "array_api" and _wants_grad(x, weight, bias):
         if rms:
             y, rstd = _NormFunction.apply(x, weight, None, (route, True, ns, eps, axis))
             return y, None, rstd
         return _NormFunction.apply(x, weight, bias, (route, False, ns, eps, axis))
-    return _forward(route, rms, x, ns, weight, bias, eps, axis, out)
+    y, mean, rstd = _forward(route, rms, x, ns, weight, bias, eps, axis, out)
+    return y, _detached(mean), _detached(rstd)
+
+
+def _detached(t: Any) -> Any:
+    return t.detach() if t is not None and t.requires_grad else t
 
 
 def _namespace(x: Any) -> Any:
@@ -785,7 +793,8 @@ def add_norm(x: Any, residual: Any, route: Route, normalized_shape: Any, weight:
         y, h, s, mean, rstd = _add_forward(route, rms, x, residual, normalized_shape, gain,
                                            bias, eps, axis, add, h_name, quantize, scale, out,
                                            residual_out)
-    return _engine.results(y, h, s, mean, rstd, quantize, return_stats, rms, add=True)
+    return _engine.results(y, h, s, _detached(mean), _detached(rstd), quantize, return_stats,
+                           rms, add=True)
 
 
 __all__ = ["CPU_BRIDGE", "Bridge", "add_norm", "backward_with", "forward_with", "from_numpy",
