@@ -582,6 +582,34 @@ def test_forward_mode_ad_gives_torch_tangents(rms):
         assert fwad.unpack_dual(y).tangent is not None
 
 
+def test_torch_func_transforms_match_torch():
+    tf = pytest.importorskip("torch.func")
+    x, t, r = _randn(3, 8, seed=51), _randn(3, 8, seed=52), _randn(3, 8, seed=53)
+    w, b = _randn(8, seed=54), _randn(8, seed=55)
+    cases = [
+        (lambda a: ln.layer_norm(a, 8, w, b).sin().sum(),
+         lambda a: F.layer_norm(a, (8,), w, b).sin().sum(), x),
+        (lambda v: ln.rms_norm(x, 8, v).sin().sum(),
+         lambda v: F.rms_norm(x, (8,), v).sin().sum(), w),
+        (lambda a: ln.add_layer_norm(a, r, 8, w, b)[0].sin().sum(),
+         lambda a: F.layer_norm(a + r, (8,), w, b).sin().sum(), x),
+    ]
+    for ours, theirs, arg in cases:
+        np.testing.assert_allclose(_np64(tf.grad(ours)(arg)), _np64(tf.grad(theirs)(arg)),
+                                   rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(_np64(tf.vmap(lambda a: ln.layer_norm(a, 8, w, b))(x)),
+                               _np64(F.layer_norm(x, (8,), w, b)), rtol=1e-12, atol=1e-12)
+    ours = tf.jvp(lambda a: ln.rms_norm(a, 8, w), (x,), (t,))[1]
+    theirs = tf.jvp(lambda a: F.rms_norm(a, (8,), w), (x,), (t,))[1]
+    np.testing.assert_allclose(_np64(ours), _np64(theirs), rtol=1e-10, atol=1e-12)
+    _, mean, rstd = ln.layer_norm(x, 8, w, b, return_stats=True)
+    per_row = tf.vmap(lambda g, a, m, s: ln.layer_norm_backward(g[None], a[None], m[None],
+                                                                 s[None], w)[0][0])
+    np.testing.assert_allclose(_np64(per_row(t, x, mean, rstd)),
+                               _np64(ln.layer_norm_backward(t, x, mean, rstd, w)[0]),
+                               rtol=1e-12, atol=1e-12)
+
+
 def test_quantized_add_keeps_the_residual_gradient():
     x = _randn(3, 16, seed=47, dtype=torch.float32).requires_grad_()
     r = _randn(3, 16, seed=48, dtype=torch.float64).requires_grad_()

@@ -98,10 +98,19 @@ def _has_tangent(*tensors: Any) -> bool:
     return any(t is not None and fwad.unpack_dual(t).tangent is not None for t in tensors)
 
 
+def _transformed(*tensors: Any) -> bool:
+    """Whether one of ``tensors`` is wrapped by a ``torch.func`` transform (``grad``,
+    ``vmap``, ``jvp``, ...): such a wrapper has no data of its own to hand to a kernel."""
+    is_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",
+                         None)
+    return is_wrapped is not None and any(t is not None and is_wrapped(t) for t in tensors)
+
+
 def _differentiable_route(route: Route, *tensors: Any) -> Route:
-    """``route``, or the generic route where forward-mode AD needs tangents: the kernels
-    have no forward derivative, torch's own operations on the generic path do."""
-    if route.backend != "array_api" and _has_tangent(*tensors):
+    """``route``, or the generic route where forward-mode AD needs tangents or a
+    ``torch.func`` transform wraps an input: the kernels have no forward derivative and
+    cannot read a wrapper, torch's own operations on the generic path can."""
+    if route.backend != "array_api" and (_has_tangent(*tensors) or _transformed(*tensors)):
         return Route(route.library, "array_api")
     return route
 
@@ -576,6 +585,7 @@ def layer_norm_backward(grad_y: Any, x: Any, route: Route, mean: Any, rstd: Any,
     """:func:`layernorm.layer_norm_backward` for torch tensors (not itself differentiable)."""
     _check_inputs(x, grad_y=grad_y, mean=mean, rstd=rstd, weight=weight,
                   grad_residual=grad_residual)
+    route = _differentiable_route(route, grad_y, x, mean, rstd, weight, grad_residual)
     with torch.no_grad():
         return _extended_backward(route, False, grad_y, x, mean, rstd, weight,
                                   normalized_shape, axis, weight_offset, grad_residual)
@@ -586,6 +596,7 @@ def rms_norm_backward(grad_y: Any, x: Any, route: Route, rstd: Any, weight: Any,
                       grad_residual: Any = None) -> Any:
     """:func:`layernorm.rms_norm_backward` for torch tensors (not itself differentiable)."""
     _check_inputs(x, grad_y=grad_y, rstd=rstd, weight=weight, grad_residual=grad_residual)
+    route = _differentiable_route(route, grad_y, x, rstd, weight, grad_residual)
     with torch.no_grad():
         return _extended_backward(route, True, grad_y, x, None, rstd, weight,
                                   normalized_shape, axis, weight_offset, grad_residual)
