@@ -610,6 +610,49 @@ def test_torch_func_transforms_match_torch():
                                rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_small_cpu_calls_take_the_numpy_short_path(monkeypatch, dtype):
+    from layernorm import _fast
+
+    seen = []
+    for name in ("layer_norm", "rms_norm"):
+        real = getattr(_fast, name)
+        monkeypatch.setattr(_fast, name, lambda *a, _real=real: (seen.append(type(a[0])),
+                                                                 _real(*a))[1])
+    tdt = TORCH_DTYPES[dtype]
+    for shape in ((1, 768), (7, 300), (3, 4, 64), (64, 1024)):
+        n = shape[-1]
+        x = _randn(*shape, seed=60, dtype=tdt, loc=3.0)
+        w, b = _randn(n, seed=61, dtype=tdt), _randn(n, seed=62, dtype=tdt)
+        for _ in range(2):  # the first call of a process may go the general way
+            ours = ln.layer_norm(x, n, w, b, return_stats=True)
+            ours_rms = ln.rms_norm(x, n, w, return_stats=True)
+        general = ln.layer_norm(x, n, w, b, return_stats=True, backend="numba")
+        general_rms = ln.rms_norm(x, n, w, return_stats=True, backend="numba")
+        for mine, theirs in zip((*ours, *ours_rms), (*general, *general_rms), strict=True):
+            assert type(mine) is torch.Tensor and mine.dtype == theirs.dtype
+            assert mine.shape == theirs.shape and torch.equal(mine, theirs)
+    assert seen and set(seen) == {np.ndarray}
+
+
+def test_short_path_leaves_what_it_cannot_take_to_the_general_route(monkeypatch):
+    from layernorm import _fast
+
+    x = _randn(4, 16, seed=63, dtype=torch.float32)
+    ln.layer_norm(x)  # imports the adapter: later calls try the short path
+    w = torch.nn.Parameter(_randn(16, seed=64, dtype=torch.float32))
+    y = ln.layer_norm(x, 16, w)  # a parameter that requires grad: the autograd node
+    assert y.grad_fn is not None
+    with torch.no_grad():
+        assert torch.equal(ln.layer_norm(x, 16, w), y.detach())
+    monkeypatch.setattr(_fast, "layer_norm", lambda *a: pytest.fail("short path"))
+    ln.layer_norm(x.to(torch.bfloat16))
+    ln.layer_norm(x, out=torch.empty_like(x))
+    ln.layer_norm(x.requires_grad_())
+    ln.layer_norm(torch.empty(2, 3, device="meta"))
+    ln.layer_norm(x.detach(), weight_offset=1.0, weight=w.detach())
+
+
 def test_quantized_add_keeps_the_residual_gradient():
     x = _randn(3, 16, seed=47, dtype=torch.float32).requires_grad_()
     r = _randn(3, 16, seed=48, dtype=torch.float64).requires_grad_()

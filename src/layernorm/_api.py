@@ -23,11 +23,16 @@ _ADAPTERS = {"torch": "._adapters.torch", "dask": "._adapters.dask"}
 
 #: The default ``weight_offset``: an identity test on it is the fast path's cheapest check.
 _NO_OFFSET = 0.0
+#: Types of the torch tensors whose forward calls try the torch adapter's short path
+#: (filled when that adapter is first imported: no torch import here).
+_TORCH_TENSORS: set[type] = set()
 
 
 @functools.cache
 def _adapter(library: str) -> Any:
-    return importlib.import_module(_ADAPTERS[library], __package__)
+    module = importlib.import_module(_ADAPTERS[library], __package__)
+    _TORCH_TENSORS.update(getattr(module, "SHORT_PATH_TYPES", ()))
+    return module
 
 
 def layer_norm(
@@ -111,6 +116,12 @@ def layer_norm(
                  or (type(weight_offset) is float and weight_offset == 0.0))):
         result = _fast.layer_norm(x, normalized_shape, weight, bias, eps, axis, return_stats,
                                   out)
+        if result is not None:
+            return result
+    elif (type(x) in _TORCH_TENSORS and backend is None and out is None and quantize is None
+            and scale is None and weight_offset is _NO_OFFSET):
+        result = _adapter("torch").short_layer_norm(x, normalized_shape, weight, bias, eps,
+                                                    axis, return_stats)
         if result is not None:
             return result
     elif (type(x) is np.ndarray and backend is None and quantize is not None
@@ -199,6 +210,12 @@ def rms_norm(
             and (weight_offset is _NO_OFFSET
                  or (type(weight_offset) is float and weight_offset == 0.0))):
         result = _fast.rms_norm(x, normalized_shape, weight, eps, axis, return_stats, out)
+        if result is not None:
+            return result
+    elif (type(x) in _TORCH_TENSORS and backend is None and out is None and quantize is None
+            and scale is None and weight_offset is _NO_OFFSET):
+        result = _adapter("torch").short_rms_norm(x, normalized_shape, weight, eps, axis,
+                                                  return_stats)
         if result is not None:
             return result
     elif (type(x) is np.ndarray and backend is None and quantize is not None

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.autograd.forward_ad as fwad
 
-from .. import _engine
+from .. import _engine, _fast
 from .._dispatch import Route, check_companions, given_array
 from .._dtypes import accumulation_name, dtype_name
 from .._validate import check_float_dtype, check_no_internal_overlap, check_out
@@ -479,6 +479,73 @@ class _NormFunction(torch.autograd.Function):
         return gx, gw, gb, None
 
 
+# --------------------------------------------------------------------------- short path
+
+#: Tensor types whose forward calls try :func:`short_layer_norm` / :func:`short_rms_norm`
+#: (module parameters are often the weights).
+SHORT_PATH_TYPES = (torch.Tensor, torch.nn.Parameter)
+#: Dtypes whose CPU tensors ``Tensor.numpy()`` views (bfloat16 has no NumPy view).
+_NUMPY_VIEWABLE = (torch.float32, torch.float64, torch.float16)
+
+
+def _numpy_views(*tensors: Any) -> list[Any] | None:
+    """Zero-copy NumPy views of CPU tensors (None stays None) for the NumPy short path,
+    or None where the call needs this adapter's general route: autograd recording it,
+    forward-mode AD or a ``torch.func`` transform, another device, dtype, layout or
+    tensor subclass, the lazy negation bit."""
+    if getattr(fwad, "_current_level", 0) >= 0:
+        return None
+    grad = torch.is_grad_enabled()
+    views = []
+    for t in tensors:
+        if t is None:
+            views.append(None)
+            continue
+        if (type(t) not in SHORT_PATH_TYPES or not t.is_cpu or t.dtype not in _NUMPY_VIEWABLE
+                or t.layout is not torch.strided or t.is_neg() or _transformed(t)):
+            return None
+        if t.requires_grad:
+            if grad:
+                return None
+            t = t.detach()
+        try:
+            views.append(t.numpy())
+        except (RuntimeError, TypeError):  # a tensor NumPy cannot view after all
+            return None
+    return views
+
+
+def _tensors(result: Any) -> Any:
+    if result is None:
+        return None
+    if type(result) is tuple:
+        return tuple(torch.from_numpy(a) for a in result)
+    return torch.from_numpy(result)
+
+
+def short_layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
+                     axis: Any, return_stats: bool) -> Any:
+    """:func:`layernorm.layer_norm` of CPU tensors through the NumPy short path
+    (:mod:`layernorm._fast`) on zero-copy views: the same kernels and bits as the general
+    route, without its per-call conversions. None where that path does not take the call
+    (then the caller goes the general way)."""
+    views = _numpy_views(x, weight, bias)
+    if views is None:
+        return None
+    return _tensors(_fast.layer_norm(views[0], normalized_shape, views[1], views[2], eps,
+                                     axis, return_stats, None))
+
+
+def short_rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
+                   return_stats: bool) -> Any:
+    """:func:`short_layer_norm` for :func:`layernorm.rms_norm`."""
+    views = _numpy_views(x, weight)
+    if views is None:
+        return None
+    return _tensors(_fast.rms_norm(views[0], normalized_shape, views[1], eps, axis,
+                                   return_stats, None))
+
+
 # --------------------------------------------------------------------------- entry points
 
 
@@ -808,5 +875,6 @@ def add_norm(x: Any, residual: Any, route: Route, normalized_shape: Any, weight:
                            rms, add=True)
 
 
-__all__ = ["CPU_BRIDGE", "Bridge", "add_norm", "backward_with", "forward_with", "from_numpy",
-           "layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward", "to_numpy"]
+__all__ = ["CPU_BRIDGE", "SHORT_PATH_TYPES", "Bridge", "add_norm", "backward_with",
+           "forward_with", "from_numpy", "layer_norm", "layer_norm_backward", "rms_norm",
+           "rms_norm_backward", "short_layer_norm", "short_rms_norm", "to_numpy"]
