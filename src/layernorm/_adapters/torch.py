@@ -48,8 +48,9 @@ _ACC_TORCH = {"float32": torch.float32, "float64": torch.float64}
 # --------------------------------------------------------------------------- checks
 
 
-def _check_inputs(x: Any, **others: Any) -> None:
-    """Dense tensors of one library on one device; a supported dtype for ``x``."""
+def _check_inputs(x: Any, *, scale: Any = None, **others: Any) -> None:
+    """Dense tensors of one library on one device; a supported dtype for ``x``; an array
+    ``scale`` of x's library (any device: it is moved to x's)."""
     check_companions(x, "torch", **others)
     for name, arr in {"x": x, **others}.items():
         if arr is None:
@@ -64,6 +65,7 @@ def _check_inputs(x: Any, **others: Any) -> None:
             )
     # Fail with our wording (not a DLPack error) on dtypes NumPy/CuPy cannot view.
     check_float_dtype(x, "x")
+    check_companions(x, "torch", scale=given_array(scale))
 
 
 def _wants_grad(*tensors: Any) -> bool:
@@ -98,12 +100,15 @@ def _has_tangent(*tensors: Any) -> bool:
     return any(t is not None and fwad.unpack_dual(t).tangent is not None for t in tensors)
 
 
+#: ``torch._C._functorch.is_functorch_wrapped_tensor``, where this torch has it.
+_IS_WRAPPED = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",
+                      None)
+
+
 def _transformed(*tensors: Any) -> bool:
     """Whether one of ``tensors`` is wrapped by a ``torch.func`` transform (``grad``,
     ``vmap``, ``jvp``, ...): such a wrapper has no data of its own to hand to a kernel."""
-    is_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",
-                         None)
-    return is_wrapped is not None and any(t is not None and is_wrapped(t) for t in tensors)
+    return _IS_WRAPPED is not None and any(t is not None and _IS_WRAPPED(t) for t in tensors)
 
 
 def _differentiable_route(route: Route, *tensors: Any) -> Route:
@@ -605,8 +610,7 @@ def layer_norm(x: Any, route: Route, normalized_shape: Any, weight: Any, bias: A
                *, axis: Any, return_stats: bool, out: Any, weight_offset: Any = 0.0,
                quantize: Any = None, scale: Any = None) -> Any:
     """:func:`layernorm.layer_norm` for a torch tensor ``x``; returns torch tensors."""
-    _check_inputs(x, weight=weight, bias=bias, out=out)
-    check_companions(x, "torch", scale=given_array(scale))
+    _check_inputs(x, weight=weight, bias=bias, out=out, scale=scale)
     _no_out_with_grad(out, x, weight, bias)
     route = _differentiable_route(route, x, weight, bias)
     if (quantize is not None or scale is not None or type(weight_offset) is not float
@@ -622,8 +626,7 @@ def rms_norm(x: Any, route: Route, normalized_shape: Any, weight: Any, eps: Any,
              return_stats: bool, out: Any, weight_offset: Any = 0.0, quantize: Any = None,
              scale: Any = None) -> Any:
     """:func:`layernorm.rms_norm` for a torch tensor ``x``; returns torch tensors."""
-    _check_inputs(x, weight=weight, out=out)
-    check_companions(x, "torch", scale=given_array(scale))
+    _check_inputs(x, weight=weight, out=out, scale=scale)
     _no_out_with_grad(out, x, weight)
     route = _differentiable_route(route, x, weight)
     if (quantize is not None or scale is not None or type(weight_offset) is not float
@@ -838,8 +841,7 @@ def add_norm(x: Any, residual: Any, route: Route, normalized_shape: Any, weight:
     if rms:
         bias = None
     _check_inputs(x, residual=residual, weight=weight, bias=bias, out=out,
-                  residual_out=residual_out)
-    check_companions(x, "torch", scale=given_array(scale))
+                  residual_out=residual_out, scale=scale)
     _no_out_with_grad(out, x, residual, weight, bias)
     _no_out_with_grad(residual_out, x, residual, weight, bias, name="residual_out")
     route = _differentiable_route(route, x, residual, weight, bias)
