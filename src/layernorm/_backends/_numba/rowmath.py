@@ -350,32 +350,6 @@ def row_chunk(xr, r, base, g, kv, pad):
         vload(xr, r, base + 7 * LANES) - kv if g > 7 else pad)
 
 
-def lane_sums_from(xr, r, n, shift, a, q, ta, tq, first):
-    """:func:`lane_sums` from chunk ``first`` (0 or the start of a block) on, continuing
-    the lane sums ``a``, ``q`` and their float64 totals ``ta``, ``tq`` of the chunks
-    before it (the same additions in the same order: a block's sums are closed when the
-    next full chunk starts)."""
-    kv = splat(shift)
-    pad = splat(cast(-0.0, shift))
-    zero = splat(cast(0.0, shift))
-    groups = n // LANES
-    full = groups // PER_LANE
-    c = first
-    while c < full:
-        if c > 0:  # a block before this one: close it
-            ta = ta + wide(a)
-            tq = tq + wide(q)
-            a = q = zero
-        end = block_end(c, full)
-        for k in range(c, end):
-            s, ss = row_chunk(xr, r, k * CHUNK, runtime(PER_LANE), kv, pad)
-            a = a + s
-            q = q + ss
-        c = end
-    a, q = _lane_sums_tail_inlined(xr, r, n, shift, a, q)
-    return a, q, ta, tq
-
-
 def lane_sums_tail(xr, r, n, shift, a, q):
     """The end of :func:`lane_sums_from`: the last partial chunk and the remainder
     elements added to the lane sums ``a``, ``q`` of the full chunks (which close no
@@ -397,15 +371,54 @@ def lane_sums_tail(xr, r, n, shift, a, q):
     return a, q
 
 
+_lane_sums_tail_inlined = njit(inline="always", error_model="numpy")(lane_sums_tail)
+lane_sums_tail = callee_njit(lane_sums_tail)
+
+
+def _lane_sums_from_ending_with(tail):
+    """:func:`lane_sums_from`, its last partial chunk and remainder added by ``tail``
+    (:func:`lane_sums_tail`, called or inlined)."""
+
+    def lane_sums_from(xr, r, n, shift, a, q, ta, tq, first):
+        """:func:`lane_sums` from chunk ``first`` (0 or the start of a block) on, continuing
+        the lane sums ``a``, ``q`` and their float64 totals ``ta``, ``tq`` of the chunks
+        before it (the same additions in the same order: a block's sums are closed when the
+        next full chunk starts)."""
+        kv = splat(shift)
+        pad = splat(cast(-0.0, shift))
+        zero = splat(cast(0.0, shift))
+        groups = n // LANES
+        full = groups // PER_LANE
+        c = first
+        while c < full:
+            if c > 0:  # a block before this one: close it
+                ta = ta + wide(a)
+                tq = tq + wide(q)
+                a = q = zero
+            end = block_end(c, full)
+            for k in range(c, end):
+                s, ss = row_chunk(xr, r, k * CHUNK, runtime(PER_LANE), kv, pad)
+                a = a + s
+                q = q + ss
+            c = end
+        a, q = tail(xr, r, n, shift, a, q)
+        return a, q, ta, tq
+
+    return lane_sums_from
+
+
 # Compiled twice: as functions (the row paths call them once per row; one compiled copy
 # serves them all), and inlined into the short-row loop, where the call and its return
 # through memory took a seventh of a row of 64 (measured: 12% less time per row). The
 # pipelined row loop calls lane_sums_tail, whose arguments and results are the lane sums
 # alone: passing the float64 totals through a call too cost 4-16% in cache at n = 256-1024.
-_lane_sums_tail_inlined = njit(inline="always", error_model="numpy")(lane_sums_tail)
-lane_sums_tail = callee_njit(lane_sums_tail)
-_lane_sums_from_inlined = njit(inline="always", error_model="numpy")(lane_sums_from)
-lane_sums_from = callee_njit(lane_sums_from)
+# The called lane_sums_from (long rows, rows from DRAM, the rare redo) calls
+# lane_sums_tail in turn rather than inlining it: less code to compile on a cold first
+# call (0.1 s of 1.9 s measured; inlining lane_sums_from everywhere instead cost 0.3 s
+# more).
+_lane_sums_from_inlined = njit(inline="always", error_model="numpy")(
+    _lane_sums_from_ending_with(_lane_sums_tail_inlined))
+lane_sums_from = callee_njit(_lane_sums_from_ending_with(lane_sums_tail))
 
 
 @njit(inline="always", error_model="numpy")
