@@ -10,7 +10,8 @@ process; TBB's work stealing avoids that but collapsed beside torch's OpenMP thr
 
 :class:`Chooser` keeps, per kernel, input dtype and size class (``elements.bit_length()``),
 the seconds per element of its latest ``SERIAL_WINDOW`` serial and ``PARALLEL_WINDOW``
-parallel calls. The serial median stands for serial calls; the parallel median, or the
+parallel calls. The serial lower quartile stands for serial calls (see
+:data:`SERIAL_WINDOW`); the parallel median, or the
 second slowest parallel call over ``TAIL_ALLOWANCE`` where that is more, for parallel
 ones (a tail of collapsed calls, see :data:`PARALLEL_WINDOW`). A call runs parallel
 unless the parallel figure is above the serial one; while serial, the class probes
@@ -77,12 +78,12 @@ RECENT = 3
 #: 1.5 ms serial, so the median of three stayed below the serial one and the default
 #: call's p90 was 2.4-2.8x the serial p90. So once ``TAIL_MIN`` back-to-back parallel
 #: times are known, the second largest of them, divided by ``TAIL_ALLOWANCE``, must be
-#: below the serial median too: two collapsed calls among the latest eight turn the
+#: below the serial figure too: two collapsed calls among the latest eight turn the
 #: class serial, a single one (an interrupt) does not. With it, the default call's p90
 #: was 0.78-1.35x the serial p90 over four runs beside one busy process.
 PARALLEL_WINDOW = 8
 TAIL_MIN = 4
-#: How much slower than the serial median the tail of parallel calls may be: a
+#: How much slower than the serial figure the tail of parallel calls may be: a
 #: collapsed call waits for a time slice, several times the serial time. With 1.3, the
 #: calls right after one of ``bench``'s peers also counted (LayerNorm at 2 threads in
 #: cache 1.12-1.49x torch over two runs, 1.15-1.53x with 2.0).
@@ -94,10 +95,16 @@ TAIL_ALLOWANCE = 2.0
 #: between norms): they are not the tail of this library's parallel calls. Busy
 #: processes slow back-to-back calls too.
 BACK_TO_BACK_S = 1e-4
-#: Serial calls whose median stands for a class's serial time. Serial calls collapse
-#: beside a busy process too (two of a refresh's three took 5.9 ms against 1.8 ms): a
-#: median of three then stood for the slow ones, and parallel calls that collapsed one
-#: in four looked faster.
+#: Serial calls whose lower quartile (the third fastest of eight) stands for a class's
+#: serial time. Serial calls collapse beside a busy process too (two of a refresh's three
+#: took 5.9 ms against 1.8 ms), and a descheduling lasts several calls, so collapsed
+#: serial calls come in runs: a median of three then stood for the slow ones and
+#: parallel calls that collapsed one in four looked faster; later, beside two busy
+#: processes at (8192, 1024), a median of eight still did (5.6-6.0 ms against 1.7 ms)
+#: and the default call ran parallel at 5.3 ms, 2.4x the serial median, for seconds at
+#: a time (one run in six). The lower quartile stands for the serial calls that got a
+#: core unless six of the eight collapsed; parallel calls must beat it, which costs a
+#: class whose parallel calls are barely faster (a few percent) its parallel runs.
 SERIAL_WINDOW = 8
 #: Seconds between two serial calls refreshing the serial mean of a parallel class.
 SERIAL_REFRESH_S = 2.0
@@ -133,6 +140,10 @@ class _Window:
             ranked.remove(self.order.pop(0))
         return ranked[len(ranked) // 2]
 
+    def lower_quartile(self) -> float:
+        """The value of rank ``len // 4`` (the third smallest of eight)."""
+        return self.ranked[len(self.ranked) // 4]
+
     def clear(self) -> None:
         self.order.clear()
         self.ranked.clear()
@@ -148,7 +159,7 @@ class _Class:
         self.serial_times = _Window(SERIAL_WINDOW)  # seconds per element
         self.parallel_times = _Window(PARALLEL_WINDOW)
         self.tail_times = _Window(PARALLEL_WINDOW)  # those right after another
-        self.serial: float | None = None  # median of serial_times
+        self.serial: float | None = None  # lower quartile of serial_times
         # _parallel_score of parallel_times, once a probe is done
         self.parallel: float | None = None
         self.serial_at = -1e300  # clock of the latest serial measurement
@@ -164,7 +175,7 @@ class _Class:
 
 def _parallel_score(median: float, tail: _Window) -> float:
     """What the latest parallel times (of ``median``) stand for against the serial
-    median: their median, or, once ``tail`` (those of them that came right after
+    figure: their median, or, once ``tail`` (those of them that came right after
     another, see :data:`BACK_TO_BACK_S`) holds ``TAIL_MIN``, its second largest divided
     by ``TAIL_ALLOWANCE`` where that is more (a tail of slow calls, see
     :data:`PARALLEL_WINDOW`)."""
@@ -254,7 +265,8 @@ class Chooser:
             if moved:
                 c.serial_left = RECENT
                 return
-            c.serial = c.serial_times.push(rate)
+            c.serial_times.push(rate)
+            c.serial = c.serial_times.lower_quartile()
             c.serial_at = now
             if c.serial_left > 0:
                 c.serial_left -= 1
