@@ -51,7 +51,7 @@ _ACC_TORCH = {"float32": torch.float32, "float64": torch.float64}
 def _check_inputs(x: Any, *, scale: Any = None, **others: Any) -> None:
     """Dense tensors of one library on one device; a supported dtype for ``x``; an array
     ``scale`` of x's library (any device: it is moved to x's)."""
-    check_companions(x, "torch", **others)
+    check_companions(x, "torch", scale=given_array(scale), **others)
     for name, arr in {"x": x, **others}.items():
         if arr is None:
             continue
@@ -65,7 +65,6 @@ def _check_inputs(x: Any, *, scale: Any = None, **others: Any) -> None:
             )
     # Fail with our wording (not a DLPack error) on dtypes NumPy/CuPy cannot view.
     check_float_dtype(x, "x")
-    check_companions(x, "torch", scale=given_array(scale))
 
 
 def _wants_grad(*tensors: Any) -> bool:
