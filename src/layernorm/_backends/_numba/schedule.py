@@ -106,7 +106,7 @@ BACK_TO_BACK_S = 1e-4
 #: core unless six of the eight collapsed; parallel calls must beat it, which costs a
 #: class whose parallel calls are barely faster (a few percent) its parallel runs.
 SERIAL_WINDOW = 8
-#: Seconds between two serial calls refreshing the serial mean of a parallel class.
+#: Seconds between two serial refreshes of a parallel class's serial figure.
 SERIAL_REFRESH_S = 2.0
 
 
