@@ -435,3 +435,36 @@ def test_calls_of_one_shape_and_several_dtypes_each_get_their_own_plan(rms):
             want = norm(x, weight=w, backend="numba")
             assert got.dtype == x.dtype
             assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.0625), np.float64(0.03), np.float16(0.03),
+                                   np.array(0.03, np.float32), np.full((1, 1), 0.03)],
+                         ids=["float32", "float64", "float16", "0-d array", "(1, 1) array"])
+@pytest.mark.parametrize("rms", [False, True])
+def test_numpy_scalar_scales_take_the_short_path(monkeypatch, scale, rms):
+    """A static NumPy scalar or one-element array scale runs the short path's kernel
+    (the general path is not reached), gives the general path's codes and stats bit for
+    bit, and comes back as passed."""
+    from layernorm import _engine
+
+    rng = np.random.default_rng(14)
+    x = random_rows(rng, (5, 96), "float32", loc=0.5, scale=2.0)
+    w = (1 + 0.3 * rng.standard_normal(96)).astype(np.float32)
+    b = (0.2 * rng.standard_normal(96)).astype(np.float32)
+    params = {"weight": w} if rms else {"weight": w, "bias": b}
+    norm = ln.rms_norm if rms else ln.layer_norm
+    want = norm(x, quantize="int8", scale=scale, return_stats=True, backend="numba", **params)
+    as_float = norm(x, quantize="int8", scale=np.asarray(scale).item(), backend="numba", **params)
+    np.testing.assert_array_equal(want[0], as_float[0])
+    assert np.abs(want[0].astype(np.int32)).max() > 8  # codes that a wrong scale moves
+
+    def general(*args, **kwargs):
+        pytest.fail("a NumPy scalar scale reached the general path")
+
+    monkeypatch.setattr(_engine, "normalize_ex", general)
+    for _ in range(2):  # the plan's first call, then a call that finds it
+        got = norm(x, quantize="int8", scale=scale, return_stats=True, **params)
+    assert got[1] is scale
+    np.testing.assert_array_equal(got[0], want[0])
+    for g, wv in zip(got[2:], want[2:], strict=True):
+        np.testing.assert_array_equal(g, wv)
