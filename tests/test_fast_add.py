@@ -395,32 +395,38 @@ def test_quantized_short_path_matches_the_general_path_bitwise(general_calls, sh
             assert np.array_equal(ri, r)
 
 
-#: Static scales the short paths take besides a Python float: NumPy float scalars and
-#: one-element NumPy float arrays (of at most the statistics' dimensions).
+#: Static scales the short paths take besides a Python float: NumPy float scalars,
+#: one-element NumPy float arrays (of at most the statistics' dimensions) and per-row
+#: float32/float64 arrays of the statistics' shape.
 SCALAR_SCALES = {
     "float32 scalar": np.float32(0.0625),
     "float64 scalar": np.float64(0.03),
     "float16 scalar": np.float16(0.03),
     "0-d array": np.array(0.03, np.float32),
     "(1, 1) array": np.full((1, 1), 0.03, np.float64),
+    # per row (the statistics' shape), float32 or float64
+    "per-row float32": (0.01 + np.arange(5, dtype=np.float32) / 50).reshape(5, 1),
+    "per-row float64": np.linspace(0.01, 0.2, 5).reshape(5, 1),
 }
 
 
 @pytest.mark.parametrize("kind", list(SCALAR_SCALES))
 @pytest.mark.parametrize("rms", [False, True])
 def test_numpy_scalar_scales_take_the_short_path(general_calls, kind, rms):
-    """A NumPy scalar or one-element array scale gives the general path's codes, bit for
-    bit, on the short path, and comes back as passed (the same object)."""
+    """A NumPy scalar, one-element array or per-row array scale gives the general path's
+    codes, bit for bit, on the short path, and comes back as passed (the same object)."""
     scale = SCALAR_SCALES[kind]
     rng = np.random.default_rng(44)
     x, r, w, b = _inputs(rng, (5, 96), "float32", "both")
     for quantize in ("int8", "float8_e4m3fn"):
         want = _add(rms, x, r, w, b, quantize=quantize, scale=scale, return_stats=True,
                     backend="numba")
-        # the same codes as the scale's value as a Python float (its exact value)
-        as_float = _add(rms, x, r, w, b, quantize=quantize, scale=np.asarray(scale).item(),
-                        return_stats=True, backend="numba")
-        np.testing.assert_array_equal(want[0].view(np.uint8), as_float[0].view(np.uint8))
+        if scale.size == 1:  # the same codes as its value as a Python float
+            as_float = _add(rms, x, r, w, b, quantize=quantize,
+                            scale=np.asarray(scale).item(), return_stats=True,
+                            backend="numba")
+            np.testing.assert_array_equal(want[0].view(np.uint8),
+                                          as_float[0].view(np.uint8))
         general_calls.clear()
         for _ in range(2):  # the plan's first call, then a call that finds it
             got = _add(rms, x, r, w, b, quantize=quantize, scale=scale, return_stats=True)
@@ -452,7 +458,8 @@ def _quantized_fallbacks():
                           w=w.astype(np.float64), b=b.astype(np.float64)),
         "float16 residual": dict(r=r.astype(np.float16)),
         "float64 stream": dict(residual_dtype="float64"),
-        "per-row array scale": dict(scale=np.full((6, 1), 0.25, np.float32)),
+        "float16 per-row scale": dict(scale=np.full((6, 1), 0.25, np.float16)),
+        "per-row scale of another shape": dict(scale=np.full(6, 0.25, np.float32)),
         "int scale": dict(scale=2),
         "scale of too many dimensions": dict(scale=np.full((1, 1, 1), 0.25, np.float32)),
         "offset gain": dict(weight_offset=1.0),
@@ -492,11 +499,16 @@ def test_other_quantized_calls_take_the_general_path(general_calls, case, rms):
                                   dict(scale=np.float32(-0.5)), dict(scale=np.float64(1e39)),
                                   dict(scale=np.array(np.nan, np.float32)),
                                   dict(scale=np.zeros((1, 1), np.float16)),
+                                  dict(scale=np.array([[0.5], [np.inf], [0.5]], np.float32)),
+                                  dict(scale=np.array([[0.5], [-0.5], [0.5]])),
+                                  dict(scale=np.array([[0.5], [1e-50], [0.5]])),
                                   dict(quantize="int4"), dict(quantize="float8_e4m3fn",
                                                               out="int8 codes")],
                          ids=["negative", "zero", "inf", "inverse overflows",
                               "negative float32", "float64 beyond float32", "NaN 0-d array",
-                              "zero float16 array", "int4", "out dtype"])
+                              "zero float16 array", "an infinite row scale",
+                              "a negative row scale", "a row scale below float32",
+                              "int4", "out dtype"])
 @pytest.mark.parametrize("rms", [False, True])
 def test_invalid_quantized_calls_raise_the_general_paths_errors(spec, rms):
     rng = np.random.default_rng(47)

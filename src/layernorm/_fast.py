@@ -377,11 +377,40 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
 
 
 # Quantized calls (quantize= on layer_norm / rms_norm): float32 rows, float32 or absent
-# parameters, a dynamic scale or a static scalar (:func:`static_scale_value`). The general
-# path's checks cost several times the kernel of a cache-resident call.
+# parameters, a dynamic scale, a static scalar (:func:`static_scale_value`) or per-row
+# array (:func:`row_inverses`). The general path's checks cost several times the kernel
+# of a cache-resident call.
 
 #: NumPy's float scalar types, whose values a Python float holds exactly.
 _FLOAT_SCALARS = frozenset((np.float16, np.float32, np.float64))
+
+
+def short_path_scale(scale: Any) -> bool:
+    """Whether a quantized call's ``scale`` may take the short paths: None (dynamic), a
+    scalar (:func:`static_scale_value`) or a NumPy float32/float64 array (per row: its
+    shape and values are checked against the plan by :func:`row_inverses`)."""
+    return (scale is None or static_scale_value(scale) is not None
+            or (type(scale) is np.ndarray and scale.dtype.type in _ROW_SCALE_TYPES))
+
+
+#: The dtypes of a per-row static scale array on the short paths.
+_ROW_SCALE_TYPES = frozenset((np.float32, np.float64))
+
+
+def row_inverses(scale: np.ndarray, stats_shape: tuple[int, ...]) -> Any:
+    """``1 / scale`` row by row in float32 (as the general path computes it: the scale
+    cast to float32, then divided into 1) for a per-row static ``scale`` of the
+    statistics' shape, or None: another shape, or a value the general path must
+    refuse (not positive and finite, or outside float32's range either way)."""
+    if scale.shape != stats_shape:
+        return None
+    with np.errstate(all="ignore"):
+        inv = np.float32(1.0) / scale.astype(np.float32).reshape(-1)
+    # 1 / scale is positive and finite exactly where the float32 scale is positive,
+    # finite and not so small that its inverse overflows (NaN fails both tests).
+    if not (inv.min() > 0 and inv.max() < np.inf):
+        return None
+    return inv
 
 
 def static_scale_value(scale: Any) -> float | None:
@@ -500,13 +529,13 @@ def find_quant_plan(plans: dict[Any, Any], x: Any, normalized_shape: Any, weight
     and kept there on its first call), or None: the call takes the general path.
 
     Eligible: float32 ``x`` and parameters (``weight``/``bias`` None or float32 NumPy
-    arrays), ``quantize`` a string, ``scale`` None or a scalar
-    (:func:`static_scale_value`), the normalized axes trailing. ``plans`` is the
+    arrays), ``quantize`` a string, ``scale`` as :func:`short_path_scale` allows, the
+    normalized axes trailing. ``plans`` is the
     caller's: a plan's kernel entry point is resolved for the arguments its first call
     passed (with or without a residual).
     """
     if (x.dtype is not _FLOAT32 or type(quantize) is not str
-            or not (scale is None or static_scale_value(scale) is not None)
+            or not short_path_scale(scale)
             or (normalized_shape is not None and type(normalized_shape) is not int
                 and not plain_axes(normalized_shape))
             or (axis is not None and type(axis) is not int and not plain_axes(axis))
@@ -569,7 +598,7 @@ def run_quantized(plan: QuantPlan, x: Any, residual: Any, h: Any, q: Any, weight
     The caller has checked every array against the plan (shapes, float32 dtypes,
     contiguity; ``q`` of the plan's 8-bit dtype and sharing no memory with another
     argument; ``h`` usable, possibly ``x`` or ``residual`` itself) and that ``scale`` is
-    None or a scalar (:func:`static_scale_value`; returned as passed). Returns
+    as :func:`short_path_scale` allows (returned as passed). Returns
     ``(scale,)``, then ``(mean, rstd)`` (RMSNorm: ``(rstd,)``) with ``return_stats``;
     or None, before anything is written, for an ``eps`` or a static scale the general
     path must check.
@@ -586,10 +615,15 @@ def run_quantized(plan: QuantPlan, x: Any, residual: Any, h: Any, q: Any, weight
         scale_rows = scale.reshape(-1)
     else:
         value = scale if type(scale) is float else static_scale_value(scale)
-        if type(scale) is np.ndarray and scale.ndim > len(plan.stats_shape):
-            return None  # it broadcasts to more dimensions: the general path says so
-        inv = plan.inverses.get(value)
-        if inv is None and (inv := plan.inverse(value)) is None:
+        if value is None:  # per row: 1 / scale computed for this call
+            inv = row_inverses(scale, plan.stats_shape)
+        elif type(scale) is np.ndarray and scale.ndim > len(plan.stats_shape):
+            inv = None  # it broadcasts to more dimensions: the general path says so
+        else:
+            inv = plan.inverses.get(value)
+            if inv is None:
+                inv = plan.inverse(value)
+        if inv is None:
             return None
         scale_rows = plan.no_stats
     # Every reshape skipped where the shapes already fit: at one (1, 256) row each costs

@@ -22,7 +22,7 @@ forced backend, outputs that partly overlap) returns ``None`` and takes the gene
 path, which also raises every error.
 
 Quantized calls (``quantize=``, :func:`add_norm_quantized`) have their short path too,
-for float32 ``x``, residual and parameters, a per-row scale or a static scalar:
+for float32 ``x``, residual and parameters, a dynamic or a static scale:
 the general path's checks cost a one-row call 35-50 us, a (121, 768) one three times
 its kernel. They run the quantizing kernels of :func:`._fast.run_quantized`, with the
 residual (the same kernels and arguments as the general path: the same bits).
@@ -367,7 +367,7 @@ def add_norm_quantized(x: Any, residual: Any, normalized_shape: Any, weight: Any
 
     The caller has checked that ``x`` is a NumPy array, that no backend is forced and
     that ``weight_offset`` is 0. Eligible: float32 ``x``, residual and parameters (``h``
-    float32), ``scale`` None or a scalar (:func:`._fast.static_scale_value`), the normalized
+    float32), ``scale`` as :func:`._fast.short_path_scale` allows, the normalized
     axes trailing, ``out``
     (the codes) sharing memory with no other argument and ``residual_out`` as in
     :func:`add_norm`.
