@@ -232,7 +232,7 @@ def _fallbacks():
         "other residual dtype": dict(r=r.astype(np.float16)),
         "float64 stream": dict(residual_dtype="float64"),
         "columns": dict(axis=0, w=None, b=None),
-        "offset gain": dict(weight_offset=1.0),
+        "offset of a NumPy type": dict(weight_offset=np.float32(1.0)),
         "float16 weight": dict(w=w.astype(np.float16)),
         "overlapping residual_out": dict(r=buf[:6], residual_out=buf[1:]),
         "out a view of x": dict(out_view_of_x=True),
@@ -306,6 +306,32 @@ def test_invalid_calls_raise_the_general_paths_errors(case, rms):
     if isinstance(spec.get("out"), str):
         spec["out"] = spec["residual_out"] = x
     _assert_same_errors(rms, x, r, w, b, **spec)
+
+
+@pytest.mark.parametrize("offset", [1.0, -0.5, 1], ids=["1.0", "-0.5", "int 1"])
+@pytest.mark.parametrize("weight_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("rms", [False, True])
+def test_offset_gains_take_the_short_path(general_calls, offset, weight_dtype, quantize, rms):
+    """``weight_offset`` (Gemma's zero-centred gain) on the short path: the gain formed
+    as the general path forms it, the same bits, and the weight left as it was."""
+    rng = np.random.default_rng(46)
+    x, r, w, b = _inputs(rng, (7, 200), "float32", "both")
+    w = (0.1 * rng.standard_normal(200)).astype(weight_dtype)  # small, as such weights are
+    w0 = w.copy()
+    for return_stats in (False, True):
+        want = _add(rms, x, r, w, b, weight_offset=offset, quantize=quantize,
+                    return_stats=return_stats, backend="numba")
+        general_calls.clear()
+        for _ in range(2):
+            got = _add(rms, x, r, w, b, weight_offset=offset, quantize=quantize,
+                       return_stats=return_stats)
+        assert not general_calls
+        _assert_same(got, want)
+    # and not the result without the offset (which the gain must change)
+    plain = _add(rms, x, r, w, b, quantize=quantize)
+    assert not np.array_equal(plain[0], got[0])
+    assert np.array_equal(w, w0)
 
 
 @pytest.mark.parametrize("rms", [False, True])
@@ -462,7 +488,7 @@ def _quantized_fallbacks():
         "per-row scale of another shape": dict(scale=np.full(6, 0.25, np.float32)),
         "int scale": dict(scale=2),
         "scale of too many dimensions": dict(scale=np.full((1, 1, 1), 0.25, np.float32)),
-        "offset gain": dict(weight_offset=1.0),
+        "offset of a NumPy type": dict(weight_offset=np.float64(1.0)),
         "float16 weight": dict(w=w.astype(np.float16)),
         "strided out": dict(out=np.empty((6, 64), np.int8)[:, ::2]),
         "out a view of h": dict(out_in_h=True),

@@ -472,3 +472,46 @@ def test_numpy_scalar_scales_take_the_short_path(monkeypatch, scale, rms):
     np.testing.assert_array_equal(got[0], want[0])
     for g, wv in zip(got[2:], want[2:], strict=True):
         np.testing.assert_array_equal(g, wv)
+
+
+@pytest.mark.parametrize("offset", [1.0, 1], ids=["1.0", "int 1"])
+@pytest.mark.parametrize(("x_dtype", "w_dtype", "quantize"),
+                         [("float32", "float32", None), ("bfloat16", "bfloat16", None),
+                          ("float64", "float16", None), ("float32", "float32", "int8"),
+                          ("float32", "float16", "int8")])
+@pytest.mark.parametrize("rms", [False, True])
+def test_offset_gains_take_the_short_path(monkeypatch, offset, x_dtype, w_dtype, quantize,
+                                          rms):
+    """``weight_offset`` runs the short path (the general path is not reached) with the
+    gain formed as the general path forms it: the same bits. Quantized: float32 x (the
+    quantized short path's)."""
+    from layernorm import _engine
+
+    rng = np.random.default_rng(15)
+    x = random_rows(rng, (6, 96), x_dtype, loc=0.5, scale=2.0)
+    w = (0.1 * rng.standard_normal(96)).astype(DTYPES[w_dtype])
+    # (the quantized short path takes float32 parameters: a float16 weight's gain is one)
+    b = (0.2 * rng.standard_normal(96)).astype(DTYPES["float32" if quantize else w_dtype])
+    params = {"weight": w} if rms else {"weight": w, "bias": b}
+    norm = ln.rms_norm if rms else ln.layer_norm
+    kwargs = {"weight_offset": offset, "return_stats": True, "quantize": quantize}
+    want = norm(x, backend="numba", **kwargs, **params)
+    unshifted = norm(x, return_stats=True, quantize=quantize, **params)
+    assert not np.array_equal(want[0], unshifted[0])
+
+    def general(*args, **kw):
+        pytest.fail("an offset gain reached the general path")
+
+    monkeypatch.setattr(_engine, "normalize_ex", general)
+    for _ in range(2):  # the plan's first call, then a call that finds it
+        got = norm(x, **kwargs, **params)
+    for g, wv in zip(got, want, strict=True):
+        assert g.dtype == wv.dtype
+        np.testing.assert_array_equal(g.view(np.uint8), wv.view(np.uint8))
+
+
+def test_offset_without_a_weight_is_still_an_error():
+    x = random_rows(np.random.default_rng(16), (2, 8), "float32")
+    for norm in (ln.layer_norm, ln.rms_norm):
+        with pytest.raises(ValueError, match="needs a weight"):
+            norm(x, weight_offset=1.0)
