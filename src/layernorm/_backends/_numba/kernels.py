@@ -185,7 +185,6 @@ _HOMES = {
     "rowmath": (
         "LANES",
         "merge_table",
-        "widen_param",
     ),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}

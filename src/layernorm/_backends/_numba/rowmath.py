@@ -54,7 +54,7 @@ lane ``j + h`` for ``h = 8, 4, 2, 1``).
    ``b = -0.0`` for an absent bias: ``fma(v, 1, -0.0) = v``, ``fma(v, w, -0.0) = v * w``
    and ``fma(v, 1, b) = v + b`` exactly, so one compiled kernel serves every
    combination. Float16/bfloat16 ``w`` and ``b`` are widened exactly to float32 before
-   the kernels see them (:func:`widen_param`).
+   the kernels see them (by the backend's ``widened_param``).
 
 A finite row whose ``rstd`` is not usable (not positive: its sums of squares overflow
 ``T``; or huge: they underflow, with ``eps`` near 0) is left to :mod:`.rescale` by the
@@ -89,18 +89,14 @@ from ._simd import (
     get,
     itemsize,
     lane,
-    put,
-    raw,
     runtime,
     splat,
     vaddress,
     vload,
     vload_tail,
-    vstore,
     wide,
 )
 from .callee import callee_njit
-from .diskcache import cached_njit
 
 LANES = WIDTH
 #: The ``stream`` argument of the row loops (:func:`.forward_rows.ln_long_rows`,
@@ -225,27 +221,6 @@ def merge_table(n: int, dtype: Any) -> np.ndarray:
     tab[0, TAB_CANCEL] = t(CANCEL)
     tab.flags.writeable = False
     return tab
-
-
-@cached_njit(error_model="numpy")
-def widen_param(bits):
-    """A float16 (``int16`` bits) or bfloat16 (``uint16`` bits) parameter widened exactly
-    to a new float32 array.
-
-    The driver widens 16-bit parameters with this one small kernel before calling any
-    other, so the row kernels only ever see float32/float64 parameters: a new parameter
-    dtype compiles this kernel (once per bits dtype), never another copy of a row
-    kernel. (Widening where each vector is loaded cost 9-17% of a 16-bit forward.)
-    """
-    n = bits.shape[0]
-    out = np.empty((1, n), dtype=np.float32)
-    pv, ov = raw(bits), raw(out)
-    body = n - n % LANES
-    for i in range(0, body, LANES):
-        vstore(ov, vload(pv, 0, i), 0, i)
-    for i in range(body, n):
-        put(ov, 0, i, widen(get(pv, 0, i)))
-    return out[0]
 
 
 @njit(inline="always", error_model="numpy")
