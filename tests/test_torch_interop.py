@@ -650,7 +650,40 @@ def test_short_path_leaves_what_it_cannot_take_to_the_general_route(monkeypatch)
     ln.layer_norm(x, out=torch.empty_like(x))
     ln.layer_norm(x.requires_grad_())
     ln.layer_norm(torch.empty(2, 3, device="meta"))
-    ln.layer_norm(x.detach(), weight_offset=1.0, weight=w.detach())
+    ln.layer_norm(x.detach(), weight_offset=np.float32(1.0), weight=w.detach())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_offset_gains_take_the_numpy_short_path(monkeypatch, dtype):
+    """``weight_offset`` without autograd runs the NumPy short path with the gain formed
+    as the general route forms it: the same bits as that route, and as the autograd
+    node's output when the weight requires grad."""
+    from layernorm import _fast
+
+    seen = []
+    for name in ("layer_norm", "rms_norm"):
+        real = getattr(_fast, name)
+        monkeypatch.setattr(_fast, name, lambda *a, _real=real: (seen.append(type(a[0])),
+                                                                 _real(*a))[1])
+    tdt = TORCH_DTYPES[dtype]
+    x = _randn(5, 300, seed=65, dtype=tdt, loc=3.0)
+    w, b = 0.1 * _randn(300, seed=66, dtype=tdt), _randn(300, seed=67, dtype=tdt)
+    for offset in (1.0, -0.5, 1):
+        for _ in range(2):
+            ours = ln.layer_norm(x, 300, w, b, return_stats=True, weight_offset=offset)
+            ours_rms = ln.rms_norm(x, 300, w, return_stats=True, weight_offset=offset)
+        general = ln.layer_norm(x, 300, w, b, return_stats=True, weight_offset=offset,
+                                backend="numba")
+        general_rms = ln.rms_norm(x, 300, w, return_stats=True, weight_offset=offset,
+                                  backend="numba")
+        for mine, theirs in zip((*ours, *ours_rms), (*general, *general_rms), strict=True):
+            assert type(mine) is torch.Tensor and mine.dtype == theirs.dtype
+            assert torch.equal(mine, theirs)
+        assert not torch.equal(ours[0], ln.layer_norm(x, 300, w, b))  # the gain counts
+        wg = w.clone().requires_grad_()
+        recorded = ln.layer_norm(x, 300, wg, b, weight_offset=offset)
+        assert recorded.grad_fn is not None and torch.equal(recorded.detach(), ours[0])
+    assert seen and set(seen) == {np.ndarray}
 
 
 def test_quantized_add_keeps_the_residual_gradient():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
 from typing import Any
 
 import numpy as np
@@ -27,40 +26,6 @@ _NO_OFFSET = 0.0
 #: Types of the torch tensors whose forward calls try the torch adapter's short path
 #: (filled when that adapter is first imported: no torch import here).
 _TORCH_TENSORS: set[type] = set()
-
-
-#: What :func:`_short_weight` returns for a call that must take the general path.
-_GENERAL = object()
-#: The parameter dtypes the library takes (others are the general path's errors).
-_PARAM_DTYPES = frozenset(np.dtype(name) for name in ("float16", "float32", "float64"))
-
-
-def _short_weight(x: np.ndarray, weight: Any, weight_offset: Any) -> Any:
-    """The weight a NumPy call's short path takes for ``weight_offset``: ``weight``
-    itself with no offset; the gain ``weight + weight_offset``, formed as the general
-    path forms it (:func:`._engine.gain`: in the accumulation dtype), for a finite float
-    or int offset and a NumPy weight of a float dtype; else ``_GENERAL`` (the general
-    path checks and raises).
-
-    An offset gain took the general path's checks before: 17-30 us for a (4, 768)
-    float32 call against 2-4 us (the Gemma-style ``add_rms_norm(..., weight_offset=1.0)``
-    of a pre-norm block)."""
-    kind = type(weight_offset)
-    if kind is not float and kind is not int:
-        return _GENERAL
-    if weight_offset == 0:
-        return weight
-    if type(weight) is not np.ndarray or (weight.dtype not in _PARAM_DTYPES
-                                          and weight.dtype.name != "bfloat16"):
-        return _GENERAL
-    try:
-        offset = float(weight_offset)
-    except OverflowError:  # an int beyond the float range: the general path says so
-        return _GENERAL
-    if not math.isfinite(offset):
-        return _GENERAL
-    acc = "float64" if x.dtype == np.float64 else "float32"
-    return _engine.gain(np, weight, offset, acc)
 
 
 @functools.cache
@@ -147,9 +112,10 @@ def layer_norm(
     array([ 2.5, 25. ], dtype=float32)
     """
     if type(x) is np.ndarray and backend is None:
-        w = weight if weight_offset is _NO_OFFSET else _short_weight(x, weight, weight_offset)
+        w = weight if weight_offset is _NO_OFFSET else _fast.offset_weight(x, weight,
+                                                                             weight_offset)
         result = None
-        if w is _GENERAL:
+        if w is _fast.GENERAL:
             pass
         elif quantize is None and scale is None:
             result = _fast.layer_norm(x, normalized_shape, w, bias, eps, axis, return_stats,
@@ -160,9 +126,9 @@ def layer_norm(
         if result is not None:
             return result
     elif (type(x) in _TORCH_TENSORS and backend is None and out is None and quantize is None
-            and scale is None and weight_offset is _NO_OFFSET):
+            and scale is None):
         result = _adapter("torch").short_layer_norm(x, normalized_shape, weight, bias, eps,
-                                                    axis, return_stats)
+                                                    axis, return_stats, weight_offset)
         if result is not None:
             return result
     where = route(x, backend)
@@ -242,9 +208,10 @@ def rms_norm(
     array([[0.84852814, 1.13137085]])
     """
     if type(x) is np.ndarray and backend is None:
-        w = weight if weight_offset is _NO_OFFSET else _short_weight(x, weight, weight_offset)
+        w = weight if weight_offset is _NO_OFFSET else _fast.offset_weight(x, weight,
+                                                                             weight_offset)
         result = None
-        if w is _GENERAL:
+        if w is _fast.GENERAL:
             pass
         elif quantize is None and scale is None:
             result = _fast.rms_norm(x, normalized_shape, w, eps, axis, return_stats, out)
@@ -254,9 +221,9 @@ def rms_norm(
         if result is not None:
             return result
     elif (type(x) in _TORCH_TENSORS and backend is None and out is None and quantize is None
-            and scale is None and weight_offset is _NO_OFFSET):
+            and scale is None):
         result = _adapter("torch").short_rms_norm(x, normalized_shape, weight, eps, axis,
-                                                  return_stats)
+                                                  return_stats, weight_offset)
         if result is not None:
             return result
     where = route(x, backend)
@@ -440,9 +407,10 @@ def _add_norm(x: Any, residual: Any, normalized_shape: Any, weight: Any, bias: A
               rms: bool) -> Any:
     """The hand-off shared by :func:`add_layer_norm` and :func:`add_rms_norm`."""
     if type(x) is np.ndarray and backend is None:
-        w = weight if weight_offset is _NO_OFFSET else _short_weight(x, weight, weight_offset)
+        w = weight if weight_offset is _NO_OFFSET else _fast.offset_weight(x, weight,
+                                                                             weight_offset)
         result = None
-        if w is _GENERAL:
+        if w is _fast.GENERAL:
             pass
         elif quantize is None and scale is None:
             result = _fast_add.add_norm(x, residual, normalized_shape, w, bias, eps, axis,

@@ -164,6 +164,47 @@ def _lookup(shapes: tuple[Any, ...], x: Any, normalized_shape: Any, axis: Any, w
                               lambda: _plan(x, normalized_shape, axis, weight, bias, rms))
 
 
+#: What :func:`offset_weight` returns for a call that must take the general path.
+GENERAL = object()
+#: The parameter dtypes the library takes (others are the general path's errors).
+_PARAM_DTYPES = frozenset(np.dtype(name) for name in ("float16", "float32", "float64"))
+
+
+def offset_weight(x: np.ndarray, weight: Any, weight_offset: Any) -> Any:
+    """The weight a NumPy call's short path takes for ``weight_offset``: ``weight``
+    itself for a zero offset; the gain ``weight + weight_offset``, formed as the general
+    path forms it (:func:`._engine.gain`: in the accumulation dtype), for a finite float
+    or int offset and a NumPy weight of a float dtype; else :data:`GENERAL` (the general
+    path checks and raises).
+
+    An offset gain took the general path's checks before: 17-30 us for a (4, 768)
+    float32 call against 2-4 us (the Gemma-style ``add_rms_norm(..., weight_offset=1.0)``
+    of a pre-norm block).
+
+    Examples
+    --------
+    >>> w = np.array([0.0, 0.5], dtype=np.float16)
+    >>> offset_weight(np.ones((1, 2), np.float32), w, 1.0)
+    array([1. , 1.5], dtype=float32)
+    """
+    kind = type(weight_offset)
+    if kind is not float and kind is not int:
+        return GENERAL
+    if weight_offset == 0:
+        return weight
+    if type(weight) is not np.ndarray or (weight.dtype not in _PARAM_DTYPES
+                                          and weight.dtype.name != "bfloat16"):
+        return GENERAL
+    try:
+        offset = float(weight_offset)
+    except OverflowError:  # an int beyond the float range: the general path says so
+        return GENERAL
+    if not np.isfinite(offset):
+        return GENERAL
+    acc = "float64" if x.dtype == np.float64 else "float32"
+    return _engine.gain(np, weight, offset, acc)
+
+
 def _flat(param: Any, plan: Plan, bits: Any) -> Any:
     if param is None:
         return None

@@ -528,25 +528,32 @@ def _tensors(result: Any) -> Any:
 
 
 def short_layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
-                     axis: Any, return_stats: bool) -> Any:
+                     axis: Any, return_stats: bool, weight_offset: Any = 0.0) -> Any:
     """:func:`layernorm.layer_norm` of CPU tensors through the NumPy short path
     (:mod:`layernorm._fast`) on zero-copy views: the same kernels and bits as the general
-    route, without its per-call conversions. None where that path does not take the call
-    (then the caller goes the general way)."""
+    route, without its per-call conversions (an offset gain formed as that route forms
+    it, :func:`layernorm._fast.offset_weight`). None where that path does not take the
+    call (then the caller goes the general way)."""
     views = _numpy_views(x, weight, bias)
     if views is None:
         return None
-    return _tensors(_fast.layer_norm(views[0], normalized_shape, views[1], views[2], eps,
+    w = _fast.offset_weight(views[0], views[1], weight_offset)
+    if w is _fast.GENERAL:
+        return None
+    return _tensors(_fast.layer_norm(views[0], normalized_shape, w, views[2], eps,
                                      axis, return_stats, None))
 
 
 def short_rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
-                   return_stats: bool) -> Any:
+                   return_stats: bool, weight_offset: Any = 0.0) -> Any:
     """:func:`short_layer_norm` for :func:`layernorm.rms_norm`."""
     views = _numpy_views(x, weight)
     if views is None:
         return None
-    return _tensors(_fast.rms_norm(views[0], normalized_shape, views[1], eps, axis,
+    w = _fast.offset_weight(views[0], views[1], weight_offset)
+    if w is _fast.GENERAL:
+        return None
+    return _tensors(_fast.rms_norm(views[0], normalized_shape, w, eps, axis,
                                    return_stats, None))
 
 
