@@ -23,9 +23,9 @@ from . import _engine, _plans
 from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
-from ._dtypes import HALF_DTYPES, MACHINE_EPS, dtype_name
+from ._dtypes import HALF_DTYPES, MACHINE_EPS, SUPPORTED, dtype_name
 from ._plans import accumulation_eps, kernel_ready, params_key, remember_by_shapes
-from ._validate import plain_axes
+from ._validate import check_weight_offset, plain_axes
 
 #: Planned calls at least this large may run in parallel and may write with streaming
 #: stores (the Numba backend's own thresholds), so they go through the backend's choice
@@ -166,8 +166,6 @@ def _lookup(shapes: tuple[Any, ...], x: Any, normalized_shape: Any, axis: Any, w
 
 #: What :func:`offset_weight` returns for a call that must take the general path.
 GENERAL = object()
-#: The parameter dtypes the library takes (others are the general path's errors).
-_PARAM_DTYPES = frozenset(np.dtype(name) for name in ("float16", "float32", "float64"))
 
 
 def offset_weight(x: np.ndarray, weight: Any, weight_offset: Any) -> Any:
@@ -190,16 +188,13 @@ def offset_weight(x: np.ndarray, weight: Any, weight_offset: Any) -> Any:
     kind = type(weight_offset)
     if kind is not float and kind is not int:
         return GENERAL
-    if weight_offset == 0:
+    try:  # the general path's own check (a finite offset; nonzero only with a weight)
+        offset = check_weight_offset(weight_offset, weight is not None)
+    except ValueError:  # the general path raises it
+        return GENERAL
+    if offset == 0.0:
         return weight
-    if type(weight) is not np.ndarray or (weight.dtype not in _PARAM_DTYPES
-                                          and weight.dtype.name != "bfloat16"):
-        return GENERAL
-    try:
-        offset = float(weight_offset)
-    except OverflowError:  # an int beyond the float range: the general path says so
-        return GENERAL
-    if not np.isfinite(offset):
+    if type(weight) is not np.ndarray or dtype_name(weight.dtype) not in SUPPORTED:
         return GENERAL
     acc = "float64" if x.dtype == np.float64 else "float32"
     return _engine.gain(np, weight, offset, acc)
@@ -424,6 +419,8 @@ def rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
 
 #: NumPy's float scalar types, whose values a Python float holds exactly.
 _FLOAT_SCALARS = frozenset((np.float16, np.float32, np.float64))
+#: The dtypes of a per-row static scale array on the short paths.
+_ROW_SCALE_TYPES = frozenset((np.float32, np.float64))
 
 
 def short_path_scale(scale: Any) -> bool:
@@ -433,9 +430,6 @@ def short_path_scale(scale: Any) -> bool:
     return (scale is None or static_scale_value(scale) is not None
             or (type(scale) is np.ndarray and scale.dtype.type in _ROW_SCALE_TYPES))
 
-
-#: The dtypes of a per-row static scale array on the short paths.
-_ROW_SCALE_TYPES = frozenset((np.float32, np.float64))
 
 
 def row_inverses(scale: np.ndarray, stats_shape: tuple[int, ...]) -> Any:
@@ -571,9 +565,8 @@ def find_quant_plan(plans: dict[Any, Any], x: Any, normalized_shape: Any, weight
 
     Eligible: float32 ``x`` and parameters (``weight``/``bias`` None or float32 NumPy
     arrays), ``quantize`` a string, ``scale`` as :func:`short_path_scale` allows, the
-    normalized axes trailing. ``plans`` is the
-    caller's: a plan's kernel entry point is resolved for the arguments its first call
-    passed (with or without a residual).
+    normalized axes trailing. ``plans`` is the caller's: a plan's kernel entry point is
+    resolved for the arguments its first call passed (with or without a residual).
     """
     if (x.dtype is not _FLOAT32 or type(quantize) is not str
             or not short_path_scale(scale)
@@ -639,10 +632,9 @@ def run_quantized(plan: QuantPlan, x: Any, residual: Any, h: Any, q: Any, weight
     The caller has checked every array against the plan (shapes, float32 dtypes,
     contiguity; ``q`` of the plan's 8-bit dtype and sharing no memory with another
     argument; ``h`` usable, possibly ``x`` or ``residual`` itself) and that ``scale`` is
-    as :func:`short_path_scale` allows (returned as passed). Returns
-    ``(scale,)``, then ``(mean, rstd)`` (RMSNorm: ``(rstd,)``) with ``return_stats``;
-    or None, before anything is written, for an ``eps`` or a static scale the general
-    path must check.
+    as :func:`short_path_scale` allows (returned as passed). Returns ``(scale,)``, then
+    ``(mean, rstd)`` (RMSNorm: ``(rstd,)``) with ``return_stats``; or None, before
+    anything is written, for an ``eps`` or a static scale the general path must check.
     """
     rms = plan.rms
     if rms and eps is None:

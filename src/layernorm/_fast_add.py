@@ -235,7 +235,8 @@ def add_norm(x: Any, residual: Any, normalized_shape: Any, weight: Any, bias: An
     :func:`layernorm.add_rms_norm`, ``bias`` None) for a known call, else None.
 
     The caller has checked that ``x`` is a NumPy array, that no backend is forced, that
-    ``quantize`` and ``scale`` are None and that ``weight_offset`` is 0.
+    ``quantize`` and ``scale`` are None and that any ``weight_offset`` is folded into
+    ``weight`` (:func:`._fast.offset_weight`).
 
     Parameters
     ----------
@@ -366,10 +367,10 @@ def add_norm_quantized(x: Any, residual: Any, normalized_shape: Any, weight: Any
     :func:`layernorm.add_rms_norm`, ``bias`` None), else None.
 
     The caller has checked that ``x`` is a NumPy array, that no backend is forced and
-    that ``weight_offset`` is 0. Eligible: float32 ``x``, residual and parameters (``h``
-    float32), ``scale`` as :func:`._fast.short_path_scale` allows, the normalized
-    axes trailing, ``out``
-    (the codes) sharing memory with no other argument and ``residual_out`` as in
+    that any ``weight_offset`` is folded into ``weight`` (:func:`._fast.offset_weight`).
+    Eligible: float32 ``x``, residual and parameters (``h`` float32), ``scale`` as
+    :func:`._fast.short_path_scale` allows, the normalized axes trailing, ``out`` (the
+    codes) sharing memory with no other argument and ``residual_out`` as in
     :func:`add_norm`.
 
     Returns
