@@ -114,17 +114,14 @@ def layer_norm(
     if type(x) is np.ndarray and backend is None:
         w = weight if weight_offset is _NO_OFFSET else _fast.offset_weight(x, weight,
                                                                              weight_offset)
-        result = None
-        if w is _fast.GENERAL:
-            pass
-        elif quantize is None and scale is None:
-            result = _fast.layer_norm(x, normalized_shape, w, bias, eps, axis, return_stats,
-                                      out)
-        elif quantize is not None:
-            result = _fast.quantized(x, normalized_shape, w, bias, eps, axis, return_stats,
-                                     out, quantize, scale, False)
-        if result is not None:
-            return result
+        # (a scale without quantize= is the general path's error)
+        if w is not _fast.GENERAL and (quantize is not None or scale is None):
+            result = (_fast.layer_norm(x, normalized_shape, w, bias, eps, axis, return_stats,
+                                       out) if quantize is None else
+                      _fast.quantized(x, normalized_shape, w, bias, eps, axis, return_stats,
+                                      out, quantize, scale, False))
+            if result is not None:
+                return result
     elif (type(x) in _TORCH_TENSORS and backend is None and out is None and quantize is None
             and scale is None):
         result = _adapter("torch").short_layer_norm(x, normalized_shape, weight, bias, eps,
@@ -210,16 +207,13 @@ def rms_norm(
     if type(x) is np.ndarray and backend is None:
         w = weight if weight_offset is _NO_OFFSET else _fast.offset_weight(x, weight,
                                                                              weight_offset)
-        result = None
-        if w is _fast.GENERAL:
-            pass
-        elif quantize is None and scale is None:
-            result = _fast.rms_norm(x, normalized_shape, w, eps, axis, return_stats, out)
-        elif quantize is not None:
-            result = _fast.quantized(x, normalized_shape, w, None, eps, axis, return_stats,
-                                     out, quantize, scale, True)
-        if result is not None:
-            return result
+        if w is not _fast.GENERAL and (quantize is not None or scale is None):
+            result = (_fast.rms_norm(x, normalized_shape, w, eps, axis, return_stats, out)
+                      if quantize is None else
+                      _fast.quantized(x, normalized_shape, w, None, eps, axis, return_stats,
+                                      out, quantize, scale, True))
+            if result is not None:
+                return result
     elif (type(x) in _TORCH_TENSORS and backend is None and out is None and quantize is None
             and scale is None):
         result = _adapter("torch").short_rms_norm(x, normalized_shape, weight, eps, axis,
@@ -409,18 +403,15 @@ def _add_norm(x: Any, residual: Any, normalized_shape: Any, weight: Any, bias: A
     if type(x) is np.ndarray and backend is None:
         w = weight if weight_offset is _NO_OFFSET else _fast.offset_weight(x, weight,
                                                                              weight_offset)
-        result = None
-        if w is _fast.GENERAL:
-            pass
-        elif quantize is None and scale is None:
-            result = _fast_add.add_norm(x, residual, normalized_shape, w, bias, eps, axis,
-                                        residual_dtype, return_stats, out, residual_out, rms)
-        elif quantize is not None:
-            result = _fast_add.add_norm_quantized(x, residual, normalized_shape, w, bias, eps,
-                                                  axis, residual_dtype, quantize, scale,
-                                                  return_stats, out, residual_out, rms)
-        if result is not None:
-            return result
+        if w is not _fast.GENERAL and (quantize is not None or scale is None):
+            result = (_fast_add.add_norm(x, residual, normalized_shape, w, bias, eps, axis,
+                                         residual_dtype, return_stats, out, residual_out, rms)
+                      if quantize is None else
+                      _fast_add.add_norm_quantized(x, residual, normalized_shape, w, bias,
+                                                   eps, axis, residual_dtype, quantize, scale,
+                                                   return_stats, out, residual_out, rms))
+            if result is not None:
+                return result
     where = route(x, backend)
     extras = {"weight_offset": weight_offset, "residual_dtype": residual_dtype,
               "quantize": quantize, "scale": scale, "return_stats": return_stats, "out": out,
