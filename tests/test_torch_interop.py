@@ -610,8 +610,10 @@ def test_torch_func_transforms_match_torch():
                                rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
-def test_small_cpu_calls_take_the_numpy_short_path(monkeypatch, dtype):
+@pytest.fixture
+def short_path_inputs(monkeypatch):
+    """The types of the ``x`` that reach the NumPy short path (``_fast.layer_norm`` /
+    ``_fast.rms_norm``), call by call."""
     from layernorm import _fast
 
     seen = []
@@ -619,6 +621,12 @@ def test_small_cpu_calls_take_the_numpy_short_path(monkeypatch, dtype):
         real = getattr(_fast, name)
         monkeypatch.setattr(_fast, name, lambda *a, _real=real: (seen.append(type(a[0])),
                                                                  _real(*a))[1])
+    return seen
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_small_cpu_calls_take_the_numpy_short_path(short_path_inputs, dtype):
+    seen = short_path_inputs
     tdt = TORCH_DTYPES[dtype]
     for shape in ((1, 768), (7, 300), (3, 4, 64), (64, 1024)):
         n = shape[-1]
@@ -654,17 +662,11 @@ def test_short_path_leaves_what_it_cannot_take_to_the_general_route(monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
-def test_offset_gains_take_the_numpy_short_path(monkeypatch, dtype):
+def test_offset_gains_take_the_numpy_short_path(short_path_inputs, dtype):
     """``weight_offset`` without autograd runs the NumPy short path with the gain formed
     as the general route forms it: the same bits as that route, and as the autograd
     node's output when the weight requires grad."""
-    from layernorm import _fast
-
-    seen = []
-    for name in ("layer_norm", "rms_norm"):
-        real = getattr(_fast, name)
-        monkeypatch.setattr(_fast, name, lambda *a, _real=real: (seen.append(type(a[0])),
-                                                                 _real(*a))[1])
+    seen = short_path_inputs
     tdt = TORCH_DTYPES[dtype]
     x = _randn(5, 300, seed=65, dtype=tdt, loc=3.0)
     w, b = 0.1 * _randn(300, seed=66, dtype=tdt), _randn(300, seed=67, dtype=tdt)
