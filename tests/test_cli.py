@@ -752,6 +752,7 @@ def test_compile_streamed_layouts_run_the_streaming_kernels():
         used = {key[0] for key in entry.entry_points}
         print(sorted(f.__name__ for f in (
             k.ln_stream_forward_serial, k.rms_stream_forward_serial,
+            k.ln_stream_tiled_forward_serial, k.rms_stream_tiled_forward_serial,
             k.add_ln_stream_forward_serial, k.add_rms_stream_forward_serial,
             k.ln_stream_backward_serial, k.ln_stream_tiled_backward_serial,
             k.rms_stream_backward_serial) if f in used))
@@ -763,6 +764,7 @@ def test_compile_streamed_layouts_run_the_streaming_kernels():
     assert proc.stdout.split("\n")[0] == str(sorted([
         "add_ln_stream_forward_serial", "add_rms_stream_forward_serial",
         "ln_stream_forward_serial", "rms_stream_forward_serial",
+        "ln_stream_tiled_forward_serial", "rms_stream_tiled_forward_serial",
         "ln_stream_backward_serial", "ln_stream_tiled_backward_serial",
         "rms_stream_backward_serial"]))
 

@@ -157,7 +157,8 @@ def test_short_rows_in_blocks_match_the_column_path(dtype, n):
 
 
 #: 2050: the rows written whole (SEQUENTIAL_MIN_ROW); 3075: the tiled rows
-#: (TILED_MIN_BYTES), in groups of TILE_ROWS with a last partial tile and a tail.
+#: (TILED_MIN_BYTES, STREAM_TILED_MIN_BYTES), in groups of TILE_ROWS with a last partial
+#: tile and a tail.
 @pytest.mark.parametrize("n", [1, 7, 16, 100, 129, 300, 2050, 3075])
 def test_every_row_entry_kernel_gives_the_same_bits_at_any_length(n):
     """The driver picks one entry kernel per path (long rows, short rows, any stride);
@@ -177,20 +178,22 @@ def test_every_row_entry_kernel_gives_the_same_bits_at_any_length(n):
     results = []
     for fn in (k.ln_forward_serial, k.ln_short_forward_serial, k.ln_gathered_forward_serial,
                k.ln_stream_forward_serial, k.ln_seq_forward_serial, k.ln_tiled_forward_serial,
-               k.ln_forward_parallel, k.ln_short_forward_parallel,
-               k.ln_gathered_forward_parallel, k.ln_stream_forward_parallel,
-               k.ln_seq_forward_parallel, k.ln_tiled_forward_parallel):
+               k.ln_stream_tiled_forward_serial, k.ln_forward_parallel,
+               k.ln_short_forward_parallel, k.ln_gathered_forward_parallel,
+               k.ln_stream_forward_parallel, k.ln_seq_forward_parallel,
+               k.ln_tiled_forward_parallel, k.ln_stream_tiled_forward_parallel):
         y = np.full_like(x, np.nan)
         mean = np.full(rows, np.nan, np.float32)
         rstd = np.full(rows, np.nan, np.float32)
         args = (x, w, b, eps, y, mean, rstd, tab, False)
         done = backend.entry.call(fn, backend.LN_FORWARD_WRITES, *args)
-        if fn in (k.ln_forward_serial, k.ln_stream_forward_serial,
-                  k.ln_seq_forward_serial, k.ln_tiled_forward_serial) and n > 1:
+        if fn in (k.ln_forward_serial, k.ln_stream_forward_serial, k.ln_seq_forward_serial,
+                  k.ln_tiled_forward_serial, k.ln_stream_tiled_forward_serial) and n > 1:
             # (one element has no deviation)
             assert done == 11 and np.isnan(y[11:]).all()  # stopped, rows after it not done
         if fn in (k.ln_forward_parallel, k.ln_stream_forward_parallel,
-                  k.ln_seq_forward_parallel, k.ln_tiled_forward_parallel) and n > 1:
+                  k.ln_seq_forward_parallel, k.ln_tiled_forward_parallel,
+                  k.ln_stream_tiled_forward_parallel) and n > 1:
             # (stop, end) of the blocks that stopped, and only those: row 11's block
             assert len(done) >= 1 and done[0, 0] == 11 and (done[:, 0] < done[:, 1]).all()
         backend.complete_layer_norm_rows(done, args)
@@ -206,18 +209,21 @@ def test_every_row_entry_kernel_gives_the_same_bits_at_any_length(n):
     np.testing.assert_allclose(y[good], ref, atol=2e-5 * max(1.0, np.abs(ref).max()))
     rms = []
     for fn in (k.rms_forward_serial, k.rms_gathered_forward_serial, k.rms_stream_forward_serial,
-               k.rms_seq_forward_serial, k.rms_tiled_forward_serial, k.rms_forward_parallel,
+               k.rms_seq_forward_serial, k.rms_tiled_forward_serial,
+               k.rms_stream_tiled_forward_serial, k.rms_forward_parallel,
                k.rms_gathered_forward_parallel, k.rms_stream_forward_parallel,
-               k.rms_seq_forward_parallel, k.rms_tiled_forward_parallel):
+               k.rms_seq_forward_parallel, k.rms_tiled_forward_parallel,
+               k.rms_stream_tiled_forward_parallel):
         y = np.full_like(x, np.nan)
         rstd = np.full(rows, np.nan, np.float32)
         args = (x, w, eps, y, rstd, False)
         done = backend.entry.call(fn, backend.RMS_FORWARD_WRITES, *args)
         if fn in (k.rms_forward_serial, k.rms_stream_forward_serial, k.rms_seq_forward_serial,
-                  k.rms_tiled_forward_serial):
+                  k.rms_tiled_forward_serial, k.rms_stream_tiled_forward_serial):
             assert done == 11
         if fn in (k.rms_forward_parallel, k.rms_stream_forward_parallel,
-                  k.rms_seq_forward_parallel, k.rms_tiled_forward_parallel):
+                  k.rms_seq_forward_parallel, k.rms_tiled_forward_parallel,
+                  k.rms_stream_tiled_forward_parallel):
             assert len(done) >= 1 and done[0, 0] == 11 and (done[:, 0] < done[:, 1]).all()
         backend.complete_rms_norm_rows(done, args)
         rms.append((y, rstd))
@@ -273,8 +279,14 @@ def test_16_bit_outputs_are_the_float32_result_rounded_to_nearest_even(dtype, n,
     _same_bits(streamed, got)
 
 
-def test_streaming_stores_give_same_bits(monkeypatch):
-    rows, n = 64, 1000
+@pytest.mark.parametrize("n", [1000, 3075])
+def test_streaming_stores_give_same_bits(n, monkeypatch):
+    """Streaming stores, row by row (1000) and in column tiles over groups of rows
+    (3075: ``STREAM_TILED_MIN_BYTES`` and ``RMS_STREAM_TILED_MIN_BYTES``; rows that
+    start at different offsets within a cache line), give the plain stores' bits."""
+    k = backend.load_kernels()
+    assert (n * 4 >= k.STREAM_TILED_MIN_BYTES) == (n * 4 >= k.RMS_STREAM_TILED_MIN_BYTES)
+    rows = 64 if n < 2048 else 19
     x = _rows(rows, n, 3)
     w, b = _params(n, 3)
     plain = ln.layer_norm(x, n, w, b)
@@ -288,6 +300,37 @@ def test_streaming_stores_give_same_bits(monkeypatch):
         _same_bits(out, plain)
         ln.rms_norm(x, n, w, out=out, backend="numba")
         _same_bits(out, plain_rms)
+    tiled = n * 4 >= k.STREAM_TILED_MIN_BYTES
+    assert (backend.ln_row_kernels(k, x, out, True)[0]
+            is k.ln_stream_tiled_forward_serial) == tiled
+    assert (backend.rms_row_kernels(k, x, out, True)[0]
+            is k.rms_stream_tiled_forward_serial) == tiled
+
+
+def test_streamed_outputs_pick_their_kernels_by_row_length():
+    """Large outputs (streaming stores): the column tiles from STREAM_TILED_MIN_BYTES
+    (LayerNorm) and RMS_STREAM_TILED_MIN_BYTES of float32 weight, rows one by one below;
+    on one thread, LayerNorm rows below SERIAL_STREAM_MIN_ROW keep plain stores."""
+    k = backend.load_kernels()
+    ln_kernels = {
+        256: (k.ln_forward_serial, k.ln_stream_forward_parallel),
+        383: (k.ln_forward_serial, k.ln_stream_forward_parallel),
+        384: (k.ln_stream_forward_serial, k.ln_stream_forward_parallel),
+        2047: (k.ln_stream_forward_serial, k.ln_stream_forward_parallel),
+        2048: (k.ln_stream_tiled_forward_serial, k.ln_stream_tiled_forward_parallel),
+    }
+    for n, want in ln_kernels.items():
+        x = np.empty((4, n), np.float32)
+        assert backend.ln_row_kernels(k, x, np.empty_like(x), True) == want, n
+    rms_kernels = {
+        256: (k.rms_stream_forward_serial, k.rms_stream_forward_parallel),
+        3071: (k.rms_stream_forward_serial, k.rms_stream_forward_parallel),
+        3072: (k.rms_stream_tiled_forward_serial, k.rms_stream_tiled_forward_parallel),
+    }
+    for n, want in rms_kernels.items():
+        assert backend.rms_unit_row_kernels(k, n, True) == want, n
+    # float64 parameters: bytes, not elements
+    assert backend.ln_unit_row_kernels(k, 1024, True, 8)[0] is k.ln_stream_tiled_forward_serial
 
 
 def test_serial_and_parallel_kernels_agree():

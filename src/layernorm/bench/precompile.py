@@ -70,7 +70,7 @@ def layouts(threads: int) -> list[Layout]:
     --------
     >>> [lay.name for lay in layouts(1)]  # doctest: +NORMALIZE_WHITESPACE
     ['short rows', 'rows of 256', 'long rows', 'tiled rows', 'rows of 4096', 'strided rows',
-     'columns', 'streamed long rows', 'streamed tiled rows']
+     'columns', 'streamed long rows', 'streamed tiled rows', 'streamed rows of 4096']
     >>> all(np.prod(lay.shape) // lay.step >= 1 << 16 for lay in layouts(2) if lay.parallel)
     True
     """
@@ -92,6 +92,9 @@ def layouts(threads: int) -> list[Layout]:
         Layout("columns", (2, 16, 8), axis=1),
         Layout("streamed long rows", (8, 1024), streamed=True),
         Layout("streamed tiled rows", (4, 2048), streamed=True),
+        # At least RMS_STREAM_TILED_MIN_BYTES: RMSNorm's streamed column tiles (the
+        # LayerNorm forward's from STREAM_TILED_MIN_BYTES, rows of 2048).
+        Layout("streamed rows of 4096", (4, 4096), streamed=True),
     ]
     if threads > 1:
         out += [
@@ -105,6 +108,8 @@ def layouts(threads: int) -> list[Layout]:
             Layout("parallel streamed long rows", (128, 1024), parallel=True,
                    streamed=True),
             Layout("parallel streamed tiled rows", (128, 2048), parallel=True,
+                   streamed=True),
+            Layout("parallel streamed rows of 4096", (16, 4096), parallel=True,
                    streamed=True),
         ]
     return out

@@ -294,6 +294,17 @@ STREAM_MIN_ROW = 256
 #: 2035 / 1746; add_rms_norm (4096, 768) 3180 / 2599 and 3774 / 3307.
 LONG_ROW_STREAM_MIN_FRACTION = 1 / 8
 LONG_ROW_STREAM_MIN_ROW = 768
+#: The serial LayerNorm forward streams only rows of at least this many elements;
+#: shorter ones that :func:`use_streaming_stores` would stream keep the pipelined loop
+#: and plain stores on one thread (its parallel kernel streams them). Written whole,
+#: each row's statistics wait for its output pass, and on a row of 256 elements that
+#: latency is not hidden. Measured, Zen 4, float32, public call into ``out=``, x of 16
+#: and 32 MiB rotated over 160 MiB, fraction of ``np.copyto`` in the same rounds,
+#: streaming / plain: 1 thread n = 256 0.70-0.83 / 0.85-1.04 (five runs), 320 0.79-0.80 /
+#: 0.81-0.84, 384 0.74-0.77 / 0.75-0.79, 512 0.86-1.26 / 0.84-1.04; 2 threads n = 256
+#: 1.14-1.36 / 1.02-1.33, 320 0.88-1.15 / 0.93-1.19. RMSNorm streams from 256 on one
+#: thread too (n = 256: 1.30 / 1.10).
+SERIAL_STREAM_MIN_ROW = 384
 
 
 @contextlib.contextmanager
@@ -401,6 +412,10 @@ def ln_unit_row_kernels(k: Any, n: int, stream: bool = False,
     parameters have ``param_size`` bytes per element (:func:`param_bytes`)."""
     if n <= k.SHORT_ROW_MAX:
         return k.ln_short_forward_serial, k.ln_short_forward_parallel
+    if stream and n * param_size >= k.STREAM_TILED_MIN_BYTES:
+        return k.ln_stream_tiled_forward_serial, k.ln_stream_tiled_forward_parallel
+    if stream and n < SERIAL_STREAM_MIN_ROW:
+        return k.ln_forward_serial, k.ln_stream_forward_parallel
     if stream:
         return k.ln_stream_forward_serial, k.ln_stream_forward_parallel
     if n * param_size >= k.TILED_MIN_BYTES:
@@ -424,6 +439,8 @@ def rms_unit_row_kernels(k: Any, n: int, stream: bool = False,
                          param_size: int = 4) -> tuple[Any, Any]:
     """:func:`rms_row_kernels` for rows of ``n`` elements of unit stride (x and y) (see
     :func:`ln_unit_row_kernels`)."""
+    if stream and n * param_size >= k.RMS_STREAM_TILED_MIN_BYTES:
+        return k.rms_stream_tiled_forward_serial, k.rms_stream_tiled_forward_parallel
     if stream:
         return k.rms_stream_forward_serial, k.rms_stream_forward_parallel
     if n * param_size >= k.TILED_MIN_BYTES:

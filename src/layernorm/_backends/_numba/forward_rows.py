@@ -11,13 +11,15 @@
   chunk by chunk with this row's output pass; from ``SEQUENTIAL_MIN_ROW`` elements
   each row is written whole before the next is read, and from ``TILED_MIN_BYTES`` of
   parameters per row (:func:`ln_tiled_rows`, :func:`rms_tiled_rows`) rows go
-  ``TILE_ROWS`` at a time, their output pass in column tiles over the group;
+  ``TILE_ROWS`` at a time, their output pass in column tiles over the group (from
+  ``STREAM_TILED_MIN_BYTES`` too when written with streaming stores);
 * **gather path** (any other 2-D row): rows are copied into contiguous scratch rows,
   run through the row path, and the results copied out.
 
 Each path has its own entry kernels (``ln_forward_*`` for unit-stride rows longer than
 ``SHORT_ROW_MAX``, ``ln_seq_forward_*`` and ``ln_tiled_forward_*`` for the long ones,
-``ln_stream_forward_*``, ``ln_short_forward_*``, ``ln_gathered_forward_*``; RMSNorm has
+``ln_stream_forward_*`` and ``ln_stream_tiled_forward_*``, ``ln_short_forward_*``,
+``ln_gathered_forward_*``; RMSNorm has
 no short-row path), so that a call compiles only the path it takes; the driver picks.
 Each comes as a serial kernel (the calling thread) and a parallel one (blocks of rows
 over Numba's threads); all perform the same arithmetic per row.
@@ -72,6 +74,7 @@ from .rowmath import (
     PLAIN,
     SEQUENTIAL,
     STREAM,
+    STREAM_TILED,
     TILED,
     aligned_head,
     block_end,
@@ -155,6 +158,25 @@ TILE_BYTES = 4096
 #: one at a time (their x is then read again from L1): tiled, float32 rows of 1536
 #: were 10% slower in cache and rows of 2048 in place from DRAM 5%.
 TILED_MIN_BYTES = 12 << 10
+#: Rows written with streaming stores (outputs from memory) take the ``STREAM_TILED``
+#: order from this many bytes of ``w`` (kernels ``ln_stream_tiled_forward_*``; no
+#: effect on results). Row by row, an iteration keeps in L1 row r of x (its output
+#: pass), row r + 1 (its statistics, read from memory), ``w`` and ``b``: from rows of
+#: 8 KiB that is more than a 32 KiB L1, and the stream of x from memory slowed down.
+#: Measured, Zen 4, float32, public call into ``out=``, x of 32 MiB rotated over 160
+#: MiB, fraction of ``np.copyto`` in the same rounds, row by row -> tiled: 1 thread
+#: n = 1024 1.30 -> 0.93, 1280 1.15 -> 0.86, 1536 0.95-1.02 -> 0.87-0.99, 2048
+#: 0.75-0.82 -> 0.92-1.03, 3072 0.62 -> 0.75, 4096 0.85 -> 0.97, 8192 0.90 -> 0.92,
+#: 16384 0.94 -> 0.96; 2 threads 2048 1.12 -> 1.22, 3072 1.35 -> 1.34, 4096 0.95 ->
+#: 1.36, 16384 1.57 -> 2.12. The fused add-and-normalize kernels keep their rows one by
+#: one: they normalize ``h`` from the cache (tiled: 3-6% slower at n = 1024-4096, 10%
+#: faster at 16384, 1 thread).
+STREAM_TILED_MIN_BYTES = 8 << 10
+#: :data:`STREAM_TILED_MIN_BYTES` for RMSNorm (``rms_stream_tiled_forward_*``), whose
+#: rows without ``b`` fit in L1 up to 8 KiB: same measurement, 1 thread, n = 2048 1.28-1.39
+#: -> 1.06, 3072 0.93 -> 1.07, 4096 0.98-1.01 -> 1.12, 16384 1.07 -> 1.12; 2 threads
+#: 2048 1.59 -> 1.66, 3072 1.23 -> 1.21, 4096 1.00 -> 1.24, 16384 1.06 -> 1.36.
+RMS_STREAM_TILED_MIN_BYTES = 12 << 10
 #: The parallel LayerNorm kernels take the ``TILED`` order from this many bytes of
 #: ``w`` (float32 rows of 2048-3071 elements; the serial ones keep ``SEQUENTIAL`` there:
 #: the same bits). Measured 2026-12-05, Zen 4, float32, kernel alone, LayerNorm,
@@ -206,15 +228,16 @@ def output_downwards(xv, yv):
 
 
 @njit(inline="always", error_model="numpy")
-def ln_tile_span(xr, yr, r, start, end, shift, mean, rstd, w, b, down):
-    """:func:`ln_row_span` upwards or (``down``) downwards, for the ``TILED`` order."""
+def ln_tile_span(xr, yr, r, start, end, shift, mean, rstd, w, b, down, stores):
+    """:func:`ln_row_span` upwards or (``down``) downwards, for the ``TILED`` orders,
+    with the stores of ``stores`` (:func:`._simd.vstore_by`)."""
     kv = splat(shift)
     mv = splat(mean)
     rv = splat(rstd)
     for k in range(start, end, LANES):
         i = start + end - LANES - k if down else k
         v = ((vload(xr, r, i) - kv) - mv) * rv
-        vstore(yr, affine(v, w, b, i), r, i)
+        vstore_by(stores, yr, affine(v, w, b, i), r, i)
 
 
 @njit(inline="always", error_model="numpy")
@@ -377,6 +400,21 @@ def ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1,
 
 
 @njit(inline="always", error_model="numpy")
+def tile_head(xv, yv, r, n, stores):
+    """Elements of row ``r`` before the first vector of its column tiles, written one
+    at a time with the statistics: up to x's 64-byte boundary
+    (:func:`.rowmath.aligned_head`) with plain ``stores``, up to y's with streaming ones,
+    which need it (``n``, no vectors, if y's elements are not aligned to their size)."""
+    align = store_alignment(stores, yv)
+    if align == 1:
+        return aligned_head(xv, r, n)
+    address = vaddress(yv, r, 0)
+    if address % itemsize(yv) != 0:
+        return n
+    return imin((align - address % align) % align // itemsize(yv), n)
+
+
+@njit(inline="always", error_model="numpy")
 def tile_elements(wv):
     """Elements of a column tile of the ``TILED`` order: ``TILE_BYTES`` of the parameter
     view ``wv``, a whole number of vectors (at least one)."""
@@ -384,23 +422,24 @@ def tile_elements(wv):
 
 
 @callee_njit
-def ln_tiled_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
+def ln_tiled_rows(xv, yv, wv, bv, tv, eps, n, stores, mean_out, rstd_out, r0, r1, s0):
     """:func:`ln_long_rows` in the ``TILED`` order, for long rows: ``TILE_ROWS`` rows
     at a time, the statistics of each row (and the elements of its last partial
     vector), then the output pass of all of them in column tiles of ``TILE_BYTES`` of
-    ``w``, each tile over every row of the group, plain stores. The same operations
-    per row as :func:`ln_long_rows` (the same bits); returns as it does. In place
-    (``x`` is ``y``) too: a row's elements are read before they are written."""
+    ``w``, each tile over every row of the group, with the stores of ``stores``
+    (``SEQUENTIAL``: plain, ``STREAM``: streaming). The same operations per row as
+    :func:`ln_long_rows` (the same bits); returns as it does. In place (``x`` is
+    ``y``) too: a row's elements are read before they are written."""
     stop = r1
     # shift, shifted mean and rstd of the group's rows (widened exactly); the rows'
-    # vectors start at their aligned_head, the elements before it and after the last
+    # vectors start at their tile_head, the elements before it and after the last
     # whole vector written one at a time with the statistics (in place, the tiles
     # never read them)
     stats = np.empty((3, TILE_ROWS), dtype=np.float64)
     heads = np.empty(TILE_ROWS, dtype=np.intp)
     body = n // LANES * LANES
     tile = tile_elements(wv)
-    down = output_downwards(xv, yv)
+    down = store_alignment(stores, yv) == 1 and output_downwards(xv, yv)
     g0 = r0
     while g0 < r1:
         g1 = imin(g0 + TILE_ROWS, r1)
@@ -415,7 +454,7 @@ def ln_tiled_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
             stats[2, r - g0] = rstd
             put_stat(mean_out, s0 + (r - r0), mo)
             put_stat(rstd_out, s0 + (r - r0), rstd)
-            head = aligned_head(xv, r, n)
+            head = tile_head(xv, yv, r, n, stores)
             heads[r - g0] = head
             end = head + (n - head) // LANES * LANES
             for j in range(head + n - end):
@@ -429,8 +468,10 @@ def ln_tiled_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
                 head = heads[k]
                 end = imin(head + start + tile, head + (n - head) // LANES * LANES)
                 ln_tile_span(xv, yv, r, head + start, end, cast(stats[0, k], eps),
-                             cast(stats[1, k], eps), cast(stats[2, k], eps), wv, bv, down)
+                             cast(stats[1, k], eps), cast(stats[2, k], eps), wv, bv, down,
+                             stores)
         g0 = g1 if stop == r1 else r1
+    store_fence_by(stores)  # streaming stores done before another thread reads y
     alive(stats)
     alive(heads)
     return stop
@@ -455,36 +496,58 @@ def tiled_blocks(rows, n):
     return imin(2, imax(rows, 1))
 
 
-def blocks_in_order(rows, n, order):
-    """:func:`tiled_blocks` for the ``TILED`` order, else :func:`.rowmath.even_blocks`
-    (chosen by ``order``'s type, as :func:`ln_rows_in_order`)."""
+def tiled_stores(order):
+    """The stores of a ``TILED`` (``SEQUENTIAL``: plain) or ``STREAM_TILED``
+    (``STREAM``) order, None for the row-by-row orders: chosen by ``order``'s type."""
     if isinstance(order, float):
+        return SEQUENTIAL
+    if isinstance(order, tuple):
+        return STREAM
+    return None
+
+
+def _tiled_stores_of_type(order):
+    if isinstance(order, types.Float):
+        return SEQUENTIAL
+    if isinstance(order, types.BaseTuple):
+        return STREAM
+    return None
+
+
+def blocks_in_order(rows, n, order):
+    """:func:`tiled_blocks` for the ``TILED`` orders, else :func:`.rowmath.even_blocks`
+    (chosen by ``order``'s type, as :func:`ln_rows_in_order`)."""
+    if tiled_stores(order) is not None:
         return tiled_blocks(rows, n)
     return even_blocks(rows, n)
 
 
 @overload(blocks_in_order, inline="always")
 def _blocks_in_order_typed(rows, n, order):
-    if isinstance(order, types.Float):
+    if _tiled_stores_of_type(order) is not None:
         return lambda rows, n, order: tiled_blocks(rows, n)
     return lambda rows, n, order: even_blocks(rows, n)
 
 
 def ln_rows_in_order(xv, yv, wv, bv, tv, eps, n, order, mean_out, rstd_out, r0, r1, s0):
-    """:func:`ln_tiled_rows` for the ``TILED`` order, else :func:`ln_long_rows`
-    (``PLAIN``, ``STREAM`` or ``SEQUENTIAL``): chosen by ``order``'s type, so that a
-    kernel compiles only its own row loop."""
-    if isinstance(order, float):
-        return ln_tiled_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0)
+    """:func:`ln_tiled_rows` for the ``TILED`` and ``STREAM_TILED`` orders, else
+    :func:`ln_long_rows` (``PLAIN``, ``STREAM`` or ``SEQUENTIAL``): chosen by
+    ``order``'s type, so that a kernel compiles only its own row loop."""
+    stores = tiled_stores(order)
+    if stores is not None:
+        return ln_tiled_rows(xv, yv, wv, bv, tv, eps, n, stores, mean_out, rstd_out, r0, r1,
+                             s0)
     return ln_long_rows(xv, yv, wv, bv, tv, eps, n, order, mean_out, rstd_out, r0, r1, s0)
 
 
 @overload(ln_rows_in_order, inline="always")
 def _ln_rows_in_order_typed(xv, yv, wv, bv, tv, eps, n, order, mean_out, rstd_out, r0, r1,
                             s0):
-    if isinstance(order, types.Float):
+    stores = _tiled_stores_of_type(order)
+    if stores is not None:
         def tiled(xv, yv, wv, bv, tv, eps, n, order, mean_out, rstd_out, r0, r1, s0):
-            return ln_tiled_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0)
+            return ln_tiled_rows(xv, yv, wv, bv, tv, eps, n, stores, mean_out, rstd_out, r0,
+                                 r1, s0)
         return tiled
 
     def pipelined(xv, yv, wv, bv, tv, eps, n, order, mean_out, rstd_out, r0, r1, s0):
@@ -719,8 +782,19 @@ def ln_seq_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
 def ln_tiled_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     """:func:`ln_forward_serial` in the ``TILED`` order (:func:`ln_tiled_rows`: rows of
     at least ``TILED_MIN_BYTES`` of ``w``; ``nt`` unused)."""
-    stop = ln_tiled_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1], mean_out,
-                         rstd_out, runtime(0), x.shape[0], runtime(0))
+    stop = ln_tiled_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1],
+                         SEQUENTIAL, mean_out, rstd_out, runtime(0), x.shape[0], runtime(0))
+    alive(w)
+    alive(b)
+    return stop
+
+
+@cached_njit(error_model="numpy")
+def ln_stream_tiled_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
+    """:func:`ln_tiled_forward_serial` writing ``y`` with streaming stores
+    (``STREAM_TILED``: long rows from memory; ``nt`` unused)."""
+    stop = ln_tiled_rows(raw(x), raw(y), raw(w), raw(b), raw(tab), eps, x.shape[1], STREAM,
+                         mean_out, rstd_out, runtime(0), x.shape[0], runtime(0))
     alive(w)
     alive(b)
     return stop
@@ -730,6 +804,12 @@ def ln_tiled_forward_serial(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
 def ln_tiled_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
     """:func:`ln_forward_parallel` in the order of :func:`ln_tiled_forward_serial`."""
     return _ln_rows_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, TILED)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def ln_stream_tiled_forward_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, nt):
+    """:func:`ln_forward_parallel` in the order of :func:`ln_stream_tiled_forward_serial`."""
+    return _ln_rows_parallel(x, w, b, eps, y, mean_out, rstd_out, tab, STREAM_TILED)
 
 
 @cached_njit(parallel=True, error_model="numpy")
@@ -880,12 +960,13 @@ def _rms_row_span(xr, yr, r, start, end, rstd, w):
 
 
 @njit(inline="always", error_model="numpy")
-def _rms_tile_span(xr, yr, r, start, end, rstd, w, down):
-    """:func:`_rms_row_span` upwards or (``down``) downwards, for the ``TILED`` order."""
+def _rms_tile_span(xr, yr, r, start, end, rstd, w, down, stores):
+    """:func:`_rms_row_span` upwards or (``down``) downwards, for the ``TILED`` orders,
+    with the stores of ``stores``."""
     rv = splat(rstd)
     for k in range(start, end, LANES):
         i = start + end - LANES - k if down else k
-        vstore(yr, times_w(vload(xr, r, i) * rv, w, i), r, i)
+        vstore_by(stores, yr, times_w(vload(xr, r, i) * rv, w, i), r, i)
 
 
 @njit(inline="always", error_model="numpy")
@@ -973,15 +1054,16 @@ def rms_raw_rows(xv, yv, wv, eps, n, stream, rstd_out, r0, r1, s0):
 
 
 @callee_njit
-def rms_tiled_rows(xv, yv, wv, eps, n, rstd_out, r0, r1, s0):
+def rms_tiled_rows(xv, yv, wv, eps, n, stores, rstd_out, r0, r1, s0):
     """:func:`rms_raw_rows` in the ``TILED`` order, tiled as :func:`ln_tiled_rows`
-    is (the same operations per row, the same bits); returns as it does."""
+    is, with the stores of ``stores`` (the same operations per row, the same bits);
+    returns as it does."""
     stop = r1
     rstds = np.empty(TILE_ROWS, dtype=np.float64)  # widened exactly
     heads = np.empty(TILE_ROWS, dtype=np.intp)  # as in ln_tiled_rows
     body = n // LANES * LANES
     tile = tile_elements(wv)
-    down = output_downwards(xv, yv)
+    down = store_alignment(stores, yv) == 1 and output_downwards(xv, yv)
     g0 = r0
     while g0 < r1:
         g1 = imin(g0 + TILE_ROWS, r1)
@@ -992,7 +1074,7 @@ def rms_tiled_rows(xv, yv, wv, eps, n, rstd_out, r0, r1, s0):
                 break
             rstds[r - g0] = rstd
             put_stat(rstd_out, s0 + (r - r0), rstd)
-            head = aligned_head(xv, r, n)
+            head = tile_head(xv, yv, r, n, stores)
             heads[r - g0] = head
             end = head + (n - head) // LANES * LANES
             for j in range(head + n - end):
@@ -1004,26 +1086,29 @@ def rms_tiled_rows(xv, yv, wv, eps, n, rstd_out, r0, r1, s0):
                 head = heads[r - g0]
                 end = imin(head + start + tile, head + (n - head) // LANES * LANES)
                 _rms_tile_span(xv, yv, r, head + start, end, cast(rstds[r - g0], eps), wv,
-                               down)
+                               down, stores)
         g0 = g1 if stop == r1 else r1
+    store_fence_by(stores)
     alive(rstds)
     alive(heads)
     return stop
 
 
 def rms_rows_in_order(xv, yv, wv, eps, n, order, rstd_out, r0, r1, s0):
-    """:func:`rms_tiled_rows` for the ``TILED`` order, else :func:`rms_raw_rows`
+    """:func:`rms_tiled_rows` for the ``TILED`` orders, else :func:`rms_raw_rows`
     (see :func:`ln_rows_in_order`)."""
-    if isinstance(order, float):
-        return rms_tiled_rows(xv, yv, wv, eps, n, rstd_out, r0, r1, s0)
+    stores = tiled_stores(order)
+    if stores is not None:
+        return rms_tiled_rows(xv, yv, wv, eps, n, stores, rstd_out, r0, r1, s0)
     return rms_raw_rows(xv, yv, wv, eps, n, order, rstd_out, r0, r1, s0)
 
 
 @overload(rms_rows_in_order, inline="always")
 def _rms_rows_in_order_typed(xv, yv, wv, eps, n, order, rstd_out, r0, r1, s0):
-    if isinstance(order, types.Float):
+    stores = _tiled_stores_of_type(order)
+    if stores is not None:
         def tiled(xv, yv, wv, eps, n, order, rstd_out, r0, r1, s0):
-            return rms_tiled_rows(xv, yv, wv, eps, n, rstd_out, r0, r1, s0)
+            return rms_tiled_rows(xv, yv, wv, eps, n, stores, rstd_out, r0, r1, s0)
         return tiled
 
     def pipelined(xv, yv, wv, eps, n, order, rstd_out, r0, r1, s0):
@@ -1130,8 +1215,18 @@ def rms_seq_forward_parallel(x, w, eps, y, rstd_out, nt):
 @cached_njit(error_model="numpy")
 def rms_tiled_forward_serial(x, w, eps, y, rstd_out, nt):
     """:func:`rms_forward_serial` in the ``TILED`` order (:func:`rms_tiled_rows`)."""
-    stop = rms_tiled_rows(raw(x), raw(y), raw(w), eps, x.shape[1], rstd_out, runtime(0),
-                          x.shape[0], runtime(0))
+    stop = rms_tiled_rows(raw(x), raw(y), raw(w), eps, x.shape[1], SEQUENTIAL, rstd_out,
+                          runtime(0), x.shape[0], runtime(0))
+    alive(w)
+    return stop
+
+
+@cached_njit(error_model="numpy")
+def rms_stream_tiled_forward_serial(x, w, eps, y, rstd_out, nt):
+    """:func:`rms_tiled_forward_serial` writing ``y`` with streaming stores
+    (``STREAM_TILED``)."""
+    stop = rms_tiled_rows(raw(x), raw(y), raw(w), eps, x.shape[1], STREAM, rstd_out,
+                          runtime(0), x.shape[0], runtime(0))
     alive(w)
     return stop
 
@@ -1140,6 +1235,12 @@ def rms_tiled_forward_serial(x, w, eps, y, rstd_out, nt):
 def rms_tiled_forward_parallel(x, w, eps, y, rstd_out, nt):
     """:func:`rms_forward_parallel` in the order of :func:`rms_tiled_forward_serial`."""
     return _rms_rows_parallel(x, w, eps, y, rstd_out, TILED)
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def rms_stream_tiled_forward_parallel(x, w, eps, y, rstd_out, nt):
+    """:func:`rms_forward_parallel` in the order of :func:`rms_stream_tiled_forward_serial`."""
+    return _rms_rows_parallel(x, w, eps, y, rstd_out, STREAM_TILED)
 
 
 @cached_njit(parallel=True, error_model="numpy")

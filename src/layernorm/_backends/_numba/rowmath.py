@@ -115,6 +115,9 @@ SEQUENTIAL = 0
 #: The forward row loops' fourth order, ``TILED`` (a float): long rows a group at a
 #: time, the output pass in column tiles over the group (:func:`.forward_rows.ln_tiled_rows`).
 TILED = 0.0
+#: The fifth, ``STREAM_TILED`` (a tuple): the ``TILED`` order writing with streaming
+#: stores, for long rows from memory.
+STREAM_TILED = (TILED, STREAM)
 PER_LANE = 8
 CHUNK = LANES * PER_LANE
 #: Full chunks summed in ``T`` before a long row's lane sums are closed into float64
