@@ -1477,8 +1477,8 @@ KERNEL_DTYPES = [("float32", "float32", "float32"), ("bfloat16", "bfloat16", "bf
 def test_quantize_kernel_is_the_composition(rms, add, fmt, static):
     # Row lengths around a vector (16 lanes), blocks of rows (BLOCK_ELEMENTS) apart, and
     # on each row path (LayerNorm: short rows, pipelined rows, rows one by one).
-    # Rows with 12 KiB of weight or more in tiles over blocks of 8 rows (a partial last
-    # block, a vector tail).
+    # Rows with 12 KiB of weight or more (LayerNorm: 8 KiB, so 2100 too) in tiles over
+    # blocks of 8 rows (a partial last block, a vector tail).
     for (xd, rd, hd), (rows, n) in zip(KERNEL_DTYPES * 4, [(3, 1), (5, 15), (70, 300),
                                                           (9, 16), (4, 17), (2, 2100),
                                                           (90, 200), (3, 256), (3, 257),

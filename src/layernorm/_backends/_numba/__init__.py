@@ -900,16 +900,16 @@ def quantized_kernels(k: Any, n: int, rms: bool) -> tuple[Any, Any]:
     """The serial and parallel quantizing kernels for rows of ``n`` elements (``k``: the
     kernels module)."""
     long_rows = n > k.PIPELINED_ROW_ELEMENTS
-    tiled = n * param_bytes(np.float32) >= k.TILED_MIN_BYTES  # float32 parameters
+    weight_bytes = n * param_bytes(np.float32)  # float32 parameters
     if rms:
-        if tiled:
+        if weight_bytes >= k.TILED_MIN_BYTES:
             return k.rms_tiled_quant_forward_serial, k.rms_tiled_quant_forward_parallel
         if long_rows:
             return k.rms_long_quant_forward_serial, k.rms_long_quant_forward_parallel
         return k.rms_quant_forward_serial, k.rms_quant_forward_parallel
     if n <= k.SHORT_ROW_MAX:
         return k.ln_short_quant_forward_serial, k.ln_short_quant_forward_parallel
-    if tiled:
+    if weight_bytes >= k.LN_TILED_MIN_BYTES:
         return k.ln_tiled_quant_forward_serial, k.ln_tiled_quant_forward_parallel
     if long_rows:
         return k.ln_long_quant_forward_serial, k.ln_long_quant_forward_parallel

@@ -169,6 +169,7 @@ _HOMES = {
     "quantized": (
         "DYNAMIC",
         "FORMAT_TAGS",
+        "LN_TILED_MIN_BYTES",
         "STATIC",
         "ln_long_quant_forward_parallel",
         "ln_long_quant_forward_serial",

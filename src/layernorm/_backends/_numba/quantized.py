@@ -21,7 +21,8 @@ bit what the plain forward of the float32-widened input writes:
   whose codes are formed after the block's rows (still in cache, the rows' scale chains
   overlapping), for longer rows a one-row buffer (in L1) whose codes follow at once.
 
-Rows with at least ``TILED_MIN_BYTES`` of weight (:data:`TILED`) go in blocks of
+Rows with at least ``TILED_MIN_BYTES`` of weight (LayerNorm: ``LN_TILED_MIN_BYTES``;
+:data:`TILED`) go in blocks of
 ``TILE_ROWS`` rows whose output pass runs in column tiles over the block's rows, as the
 plain forward's tiled rows do (:func:`ln_tiled_quant`): the same values in another order.
 
@@ -151,6 +152,17 @@ ROW_BY_ROW = None
 #: tiled, us: static scale (32, 4096) 26.2 -> 22.8, (16, 8192) 25.5 -> 22.7, (8, 16384)
 #: 24.6 -> 22.4; per-row scale 35.9 -> 29.7, 37.3 -> 29.9, 35.7 -> 32.7.
 TILED = 0
+#: LayerNorm's quantizing kernels take the ``TILED`` loop from this many bytes of
+#: (float32) weight, rows of 2048 elements, below the plain forward's
+#: ``TILED_MIN_BYTES``: the row-by-row loop's float32 row buffer joins the rows of x, w
+#: and b in L1. Measured, int8, float32, public call into ``out=``, row by row / tiled,
+#: (89, 2048) in cache, 1 thread: per-row scale 84-85 / 80-81 us, given scale 87 / 85
+#: us, float8_e4m3fn 110 / 102-105 us; (4096, 2048) from DRAM, 1 thread: per-row scale
+#: 3.91-4.25 / 3.33-3.37 ms, given scale 3.03 / 3.01 ms, float8_e4m3fn 4.40-4.47 /
+#: 4.05-4.23 ms; 2 threads per-row 2.05 / 1.82 ms. Rows of 1536: 81 / 83 us in cache,
+#: 3.85 / 3.70 ms from DRAM (kept row by row). RMSNorm keeps ``TILED_MIN_BYTES``
+#: (from DRAM at 2048: 3.22 / 3.57 ms).
+LN_TILED_MIN_BYTES = 8 << 10
 
 #: The format tags the kernels take: an empty array whose dtype (not its contents)
 #: selects the format when a kernel is compiled, one specialization per format.
