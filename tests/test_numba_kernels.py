@@ -157,7 +157,7 @@ def test_short_rows_in_blocks_match_the_column_path(dtype, n):
 
 
 #: 2050: the rows written whole (SEQUENTIAL_MIN_ROW); 3075: the tiled rows
-#: (TILED_MIN_BYTES, STREAM_TILED_MIN_BYTES), in groups of TILE_ROWS with a last partial
+#: (TILED_MIN_BYTES, STREAM_ROWS_MAX_BYTES), in groups of TILE_ROWS with a last partial
 #: tile and a tail.
 @pytest.mark.parametrize("n", [1, 7, 16, 100, 129, 300, 2050, 3075])
 def test_every_row_entry_kernel_gives_the_same_bits_at_any_length(n):
@@ -282,10 +282,11 @@ def test_16_bit_outputs_are_the_float32_result_rounded_to_nearest_even(dtype, n,
 @pytest.mark.parametrize("n", [1000, 3075])
 def test_streaming_stores_give_same_bits(n, monkeypatch):
     """Streaming stores, row by row (1000) and in column tiles over groups of rows
-    (3075: ``STREAM_TILED_MIN_BYTES`` and ``RMS_STREAM_TILED_MIN_BYTES``; rows that
+    (3075: ``STREAM_ROWS_MAX_BYTES`` and ``RMS_STREAM_TILED_MIN_BYTES``; rows that
     start at different offsets within a cache line), give the plain stores' bits."""
     k = backend.load_kernels()
-    assert (n * 4 >= k.STREAM_TILED_MIN_BYTES) == (n * 4 >= k.RMS_STREAM_TILED_MIN_BYTES)
+    tiled = 16 * n > k.STREAM_ROWS_MAX_BYTES  # float32: two rows of x, w and b
+    assert tiled == (n * 4 >= k.RMS_STREAM_TILED_MIN_BYTES)
     rows = 64 if n < 2048 else 19
     x = _rows(rows, n, 3)
     w, b = _params(n, 3)
@@ -300,7 +301,6 @@ def test_streaming_stores_give_same_bits(n, monkeypatch):
         _same_bits(out, plain)
         ln.rms_norm(x, n, w, out=out, backend="numba")
         _same_bits(out, plain_rms)
-    tiled = n * 4 >= k.STREAM_TILED_MIN_BYTES
     assert (backend.ln_row_kernels(k, x, out, True)[0]
             is k.ln_stream_tiled_forward_serial) == tiled
     assert (backend.rms_row_kernels(k, x, out, True)[0]
@@ -308,16 +308,17 @@ def test_streaming_stores_give_same_bits(n, monkeypatch):
 
 
 def test_streamed_outputs_pick_their_kernels_by_row_length():
-    """Large outputs (streaming stores): the column tiles from STREAM_TILED_MIN_BYTES
-    (LayerNorm) and RMS_STREAM_TILED_MIN_BYTES of float32 weight, rows one by one below;
-    on one thread, LayerNorm rows below SERIAL_STREAM_MIN_ROW keep plain stores."""
+    """Large outputs (streaming stores): LayerNorm's column tiles once two rows of x, w
+    and b exceed STREAM_ROWS_MAX_BYTES, RMSNorm's from RMS_STREAM_TILED_MIN_BYTES of
+    weight, rows one by one below; on one thread, LayerNorm rows below
+    SERIAL_STREAM_MIN_ROW keep plain stores."""
     k = backend.load_kernels()
     ln_kernels = {
         256: (k.ln_forward_serial, k.ln_stream_forward_parallel),
         383: (k.ln_forward_serial, k.ln_stream_forward_parallel),
         384: (k.ln_stream_forward_serial, k.ln_stream_forward_parallel),
-        2047: (k.ln_stream_forward_serial, k.ln_stream_forward_parallel),
-        2048: (k.ln_stream_tiled_forward_serial, k.ln_stream_tiled_forward_parallel),
+        1536: (k.ln_stream_forward_serial, k.ln_stream_forward_parallel),  # 24 KiB
+        1537: (k.ln_stream_tiled_forward_serial, k.ln_stream_tiled_forward_parallel),
     }
     for n, want in ln_kernels.items():
         x = np.empty((4, n), np.float32)
@@ -329,8 +330,14 @@ def test_streamed_outputs_pick_their_kernels_by_row_length():
     }
     for n, want in rms_kernels.items():
         assert backend.rms_unit_row_kernels(k, n, True) == want, n
-    # float64 parameters: bytes, not elements
-    assert backend.ln_unit_row_kernels(k, 1024, True, 8)[0] is k.ln_stream_tiled_forward_serial
+    # float64: 1024 elements are 32 KiB, 768 are 24; bfloat16 x (float32 parameters):
+    # 2048 elements are 24 KiB, 2049 more (the 2-byte kernel arrays of the driver)
+    tiled = k.ln_stream_tiled_forward_serial
+    assert backend.ln_unit_row_kernels(k, 1024, True, 8)[0] is tiled
+    assert backend.ln_unit_row_kernels(k, 768, True, 8)[0] is not tiled
+    half = np.empty((4, 2048), np.uint16)
+    assert backend.ln_row_kernels(k, half, half, True)[0] is not tiled
+    assert backend.ln_unit_row_kernels(k, 2049, True, 4, 2)[0] is tiled
 
 
 def test_serial_and_parallel_kernels_agree():

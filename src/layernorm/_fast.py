@@ -122,7 +122,7 @@ class Plan:
             streamed = _numba.rms_unit_row_kernels(kernels, n, True, size)
         else:
             serial, parallel = _numba.ln_unit_row_kernels(kernels, n, False, size)
-            streamed = _numba.ln_unit_row_kernels(kernels, n, True, size)
+            streamed = _numba.ln_unit_row_kernels(kernels, n, True, size, itemsize)
         #: ``run`` with streaming stores, for large calls that use them (``nt``).
         self.run_streamed = None
         if self.large:

@@ -93,7 +93,8 @@ def layouts(threads: int) -> list[Layout]:
         Layout("streamed long rows", (8, 1024), streamed=True),
         Layout("streamed tiled rows", (4, 2048), streamed=True),
         # At least RMS_STREAM_TILED_MIN_BYTES: RMSNorm's streamed column tiles (the
-        # LayerNorm forward's from STREAM_TILED_MIN_BYTES, rows of 2048).
+        # LayerNorm forward's above STREAM_ROWS_MAX_BYTES: float32 rows from 1537, the
+        # "tiled rows" layout).
         Layout("streamed rows of 4096", (4, 4096), streamed=True),
     ]
     if threads > 1:

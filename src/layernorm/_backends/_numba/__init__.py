@@ -397,7 +397,7 @@ def ln_row_kernels(k: Any, x: Any, y: Any, stream: bool = False) -> tuple[Any, A
     ``stream``: :func:`use_streaming_stores` said yes (only the long-row path streams)."""
     if not (_unit_stride(x) and _unit_stride(y)):
         return k.ln_gathered_forward_serial, k.ln_gathered_forward_parallel
-    return ln_unit_row_kernels(k, x.shape[1], stream, param_bytes(x.dtype))
+    return ln_unit_row_kernels(k, x.shape[1], stream, param_bytes(x.dtype), x.itemsize)
 
 
 def param_bytes(dtype: Any) -> int:
@@ -406,13 +406,16 @@ def param_bytes(dtype: Any) -> int:
     return 8 if np.dtype(dtype) == np.float64 else 4
 
 
-def ln_unit_row_kernels(k: Any, n: int, stream: bool = False,
-                        param_size: int = 4) -> tuple[Any, Any]:
+def ln_unit_row_kernels(k: Any, n: int, stream: bool = False, param_size: int = 4,
+                        item_size: int | None = None) -> tuple[Any, Any]:
     """:func:`ln_row_kernels` for rows of ``n`` elements of unit stride (x and y), whose
-    parameters have ``param_size`` bytes per element (:func:`param_bytes`)."""
+    parameters have ``param_size`` bytes per element (:func:`param_bytes`) and x
+    ``item_size`` (default: ``param_size``)."""
     if n <= k.SHORT_ROW_MAX:
         return k.ln_short_forward_serial, k.ln_short_forward_parallel
-    if stream and n * param_size >= k.STREAM_TILED_MIN_BYTES:
+    item_size = param_size if item_size is None else item_size
+    # two rows of x, w and b (see STREAM_ROWS_MAX_BYTES)
+    if stream and 2 * n * (item_size + param_size) > k.STREAM_ROWS_MAX_BYTES:
         return k.ln_stream_tiled_forward_serial, k.ln_stream_tiled_forward_parallel
     if stream and n < SERIAL_STREAM_MIN_ROW:
         return k.ln_forward_serial, k.ln_stream_forward_parallel

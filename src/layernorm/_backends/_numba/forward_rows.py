@@ -12,7 +12,7 @@
   each row is written whole before the next is read, and from ``TILED_MIN_BYTES`` of
   parameters per row (:func:`ln_tiled_rows`, :func:`rms_tiled_rows`) rows go
   ``TILE_ROWS`` at a time, their output pass in column tiles over the group (from
-  ``STREAM_TILED_MIN_BYTES`` too when written with streaming stores);
+  ``STREAM_ROWS_MAX_BYTES`` too when written with streaming stores);
 * **gather path** (any other 2-D row): rows are copied into contiguous scratch rows,
   run through the row path, and the results copied out.
 
@@ -158,24 +158,33 @@ TILE_BYTES = 4096
 #: one at a time (their x is then read again from L1): tiled, float32 rows of 1536
 #: were 10% slower in cache and rows of 2048 in place from DRAM 5%.
 TILED_MIN_BYTES = 12 << 10
-#: Rows written with streaming stores (outputs from memory) take the ``STREAM_TILED``
-#: order from this many bytes of ``w`` (kernels ``ln_stream_tiled_forward_*``; no
-#: effect on results). Row by row, an iteration keeps in L1 row r of x (its output
-#: pass), row r + 1 (its statistics, read from memory), ``w`` and ``b``: from rows of
-#: 8 KiB that is more than a 32 KiB L1, and the stream of x from memory slowed down.
-#: Measured, Zen 4, float32, public call into ``out=``, x of 32 MiB rotated over 160
-#: MiB, fraction of ``np.copyto`` in the same rounds, row by row -> tiled: 1 thread
-#: n = 1024 1.30 -> 0.93, 1280 1.15 -> 0.86, 1536 0.95-1.02 -> 0.87-0.99, 2048
-#: 0.75-0.82 -> 0.92-1.03, 3072 0.62 -> 0.75, 4096 0.85 -> 0.97, 8192 0.90 -> 0.92,
-#: 16384 0.94 -> 0.96; 2 threads 2048 1.12 -> 1.22, 3072 1.35 -> 1.34, 4096 0.95 ->
-#: 1.36, 16384 1.57 -> 2.12. The fused add-and-normalize kernels keep their rows one by
-#: one: they normalize ``h`` from the cache (tiled: 3-6% slower at n = 1024-4096, 10%
-#: faster at 16384, 1 thread).
-STREAM_TILED_MIN_BYTES = 8 << 10
-#: :data:`STREAM_TILED_MIN_BYTES` for RMSNorm (``rms_stream_tiled_forward_*``), whose
-#: rows without ``b`` fit in L1 up to 8 KiB: same measurement, 1 thread, n = 2048 1.28-1.39
-#: -> 1.06, 3072 0.93 -> 1.07, 4096 0.98-1.01 -> 1.12, 16384 1.07 -> 1.12; 2 threads
-#: 2048 1.59 -> 1.66, 3072 1.23 -> 1.21, 4096 1.00 -> 1.24, 16384 1.06 -> 1.36.
+#: LayerNorm rows written with streaming stores (outputs from memory) take the
+#: ``STREAM_TILED`` order (kernels ``ln_stream_tiled_forward_*``; no effect on results)
+#: when the row-by-row loop's L1 working set, two rows of x (row r written, row r + 1
+#: read from memory for its statistics) and ``w`` and ``b`` (of the accumulation
+#: type), is more than this many bytes: then it no longer fits a 32 KiB L1 beside the
+#: rest, and the stream of x from memory slowed down. Measured, Zen 4, public call into
+#: ``out=``, x of 32 MiB rotated over 160 MiB, fraction of ``np.copyto`` in the same
+#: rounds, row by row -> tiled, 1 thread: float32 n = 1024 (16 KiB) 1.30 -> 0.93,
+#: 1280 1.15 -> 0.86, 1536 (24 KiB) 0.90-1.02 -> 0.87-0.99, 1664 0.85 -> 0.82, 1792
+#: (28 KiB) 0.76 -> 0.90, 2048 (32 KiB) 0.75-0.88 -> 0.92-1.10, 3072 0.62 -> 0.75, 4096
+#: 0.85 -> 0.97, 8192 0.90 -> 0.92, 16384 0.94 -> 0.96; bfloat16 x (float32
+#: parameters) 1536 0.71 -> 0.64, 2048 (24 KiB) 0.69-0.86 -> 0.65-0.72, 3072 (36 KiB)
+#: 0.56-0.59 -> 0.70-0.72, 4096 0.59 -> 0.71; float64 768 (24 KiB) 0.95 -> 0.91, 1024
+#: (32 KiB) 0.88 -> 1.02, 1536 0.93 -> 1.09, 2048 0.98 -> 1.12;
+#: 2 threads, float32 2048 1.12 -> 1.22, 3072 1.35 -> 1.34, 4096 0.95 -> 1.36, 16384
+#: 1.57 -> 2.12. The fused add-and-normalize kernels keep their rows one by one: they
+#: normalize ``h`` from the cache (tiled: 3-6% slower at n = 1024-4096, 10% faster at
+#: 16384, float32, 1 thread).
+STREAM_ROWS_MAX_BYTES = 24 << 10
+#: RMSNorm rows written with streaming stores take the ``STREAM_TILED`` order
+#: (``rms_stream_tiled_forward_*``) from this many bytes of ``w`` (of the accumulation
+#: type): same measurement, 1 thread, float32 n = 2048 1.28-1.39 -> 1.06, 3072 0.93 ->
+#: 1.07, 4096 0.98-1.01 -> 1.12, 16384 1.07 -> 1.12; bfloat16 x 3072 0.70 -> 0.81, 4096
+#: 0.67 -> 0.86; float64 1024 0.86 -> 0.76, 1536 0.80 -> 0.77 (tiled: within 3%); 2
+#: threads, float32 2048 1.59 -> 1.66, 3072 1.23 -> 1.21, 4096 1.00 -> 1.24, 16384 1.06 ->
+#: 1.36. (Two rows of x and ``w`` do not order these lengths as the LayerNorm rule
+#: does: bfloat16 rows of 3072 gain at 24 KiB.)
 RMS_STREAM_TILED_MIN_BYTES = 12 << 10
 #: The parallel LayerNorm kernels take the ``TILED`` order from this many bytes of
 #: ``w`` (float32 rows of 2048-3071 elements; the serial ones keep ``SEQUENTIAL`` there:

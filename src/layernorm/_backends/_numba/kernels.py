@@ -116,7 +116,7 @@ _HOMES = {
         "RMS_STREAM_TILED_MIN_BYTES",
         "SEQUENTIAL_MIN_ROW",
         "SHORT_ROW_MAX",
-        "STREAM_TILED_MIN_BYTES",
+        "STREAM_ROWS_MAX_BYTES",
         "TILED_MIN_BYTES",
         "TILED_PARALLEL_MIN_BYTES",
         "ln_forward_parallel",
