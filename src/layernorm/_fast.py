@@ -431,7 +431,6 @@ def short_path_scale(scale: Any) -> bool:
             or (type(scale) is np.ndarray and scale.dtype.type in _ROW_SCALE_TYPES))
 
 
-
 def row_inverses(scale: np.ndarray, stats_shape: tuple[int, ...]) -> Any:
     """``1 / scale`` row by row in float32 (as the general path computes it: the scale
     cast to float32, then divided into 1) for a per-row static ``scale`` of the
