@@ -603,65 +603,96 @@ def _folded_tree_sums(sv, first):
     return fold1(fold2(b0, b1), fold2(b2, b3))
 
 
+@njit(inline="always", error_model="numpy")
+def short_scratch(eps):
+    """The scratch blocks of :func:`short_group_moments`: ``LANES`` rows' lane sums and
+    statistics (x's accumulation dtype, that of ``eps``) and their float64 ``M2`` and
+    sums of squares."""
+    return np.full((_S_ROWS, LANES), eps), np.zeros((2, LANES), np.float64)
+
+
+@njit(inline="always", error_model="numpy")
+def short_group_moments(xv, pv, sv, wv64, first, last, n, eps, ahead):
+    """The statistics of the ``LANES`` rows ``first ..`` of ``xv`` (rows past ``last``
+    are ``last`` again), row ``i``'s in lane ``i`` of the scratch blocks ``sv`` and
+    ``wv64`` (:func:`short_scratch`; read back by :func:`short_row_moments`).
+
+    Each row's lane sums are computed as on the row path and parked in ``sv``; the trees
+    of ``LANES`` rows are then folded together and the moments and ``rstd`` computed for
+    all of them in one vector: the same IEEE operations per row, so the same bits. With
+    ``ahead``, each row prefetches the row ``2 * LANES`` rows on of ``xv`` and (for
+    writing) of the output view ``pv``."""
+    inv_n = splat(1.0 / np.float64(n))
+    for i in range(LANES):
+        row = imin(first + i, last)
+        if ahead:
+            soon = imin(first + 2 * LANES + i, last)
+            xpf, ppf = vaddress(xv, soon, 0), vaddress(pv, soon, 0)
+            for o in range(0, n * itemsize(xv), 64):
+                prefetch_at(xpf, o, False)
+            for o in range(0, n * itemsize(pv), 64):
+                prefetch_at(ppf, o, True)
+        shift = row_shift(xv, row, n)
+        put(sv, _S_SHIFT, i, shift)
+        a, q, _, _ = lane_sums_inlined(xv, row, n, shift)  # never a closed block
+        vstore(sv, a, _S_A + i, 0)
+        vstore(sv, q, _S_Q + i, 0)
+    s = _folded_tree_sums(sv, _S_A)
+    ss = _folded_tree_sums(sv, _S_Q)
+    mu = s * inv_n
+    m2 = fma(s, mu * splat(-1.0), ss)
+    vstore(wv64, m2, 0, 0)
+    vstore(wv64, ss, 1, 0)
+    mt = rounded(mu, eps)
+    vstore(sv, mt, _S_MU, 0)
+    vstore(sv, rounded(splat(1.0) / sqrt(m2 * inv_n + splat(np.float64(eps))), eps),
+           _S_RSTD, 0)
+    vstore(sv, vload(sv, _S_SHIFT, 0) + mt, _S_MEAN_OUT, 0)
+
+
+@njit(inline="always", error_model="numpy")
+def short_row_moments(xv, sv, wv64, r, i, n, eps, tv):
+    """Row ``r``'s ``(shift, mean, rstd, mean_out)`` from lane ``i`` of
+    :func:`short_group_moments`' blocks; a row whose ``M2`` cancelled is redone alone by
+    the row path's :func:`.rowmath.redo`."""
+    shift = get(sv, _S_SHIFT, i)
+    mean = get(sv, _S_MU, i)
+    rstd = get(sv, _S_RSTD, i)
+    mo = get(sv, _S_MEAN_OUT, i)
+    if cancelled(get(wv64, 0, i), get(wv64, 1, i), tv):
+        shift, mu2, m2r = redo(xv, r, n, shift, mean, tv)
+        mean, mo, rstd = finish(shift, mu2, m2r, n, eps)
+    return shift, mean, rstd, mo
+
+
+@njit(inline="always", error_model="numpy")
+def short_rows_ahead(xv, rows, n):
+    """Whether :func:`short_group_moments` prefetches for ``rows`` rows of ``xv``
+    (:data:`SHORT_ROW_PREFETCH`, for at least ``PREFETCH_MIN_BYTES``)."""
+    return SHORT_ROW_PREFETCH and rows * n * itemsize(xv) >= PREFETCH_MIN_BYTES
+
+
 @callee_njit
 def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
     """:func:`ln_long_rows` for rows of at most ``SHORT_ROW_MAX``, ``LANES`` rows at a time.
 
-    A short row's time goes to the latency of its two lane trees and of its ``rstd``.
-    Here each row's lane sums are computed as on the row path and parked in a scratch
-    block; the trees of ``LANES`` rows are then folded together (row ``i`` in lane ``i``)
-    and the moments and ``rstd`` are computed for all of them in one vector: the same
-    IEEE operations per row, so the same bits. A row whose ``M2`` cancelled is redone
-    alone by the row path's :func:`.rowmath.redo`. A last partial block fills its unused
-    lanes with its last row again (loops of constant length run faster) and stores that
-    row once. Returns as :func:`ln_long_rows` does.
+    A short row's time goes to the latency of its two lane trees and of its ``rstd``:
+    :func:`short_group_moments` computes ``LANES`` rows' statistics in one vector (the
+    same bits as the row path's), then each row's output pass follows. A last partial
+    group fills its unused lanes with its last row again (loops of constant length run
+    faster) and stores that row once. Returns as :func:`ln_long_rows` does.
     """
-    scratch = np.full((_S_ROWS, LANES), eps)
-    wide_scratch = np.zeros((2, LANES), np.float64)  # M2, sums of squares
+    scratch, wide_scratch = short_scratch(eps)
     sv = raw(scratch)
     wv64 = raw(wide_scratch)
-    inv_n = splat(1.0 / np.float64(n))
-    eps_vec = splat(np.float64(eps))
-    one = splat(1.0)
-    minus = splat(-1.0)
-    last = r1 - 1
+    ahead = short_rows_ahead(xv, r1 - r0, n)
     stop = r1
-    ahead = SHORT_ROW_PREFETCH and (r1 - r0) * n * itemsize(xv) >= PREFETCH_MIN_BYTES
     for first in range(r0, r1, LANES):
         if stop < r1:
             break
-        for i in range(LANES):
-            row = imin(first + i, last)
-            if ahead:
-                soon = imin(first + 2 * LANES + i, last)
-                xpf, ypf = vaddress(xv, soon, 0), vaddress(yv, soon, 0)
-                for o in range(0, n * itemsize(xv), 64):
-                    prefetch_at(xpf, o, False)
-                for o in range(0, n * itemsize(yv), 64):
-                    prefetch_at(ypf, o, True)
-            shift = row_shift(xv, row, n)
-            put(sv, _S_SHIFT, i, shift)
-            a, q, _, _ = lane_sums_inlined(xv, row, n, shift)  # never a closed block
-            vstore(sv, a, _S_A + i, 0)
-            vstore(sv, q, _S_Q + i, 0)
-        s = _folded_tree_sums(sv, _S_A)
-        ss = _folded_tree_sums(sv, _S_Q)
-        mu = s * inv_n
-        m2 = fma(s, mu * minus, ss)
-        vstore(wv64, m2, 0, 0)
-        vstore(wv64, ss, 1, 0)
-        mt = rounded(mu, eps)
-        vstore(sv, mt, _S_MU, 0)
-        vstore(sv, rounded(one / sqrt(m2 * inv_n + eps_vec), eps), _S_RSTD, 0)
-        vstore(sv, vload(sv, _S_SHIFT, 0) + mt, _S_MEAN_OUT, 0)
+        short_group_moments(xv, yv, sv, wv64, first, r1 - 1, n, eps, ahead)
         for i in range(imin(LANES, r1 - first)):
-            shift = get(sv, _S_SHIFT, i)
-            mean = get(sv, _S_MU, i)
-            rstd = get(sv, _S_RSTD, i)
-            mo = get(sv, _S_MEAN_OUT, i)
-            if cancelled(get(wv64, 0, i), get(wv64, 1, i), tv):
-                shift, mu2, m2r = redo(xv, first + i, n, shift, mean, tv)
-                mean, mo, rstd = finish(shift, mu2, m2r, n, eps)
+            shift, mean, rstd, mo = short_row_moments(xv, sv, wv64, first + i, i, n, eps, tv)
             if needs_rescaling(xv, first + i, n, rstd):
                 stop = first + i
                 break
