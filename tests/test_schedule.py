@@ -245,6 +245,42 @@ def test_a_probe_does_not_count_the_parallel_calls_before_it():
     assert chooser.parallel(key) is True
 
 
+def choices(seed, calls=3000):
+    """The choices of a chooser driven by the times of a made-up machine that is now
+    quiet, now busy (seeded): each call runs as chosen, takes a time drawn for its kind
+    (a parallel call sometimes collapses), and the clock moves by that time and by a
+    gap that is mostly none, sometimes more than BACK_TO_BACK_S, now and then seconds."""
+    rng = np.random.default_rng(seed)
+    chooser, clock, key = make()
+    out = []
+    for _ in range(calls):
+        parallel = chooser.parallel(key)
+        busy = rng.random() < 0.3
+        if parallel:
+            collapsed = rng.random() < (0.4 if busy else 0.03)
+            seconds = rng.uniform(0.03, 0.08) if collapsed else rng.uniform(0.004, 0.012)
+        else:
+            seconds = rng.uniform(0.009, 0.011) * (rng.uniform(1.0, 5.0) if busy else 1.0)
+        clock.now += seconds
+        chooser.record(key, parallel, seconds, ELEMENTS)
+        out.append(parallel)
+        clock.now += rng.choice([0.0, 0.0, 0.0, 2 * schedule.BACK_TO_BACK_S, 0.01,
+                                 rng.uniform(0.0, 3.0)], p=[0.5, 0.2, 0.1, 0.1, 0.08, 0.02])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_scoring_parallel_calls_a_few_calls_late_makes_the_same_choices(monkeypatch, seed):
+    # RESCORE_EVERY: only calls slower than the serial figure can turn a class serial, so
+    # scoring the others a few calls late changes no choice.
+    late = choices(seed)
+    monkeypatch.setattr(schedule, "RESCORE_EVERY", 0)  # every call scored
+    every = choices(seed)
+    assert late == every
+    assert 0.2 < np.mean(every) < 0.95  # both kinds of calls, and switches between them
+    assert np.count_nonzero(np.diff(every)) > 50
+
+
 def test_classes_are_kernel_dtype_and_size():
     chooser, _clock, key = make()
     chooser.record(key, False, 0.010, ELEMENTS)
