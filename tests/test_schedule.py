@@ -378,3 +378,89 @@ def test_every_policy_gives_the_same_bits():
         assert proc.returncode == 0, proc.stderr[-2000:]
         sums.add(proc.stdout.strip())
     assert len(sums) == 1
+
+
+def test_serial_kernels_release_the_gil_and_parallel_ones_keep_it():
+    # The serial kernels run while a parallel one compiles in the background (and beside
+    # a threaded scheduler's other tasks); the parallel ones run one Python thread at a
+    # time (see the backend's _parallel_lock).
+    pytest.importorskip("numba")
+    from layernorm._backends._numba import kernels
+
+    seen = 0
+    for name in dir(kernels):
+        kernel = getattr(kernels, name)
+        options = getattr(kernel, "targetoptions", None)
+        if options is None:
+            continue
+        seen += 1
+        assert options["nogil"] is (not options.get("parallel", False)), name
+    assert seen > 50
+
+
+def test_a_parallel_kernel_compiles_in_the_background():
+    numba = pytest.importorskip("numba")
+    from layernorm._backends._numba import entry
+
+    @numba.njit(parallel=True)
+    def twice(a, out):
+        for i in numba.prange(a.shape[0]):
+            out[i] = 2.0 * a[i]
+
+    a = np.arange(1000, dtype=np.float64)
+    out = np.empty_like(a)
+    assert entry.ready_entry_point(twice, (1,), (a, out)) is None  # compiling
+    threads = [t for key, t in list(entry.compiling.items()) if key[0] is twice]
+    assert len(threads) == 1
+    assert entry.ready_entry_point(twice, (1,), (a, out)) is None  # once
+    entry.finish_compiling()
+    assert not entry.compiling
+    compiled = entry.ready_entry_point(twice, (1,), (a, out))
+    compiled(a, out)
+    np.testing.assert_array_equal(out, 2.0 * a)
+    # a view of another layout: the same compiled entry point
+    assert entry.ready_entry_point(twice, (1,), (a[::2], out[::2])) is compiled
+
+
+def test_a_failed_background_compilation_raises_in_the_next_call():
+    numba = pytest.importorskip("numba")
+    from layernorm._backends._numba import entry
+
+    @numba.njit(parallel=True)
+    def broken(a):
+        return no_such_function(a)  # noqa: F821
+
+    a = np.arange(10.0)
+    assert entry.ready_entry_point(broken, (), (a,)) is None
+    entry.finish_compiling()
+    with pytest.raises(Exception, match="no_such_function"):
+        entry.ready_entry_point(broken, (), (a,))
+
+
+@pytest.mark.parametrize("policy", ["auto", "always"])
+def test_a_call_runs_serially_while_its_parallel_kernel_compiles(monkeypatch, policy):
+    pytest.importorskip("numba")
+    from layernorm._backends import _numba as backend
+
+    monkeypatch.setattr(backend, "chooser", schedule.Chooser(policy))
+    monkeypatch.setattr(backend.entry, "ready_entry_point", lambda *args: None)
+    monkeypatch.setattr(backend.entry, "entry_point", lambda kernel, writes, args: kernel)
+    key = backend.chooser.key("kernel", np.dtype(np.float32), ELEMENTS)
+    backend.chooser.record(key, False, 0.010, ELEMENTS)
+    assert backend.chooser.parallel(key)  # a probe, or always parallel
+    ran = []
+
+    def serial(*args):
+        ran.append("serial")
+
+    def parallel(*args):
+        ran.append("parallel")
+
+    backend._choose_class(key, ELEMENTS, (np.zeros(4),), lambda args: serial,
+                          lambda args: backend.parallel_entry_point(parallel, (), args))
+    if policy == "auto":  # serial while it compiles, measured as a serial call
+        assert ran == ["serial"]
+        assert len(backend.chooser.classes[key].serial_times.order) == 2
+        assert backend.chooser.parallel(key)  # it probes once the kernel is there
+    else:  # the policy waits for the parallel kernel
+        assert ran == ["parallel"]

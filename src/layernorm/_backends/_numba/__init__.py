@@ -90,7 +90,8 @@ chooser = schedule.Chooser(schedule.policy_from_environment())
 
 def _run(serial: Any, parallel: Any, elements: int, writes: tuple[int, ...],
          *args: Any) -> Any:
-    """Run the parallel kernel when it pays and no other thread is in one, else serial.
+    """Run the parallel kernel when it pays, no other thread is in one and it is
+    compiled (:func:`parallel_entry_point`), else serial.
 
     Both perform the same arithmetic per row; small inputs never touch the thread pool.
     Larger ones go parallel unless :data:`chooser` measured that parallel calls of their
@@ -98,7 +99,16 @@ def _run(serial: Any, parallel: Any, elements: int, writes: tuple[int, ...],
     the arrays the kernels write (see :mod:`.entry`).
     """
     return _choose(serial, elements, args, lambda a: entry.entry_point(serial, writes, a),
-                   lambda a: entry.entry_point(parallel, writes, a))
+                   lambda a: parallel_entry_point(parallel, writes, a))
+
+
+def parallel_entry_point(kernel: Any, writes: tuple[int, ...], args: tuple[Any, ...]) -> Any:
+    """The compiled parallel ``kernel`` for ``args``, or None while it compiles in the
+    background (:func:`.entry.ready_entry_point`; the serial kernel runs meanwhile),
+    except under the ``always`` policy, which waits for it."""
+    if chooser.policy == "always":
+        return entry.entry_point(kernel, writes, args)
+    return entry.ready_entry_point(kernel, writes, args)
 
 
 def _choose(serial: Any, elements: int, args: tuple[Any, ...], serial_entry: Any,
@@ -120,13 +130,14 @@ def _choose_class(key: Any, elements: int, args: tuple[Any, ...], serial_entry: 
     ran_parallel = False
     if chooser.parallel(key) and _parallel_lock.acquire(blocking=False):
         try:
-            _parallel_ran = ran_parallel = True
             kernel = parallel_entry(args)
-            start = time.perf_counter()
-            result = kernel(*args)
+            if kernel is not None:  # else it is compiling: serial meanwhile
+                _parallel_ran = ran_parallel = True
+                start = time.perf_counter()
+                result = kernel(*args)
         finally:
             _parallel_lock.release()
-    else:
+    if not ran_parallel:
         kernel = serial_entry(args)
         start = time.perf_counter()
         result = kernel(*args)
@@ -213,8 +224,8 @@ class PlannedRows:
         return self._serial
 
     def _parallel_entry(self, args: tuple[Any, ...]) -> Any:
-        if self._parallel is None:
-            self._parallel = entry.entry_point(self.parallel, self.writes, args)
+        if self._parallel is None:  # None again while it compiles
+            self._parallel = parallel_entry_point(self.parallel, self.writes, args)
         return self._parallel
 
 

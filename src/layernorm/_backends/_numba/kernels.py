@@ -45,8 +45,8 @@ one, and nothing else. Modules, by job:
   gradients, its partials summed over blocks in a fixed order);
 * :mod:`.fused`: residual add then LayerNorm/RMSNorm of rows in one pass (the row
   functions of :mod:`.forward_rows` on the freshly added rows);
-* :mod:`.quantized`: the same with int8/float8 output (rows normalized into a float32
-  scratch block, quantized from L2);
+* :mod:`.quantized`: the same with int8/float8 output (each row's codes from its output
+  pass, through a float32 row in cache for a per-row scale);
 * :mod:`.passes`: the forward's two passes alone, for the roofline tool;
 * :mod:`._simd`, :mod:`._scalars`: the SIMD vectors and 16-bit conversions they are
   written with (:mod:`.python_simd`: their NumPy stand-ins under
