@@ -407,13 +407,27 @@ def test_a_parallel_kernel_compiles_in_the_background():
         for i in numba.prange(a.shape[0]):
             out[i] = 2.0 * a[i]
 
+    @numba.njit(parallel=True)
+    def thrice(a, out):
+        for i in numba.prange(a.shape[0]):
+            out[i] = 3.0 * a[i]
+
     a = np.arange(1000, dtype=np.float64)
     out = np.empty_like(a)
+    entry.finish_compiling()  # what earlier calls started
     assert entry.ready_entry_point(twice, (1,), (a, out)) is None  # compiling
     threads = [t for key, t in list(entry.compiling.items()) if key[0] is twice]
     assert len(threads) == 1
     assert entry.ready_entry_point(twice, (1,), (a, out)) is None  # once
+    # Another kernel waits for its turn (the thread holds Numba's compiler lock); a
+    # compilation takes far longer than these lines.
+    assert entry.ready_entry_point(thrice, (1,), (a, out)) is None
+    assert [key[0] for key in entry.compiling] == [twice]
     entry.finish_compiling()
+    assert entry.ready_entry_point(thrice, (1,), (a, out)) is None  # its turn now
+    entry.finish_compiling()
+    entry.ready_entry_point(thrice, (1,), (a, out))(a, out)
+    np.testing.assert_array_equal(out, 3.0 * a)
     assert not entry.compiling
     compiled = entry.ready_entry_point(twice, (1,), (a, out))
     compiled(a, out)
@@ -431,6 +445,7 @@ def test_a_failed_background_compilation_raises_in_the_next_call():
         return no_such_function(a)  # noqa: F821
 
     a = np.arange(10.0)
+    entry.finish_compiling()
     assert entry.ready_entry_point(broken, (), (a,)) is None
     entry.finish_compiling()
     with pytest.raises(Exception, match="no_such_function"):

@@ -95,7 +95,9 @@ def ready_entry_point(kernel: Any, writes: tuple[int, ...],
                       args: tuple[Any, ...]) -> Callable[..., Any] | None:
     """:func:`entry_point` if the kernel for arguments like ``args`` is compiled or in
     Numba's disk cache (loaded now), else None, its compilation started on a thread of
-    its own (once; the caller runs another kernel meanwhile).
+    its own (once; the caller runs another kernel meanwhile). While any such thread
+    runs, a kernel that is not compiled yet gets None without a look at the disk cache:
+    the thread holds Numba's compiler lock, which loading from the cache takes too.
 
     For the parallel variants, whose first use the backend can put off (the serial
     kernel gives the same bits): compiling one took 1.2-1.5 s, which a user's second
@@ -114,7 +116,7 @@ def ready_entry_point(kernel: Any, writes: tuple[int, ...],
     entry = entry_points.get(key)
     if entry is not None:
         return entry
-    if key in compiling:
+    if compiling:  # this one, or another holding Numba's compiler lock: ask again later
         return None
     if key in _failed:
         _failed.discard(key)
