@@ -769,6 +769,31 @@ def test_compile_streamed_layouts_run_the_streaming_kernels():
         "rms_stream_backward_serial"]))
 
 
+def test_compile_parallel_layouts_compile_their_parallel_kernels_at_once():
+    # A class's first calls run serially, and a library call compiles a parallel kernel
+    # in the background (the serial one runs meanwhile): the compile command's parallel
+    # layouts must leave both compiled when they return (they compiled only the serial
+    # kernels until 2026-12-06).
+    code = textwrap.dedent("""
+        from layernorm._backends._numba import entry, kernels as k
+        from layernorm._backends._numba import parallel_kernels_compiled_at_once
+        from layernorm.bench import precompile
+        layout = next(lay for lay in precompile.layouts(2)
+                      if lay.name == "parallel long rows")
+        precompile.calls("layer_norm", "forward", "float32", layout)()
+        with parallel_kernels_compiled_at_once():
+            precompile.calls("layer_norm", "forward", "float32", layout)()
+            used = {key[0] for key in entry.entry_points}
+            print(bool(entry.compiling), k.ln_forward_serial in used,
+                  k.ln_forward_parallel in used)
+        """)
+    env = dict(os.environ, NUMBA_NUM_THREADS="2", LAYERNORM_PARALLEL="auto")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, check=False, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[0] == "False True True"
+
+
 @pytest.mark.slow
 def test_compile_fills_an_empty_numba_cache(tmp_path):
     # One small dtype and op, one thread (no parallel kernels): the cheapest real run.

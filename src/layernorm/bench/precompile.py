@@ -264,6 +264,8 @@ def run(ops: Sequence[str], directions: Sequence[str], dtypes: Sequence[str],
     layout), the cache folder and the cache files it added."""
     import numba
 
+    from .._backends._numba import parallel_kernels_compiled_at_once
+
     threads = numba.get_num_threads()
     folder = cache_dir()
     before = cache_files(folder)
@@ -275,7 +277,10 @@ def run(ops: Sequence[str], directions: Sequence[str], dtypes: Sequence[str],
                 for layout in layouts(threads):
                     fn = calls(op, direction, dtype, layout)
                     t0 = time.perf_counter()
-                    fn()
+                    fn()  # the serial kernels (a class's first calls are serial)
+                    if layout.parallel:
+                        with parallel_kernels_compiled_at_once():
+                            fn()
                     items.append({"dtype": dtype, "op": op, "direction": direction,
                                   "layout": layout.name,
                                   "seconds": time.perf_counter() - t0})

@@ -105,10 +105,25 @@ def _run(serial: Any, parallel: Any, elements: int, writes: tuple[int, ...],
 def parallel_entry_point(kernel: Any, writes: tuple[int, ...], args: tuple[Any, ...]) -> Any:
     """The compiled parallel ``kernel`` for ``args``, or None while it compiles in the
     background (:func:`.entry.ready_entry_point`; the serial kernel runs meanwhile),
-    except under the ``always`` policy, which waits for it."""
+    except under the ``always`` policy (:func:`parallel_kernels_compiled_at_once`),
+    which waits for it."""
     if chooser.policy == "always":
         return entry.entry_point(kernel, writes, args)
     return entry.ready_entry_point(kernel, writes, args)
+
+
+@contextlib.contextmanager
+def parallel_kernels_compiled_at_once() -> Iterator[None]:
+    """Within it, the chooser's policy is ``always``: a call large enough runs the
+    parallel kernel, compiled before the call returns (``python -m layernorm compile``
+    fills the cache with them). Not thread-safe: for tools, never for library calls."""
+    saved = chooser.policy
+    entry.finish_compiling()
+    chooser.policy = "always"
+    try:
+        yield
+    finally:
+        chooser.policy = saved
 
 
 def _choose(serial: Any, elements: int, args: tuple[Any, ...], serial_entry: Any,
