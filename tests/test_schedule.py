@@ -436,6 +436,30 @@ def test_a_parallel_kernel_compiles_in_the_background():
     assert entry.ready_entry_point(twice, (1,), (a[::2], out[::2])) is compiled
 
 
+def test_background_compilation_can_be_turned_off():
+    # ``bench`` compiles in the caller (see set_background_compiles).
+    numba = pytest.importorskip("numba")
+    from layernorm._backends._numba import entry
+
+    @numba.njit(parallel=True)
+    def halve(a, out):
+        for i in numba.prange(a.shape[0]):
+            out[i] = 0.5 * a[i]
+
+    a = np.arange(100, dtype=np.float64)
+    out = np.empty_like(a)
+    entry.finish_compiling()
+    previous = entry.set_background_compiles(False)
+    try:
+        assert previous is True
+        compiled = entry.ready_entry_point(halve, (1,), (a, out))
+        assert compiled is not None and not entry.compiling
+        compiled(a, out)
+        np.testing.assert_array_equal(out, 0.5 * a)
+    finally:
+        assert entry.set_background_compiles(previous) is False
+
+
 def test_a_failed_background_compilation_raises_in_the_next_call():
     numba = pytest.importorskip("numba")
     from layernorm._backends._numba import entry

@@ -30,8 +30,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    from .._backends._numba.entry import set_background_compiles
     from . import machine, noise, report, run, settings
 
+    # Kernels compile in the calls that first want them, as before background
+    # compilation (see set_background_compiles); the process ends with the command.
+    set_background_compiles(False)
     config = settings.settings_from_args(args)
     started = time.perf_counter()
     load_before = machine.load_info()

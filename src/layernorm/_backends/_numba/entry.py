@@ -33,6 +33,27 @@ compiling: dict[tuple[Any, ...], threading.Thread] = {}
 _failed: set[tuple[Any, ...]] = set()
 
 
+#: Whether :func:`ready_entry_point` compiles in the background (see
+#: :func:`set_background_compiles`).
+_background = True
+
+
+def set_background_compiles(enabled: bool) -> bool:
+    """Whether :func:`ready_entry_point` compiles a kernel on a thread of its own
+    (``True``, the default) or in the caller, as :func:`entry_point` does; returns the
+    previous setting.
+
+    ``python -m layernorm bench`` compiles in the caller: in a process with an empty
+    cache, a background compilation left the library's and torch's calls with fresh
+    outputs slower in the first timed rounds after it (measured, 2 threads, (44, 4096)
+    in cache: 45-82 us and 190-280 us against 21 and 36 us; not seen outside ``bench``,
+    where those outputs come from ``malloc`` in its default mode).
+    """
+    global _background
+    previous, _background = _background, bool(enabled)
+    return previous
+
+
 def finish_compiling() -> None:
     """Wait for the background compilations (:func:`ready_entry_point`): before a
     fork, whose child would inherit Numba's compiler lock held by a thread it does not
@@ -116,6 +137,8 @@ def ready_entry_point(kernel: Any, writes: tuple[int, ...],
     entry = entry_points.get(key)
     if entry is not None:
         return entry
+    if not _background:
+        return entry_point(kernel, writes, args)
     if compiling:  # this one, or another holding Numba's compiler lock: ask again later
         return None
     if key in _failed:
