@@ -503,3 +503,10 @@ def test_a_call_runs_serially_while_its_parallel_kernel_compiles(monkeypatch, po
         assert backend.chooser.parallel(key)  # it probes once the kernel is there
     else:  # the policy waits for the parallel kernel
         assert ran == ["parallel"]
+    # While a kernel compiles in the background (the other core, the GIL at times), no
+    # call is measured.
+    monkeypatch.setattr(backend.entry, "compiling", {"a kernel": None})
+    before = [list(c.serial_times.order) for c in backend.chooser.classes.values()]
+    backend._choose_class(key, ELEMENTS, (np.zeros(4),), lambda args: serial,
+                          lambda args: backend.parallel_entry_point(parallel, (), args))
+    assert [list(c.serial_times.order) for c in backend.chooser.classes.values()] == before

@@ -156,7 +156,9 @@ def _choose_class(key: Any, elements: int, args: tuple[Any, ...], serial_entry: 
         kernel = serial_entry(args)
         start = time.perf_counter()
         result = kernel(*args)
-    if len(entry.entry_points) == known:  # not a call that compiled or loaded a kernel
+    # Not measured: a call that compiled or loaded a kernel, or one made while a kernel
+    # compiles in the background (it takes the other core and the GIL at times).
+    if len(entry.entry_points) == known and not entry.compiling:
         chooser.record(key, ran_parallel, time.perf_counter() - start, elements)
     return result
 
@@ -226,11 +228,13 @@ class PlannedRows:
                 seconds = time.perf_counter() - start
             finally:
                 _parallel_lock.release()
-            chooser.record_in(c, True, seconds, self._elements)
+            if not entry.compiling:  # see _choose_class
+                chooser.record_in(c, True, seconds, self._elements)
             return result
         start = time.perf_counter()
         result = serial(*args)
-        chooser.record_in(c, False, time.perf_counter() - start, self._elements)
+        if not entry.compiling:
+            chooser.record_in(c, False, time.perf_counter() - start, self._elements)
         return result
 
     def _serial_entry(self, args: tuple[Any, ...]) -> Any:
