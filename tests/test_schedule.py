@@ -398,7 +398,19 @@ def test_serial_kernels_release_the_gil_and_parallel_ones_keep_it():
     assert seen > 50
 
 
-def test_a_parallel_kernel_compiles_in_the_background():
+@pytest.fixture
+def background_compiles():
+    """Background compilation on (the library's default; ``bench``, which the CLI tests
+    run in this process, turns it off while it runs), as it was after the test."""
+    pytest.importorskip("numba")
+    from layernorm._backends._numba import entry
+
+    previous = entry.set_background_compiles(True)
+    yield
+    entry.set_background_compiles(previous)
+
+
+def test_a_parallel_kernel_compiles_in_the_background(background_compiles):
     numba = pytest.importorskip("numba")
     from layernorm._backends._numba import entry
 
@@ -436,7 +448,7 @@ def test_a_parallel_kernel_compiles_in_the_background():
     assert entry.ready_entry_point(twice, (1,), (a[::2], out[::2])) is compiled
 
 
-def test_background_compilation_can_be_turned_off():
+def test_background_compilation_can_be_turned_off(background_compiles):
     # ``bench`` compiles in the caller (see set_background_compiles).
     numba = pytest.importorskip("numba")
     from layernorm._backends._numba import entry
@@ -460,7 +472,7 @@ def test_background_compilation_can_be_turned_off():
         assert entry.set_background_compiles(previous) is False
 
 
-def test_a_failed_background_compilation_raises_in_the_next_call():
+def test_a_failed_background_compilation_raises_in_the_next_call(background_compiles):
     numba = pytest.importorskip("numba")
     from layernorm._backends._numba import entry
 

@@ -31,11 +31,20 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .._backends._numba.entry import set_background_compiles
-    from . import machine, noise, report, run, settings
 
     # Kernels compile in the calls that first want them, as before background
-    # compilation (see set_background_compiles); the process ends with the command.
-    set_background_compiles(False)
+    # compilation (see set_background_compiles); restored for a caller in the same
+    # process (the tests run the command in theirs).
+    previous = set_background_compiles(False)
+    try:
+        return _bench(args)
+    finally:
+        set_background_compiles(previous)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import machine, noise, report, run, settings
+
     config = settings.settings_from_args(args)
     started = time.perf_counter()
     load_before = machine.load_info()
