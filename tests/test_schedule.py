@@ -398,6 +398,19 @@ def test_serial_kernels_release_the_gil_and_parallel_ones_keep_it():
     assert seen > 50
 
 
+def scaling_kernel(factor):
+    """A new parallel Numba kernel ``out = factor * a`` (a dispatcher of its own, never
+    compiled yet)."""
+    numba = pytest.importorskip("numba")
+
+    @numba.njit(parallel=True)
+    def scale(a, out):
+        for i in numba.prange(a.shape[0]):
+            out[i] = factor * a[i]
+
+    return scale
+
+
 @pytest.fixture
 def background_compiles():
     """Background compilation on (the library's default; ``bench``, which the CLI tests
@@ -411,19 +424,10 @@ def background_compiles():
 
 
 def test_a_parallel_kernel_compiles_in_the_background(background_compiles):
-    numba = pytest.importorskip("numba")
+    pytest.importorskip("numba")
     from layernorm._backends._numba import entry
 
-    @numba.njit(parallel=True)
-    def twice(a, out):
-        for i in numba.prange(a.shape[0]):
-            out[i] = 2.0 * a[i]
-
-    @numba.njit(parallel=True)
-    def thrice(a, out):
-        for i in numba.prange(a.shape[0]):
-            out[i] = 3.0 * a[i]
-
+    twice, thrice = scaling_kernel(2.0), scaling_kernel(3.0)
     a = np.arange(1000, dtype=np.float64)
     out = np.empty_like(a)
     entry.finish_compiling()  # what earlier calls started
@@ -450,14 +454,10 @@ def test_a_parallel_kernel_compiles_in_the_background(background_compiles):
 
 def test_background_compilation_can_be_turned_off(background_compiles):
     # ``bench`` compiles in the caller (see set_background_compiles).
-    numba = pytest.importorskip("numba")
+    pytest.importorskip("numba")
     from layernorm._backends._numba import entry
 
-    @numba.njit(parallel=True)
-    def halve(a, out):
-        for i in numba.prange(a.shape[0]):
-            out[i] = 0.5 * a[i]
-
+    halve = scaling_kernel(0.5)
     a = np.arange(100, dtype=np.float64)
     out = np.empty_like(a)
     entry.finish_compiling()

@@ -145,10 +145,7 @@ def ready_entry_point(kernel: Any, writes: tuple[int, ...],
         _failed.discard(key)
         return entry_point(kernel, writes, args)
     sig = _signature(writes, args)
-    try:
-        entry = _load_cached(kernel, sig)
-    except Exception:  # internals of another Numba version: compile it below
-        entry = None
+    entry = _cached(kernel, sig)
     if entry is not None:
         entry_points[key] = entry
         return entry
@@ -168,11 +165,17 @@ def ready_entry_point(kernel: Any, writes: tuple[int, ...],
 
 
 def _compiled(kernel: Any, sig: tuple[Any, ...]) -> Callable[..., Any]:
-    try:
-        entry = _load_cached(kernel, sig)
-    except Exception:  # internals of another Numba version: the public path is right
-        entry = None
+    entry = _cached(kernel, sig)
     return entry if entry is not None else kernel.compile(sig)
+
+
+def _cached(kernel: Any, sig: tuple[Any, ...]) -> Callable[..., Any] | None:
+    """:func:`_load_cached`, or None where it fails (internals of another Numba version:
+    the public path, ``kernel.compile``, is right)."""
+    try:
+        return _load_cached(kernel, sig)
+    except Exception:
+        return None
 
 
 def _load_cached(kernel: Any, sig: tuple[Any, ...]) -> Callable[..., Any] | None:
