@@ -1729,15 +1729,18 @@ def test_quantize_kernel_leaves_other_calls_to_the_composition(case):
     assert_bitwise(s, want_s)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("pipelined", [True, False, "tiled"])
 @pytest.mark.parametrize("rms", [False, True])
-def test_quantize_row_path_y32_is_the_plain_forward(rms, pipelined):
+def test_quantize_row_path_y32_is_the_plain_forward(rms, pipelined, fmt):
     # The quantizing row path computes y32 in its own output pass (quantized.py), which
     # must be bit for bit the plain forward's: every kind of row (ordinary, constant,
     # NaN, cancelling with an outlying first element so the statistics are redone, and
     # a finite row whose squares overflow, where the rows stop), with a vector tail;
     # with the output pass a row behind the statistics (pipelined), right after them,
-    # and in column tiles over the rows (tiled, here tiles of a 300-element row).
+    # and in column tiles over the rows (tiled, here tiles of a 300-element row); a
+    # per-row scale's codes after each row (int8) or after the block's rows (float8,
+    # pipelined).
     numba = pytest.importorskip("numba")
     from layernorm._backends._numba import quantized as qz
     from layernorm._backends._numba import rowmath
@@ -1776,16 +1779,17 @@ def test_quantize_row_path_y32_is_the_plain_forward(rms, pipelined):
         mean, rstd = np.empty(rows, np.float32), np.empty(rows, np.float32)
         scale = np.empty(rows, np.float32)
         inv = np.full(rows, np.float32(1 / 0.04), np.float32)
-        stop = run(x, w, b, tab, eps, q, qz.FORMAT_TAGS["int8"], dynamic, inv, scale, mean,
+        stop = run(x, w, b, tab, eps, q, qz.FORMAT_TAGS[fmt], dynamic, inv, scale, mean,
                    rstd, bufs, lag)
         assert stop == 5  # stopped before the overflowing row
-        want_q, want_s = qref(y_ref, "int8", None if dynamic else np.float32(0.04))
-        assert_bitwise(q[:5].view(np.int8), want_q)
+        want_q, want_s = qref(y_ref, fmt, None if dynamic else np.float32(0.04))
+        assert_bitwise(q[:5], want_q.view(np.uint8))
         if dynamic:
-            # Pipelined and tiled, the block's rows stay in the buffer; row by row, its
-            # one row holds the last row done.
-            got_y = bufs[0][:5, :n] if pipelined else bufs[0][:1, :n]
-            assert_bitwise(got_y, y_ref if pipelined else y_ref[4:5])
+            # Tiled, and pipelined float8, the block's rows stay in the buffer;
+            # otherwise its first row holds the last row done.
+            block = pipelined == "tiled" or (pipelined is True and fmt != "int8")
+            got_y = bufs[0][:5, :n] if block else bufs[0][:1, :n]
+            assert_bitwise(got_y, y_ref if block else y_ref[4:5])
             assert not bufs[0][:, n:].any()  # the padding stays zero
             assert_bitwise(scale[:5], want_s[:, 0])
         assert_bitwise(rstd[:5], stats_ref[-1].reshape(-1))

@@ -17,9 +17,10 @@ bit what the plain forward of the float32-widened input writes:
 * static scale: each vector is quantized as it is formed (:func:`ln_row_codes`,
   :func:`rms_row_codes`), no float32 row is stored;
 * dynamic scale: the pass stores ``y32`` into a float32 buffer while tracking the
-  row's ``amax``; for rows of at most :data:`PIPELINED_ROW_ELEMENTS`, a block buffer
-  whose codes are formed after the block's rows (still in cache, the rows' scale chains
-  overlapping), for longer rows a one-row buffer (in L1) whose codes follow at once.
+  row's ``amax``: a one-row buffer (in L1) whose codes follow at once, except float8
+  rows of at most :data:`PIPELINED_ROW_ELEMENTS`, which go into a block buffer whose
+  codes are formed after the block's rows (still in cache, the rows' scale chains
+  overlapping the heavier float8 rounding).
 
 Rows with at least ``TILED_MIN_BYTES`` of weight (LayerNorm: ``LN_TILED_MIN_BYTES``;
 :data:`TILED`) go in blocks of
@@ -118,8 +119,9 @@ from .rowmath import (
     row_moments,
 )
 
-#: Elements per block of rows (no effect on results): a dynamic scale's float32 block
-#: buffer stays in L2 between the output pass and the codes.
+#: Elements per block of rows (no effect on results): a float8 dynamic scale's float32
+#: block buffer (:func:`block_codes_of`) stays in L2 between the output pass and the
+#: codes.
 BLOCK_ELEMENTS = 1 << 14
 #: The row passes that read no memory (a row's output pass, from L1 or L2; a block's
 #: codes from its buffer) prefetch (a hint, no effect on results) the row that the next
@@ -144,7 +146,18 @@ PREFETCH_BYTES = 8192
 #: LayerNorm int8 into ``out=`` through the public call, float32, 1 thread, two runs
 #: alternating with the block buffer, us: from DRAM (4096, 768) 1339-1477 -> 993-1128,
 #: (8192, 1024) 3473-3828 -> 2873-2883, (1024, 4096) 2210-2227 -> 2049-2113; in cache
-#: (256, 768) 65-83 -> 56, (32, 4096) 43-44 -> 42; float8 e4m3fn within 5%).
+#: (256, 768) 65-83 -> 56, (32, 4096) 43-44 -> 42; float8 e4m3fn within 5%). So do
+#: pipelined int8 rows (:func:`block_codes_of`), measured the same way (2026-12-06),
+#: block buffer / one row, us: from DRAM LayerNorm (32768, 256) 4598-4696 / 3232-3237,
+#: (41943, 200) 5159-5512 / 3905-3937, RMSNorm (32768, 256) 3457-3877 / 2459-2523,
+#: (131072, 64) 4399-4672 / 3322-3376; in cache within noise. Float8 e4m3fn, whose
+#: rounding is heavier, keeps the block buffer: one row cost RMSNorm (131072, 64)
+#: 4351-4392 -> 5073-5081 us from DRAM, LayerNorm's short rows (2048, 64) 79-82 -> 95-98
+#: us in cache; the short LayerNorm rows keep their group of ``LANES`` rows for every
+#: format (int8 with one row: the same from DRAM, 0-15% slower in cache). Computing
+#: ``y32`` twice instead (a pass for ``amax``, then the codes as for a static scale, no
+#: buffer) was between the two for pipelined rows and slower for longer ones (LayerNorm
+#: (10922, 768) from DRAM 2734-2794 -> 3022-3046 us).
 PIPELINED_ROW_ELEMENTS = 256
 #: The ``pipelined`` argument of the row loops: ``PIPELINED`` (True) or ``ROW_BY_ROW``
 #: (None), chosen by type as ``DYNAMIC``/``STATIC`` are, so that a kernel compiles one
@@ -468,15 +481,16 @@ def rms_row_codes(xv, r, qv, qr, fv, bv8, n, rstd, w, fmt, inv, pf):
 
 @callee_njit
 def ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, inv_rows,
-                  scale_out, bufs, r0, rows, pipelined):
+                  scale_out, bufs, r0, rows, pipelined, block_codes):
     """LayerNorm rows ``0 .. rows`` of the view ``xv`` (rows ``r0 ..`` of the call)
     quantized into ``q``: per row the statistics as :func:`.forward_rows.ln_long_rows`
     computes them, then one output pass (a row behind with ``pipelined``). Static scale:
     the codes straight from the pass. Dynamic: the pass stores ``y32`` into a float32
-    row and tracks ``amax``; with ``pipelined`` (short rows) into row ``k`` of the
-    block's ``y32`` (small enough for L2), the codes of the block's rows following (their
-    ``amax``/scale chains overlap); row by row into one row (in L1), its codes right
-    after. Returns the rows done (stops as ``ln_long_rows``)."""
+    row and tracks ``amax``; with ``block_codes`` (:func:`block_codes_of`: pipelined
+    float8) into row ``k`` of the block's ``y32`` (small enough for L2), the codes of
+    the block's rows following (their ``amax``/scale chains overlap); otherwise into
+    one row (in L1), its codes right after. Returns the rows done (stops as
+    ``ln_long_rows``)."""
     qv = raw(q)
     y32, fbuf, bbuf, invs = bufs
     yv, fv, bv8 = raw(y32), raw(fbuf), raw(bbuf)
@@ -503,9 +517,9 @@ def ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, i
             if dynamic is None:
                 ln_row_codes(xv, k, qv, r, fv, bv8, n, shift, mean, rstd, wv, bv, fmt,
                              inv_rows[r], soon)
-            elif pipelined is None:
-                # Row by row: the codes right after the row's maximum, from one float32
-                # row in L1 (see PIPELINED_ROW_ELEMENTS).
+            elif block_codes is None:
+                # The codes right after the row's maximum, from one float32 row in L1
+                # (see PIPELINED_ROW_ELEMENTS).
                 top = ln_row_y32(xv, k, yv, 0, n, shift, mean, rstd, wv, bv, soon)
                 quantize_row(yv, qv, bv8, 0, r, n, fmt, inverse_of(top, r, fmt, scale_out),
                              soon, 0, itemsize(xv))
@@ -515,7 +529,7 @@ def ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, i
             put_stat(mean_out, r, mo)
             put_stat(rstd_out, r, rstd)
         shift, mean, mo, rstd = nshift, nmean, nmo, nrstd
-    if dynamic is not None and pipelined is not None and stop > 0:
+    if dynamic is not None and block_codes is not None and stop > 0:
         quantize_rows_ahead(yv, qv, bv8, xv, rows, stop, r0, n, fmt, invs)
     alive(y32)
     alive(fbuf)
@@ -526,7 +540,7 @@ def ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, i
 
 @callee_njit
 def rms_rows_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_out, bufs,
-                   r0, rows, pipelined):
+                   r0, rows, pipelined, block_codes):
     """:func:`ln_rows_quant` for RMSNorm (statistics as
     :func:`.forward_rows.rms_raw_rows`)."""
     qv = raw(q)
@@ -547,7 +561,7 @@ def rms_rows_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_ou
             soon = vaddress(xv, imin(k + 1 + lag, rows - 1), 0)
             if dynamic is None:
                 rms_row_codes(xv, k, qv, r, fv, bv8, n, rstd, wv, fmt, inv_rows[r], soon)
-            elif pipelined is None:  # as in ln_rows_quant
+            elif block_codes is None:  # as in ln_rows_quant
                 top = rms_row_y32(xv, k, yv, 0, n, rstd, wv, soon)
                 quantize_row(yv, qv, bv8, 0, r, n, fmt, inverse_of(top, r, fmt, scale_out),
                              soon, 0, itemsize(xv))
@@ -556,7 +570,7 @@ def rms_rows_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_ou
                 invs[k] = inverse_of(top, r, fmt, scale_out)
             put_stat(rstd_out, r, rstd)
         rstd = nrstd
-    if dynamic is not None and pipelined is not None and stop > 0:
+    if dynamic is not None and block_codes is not None and stop > 0:
         quantize_rows_ahead(yv, qv, bv8, xv, rows, stop, r0, n, fmt, invs)
     alive(y32)
     alive(fbuf)
@@ -722,6 +736,40 @@ def rms_tiled_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_o
     return stop
 
 
+def block_codes_of(pipelined, fmt):
+    """The ``block_codes`` argument of the row loops (:func:`ln_rows_quant`): ``True``
+    where a dynamic scale's codes follow the block's rows (``PIPELINED`` float8), ``None``
+    where each row's follow its output pass (``ROW_BY_ROW``, and ``PIPELINED`` int8: see
+    :data:`PIPELINED_ROW_ELEMENTS`). Chosen by type, so a kernel compiles one of them."""
+    # Python (NUMBA_DISABLE_JIT) only; jitted code: the overload.
+    return True if pipelined is True and fmt.dtype != np.int8 else None
+
+
+@overload(block_codes_of, inline="always")
+def _block_codes_of_typed(pipelined, fmt):
+    if isinstance(pipelined, types.Boolean) and fmt.dtype != types.int8:
+        return lambda pipelined, fmt: True
+    return lambda pipelined, fmt: None
+
+
+def y32_rows(rows, pipelined, fmt):
+    """The float32 ``y32`` rows a dynamic scale needs for blocks of up to ``rows`` rows
+    in the row loop ``pipelined`` (the block's for ``TILED`` and ``block_codes``, else
+    one)."""
+    # Python (NUMBA_DISABLE_JIT) only; jitted code: the overload.
+    if pipelined is None or (pipelined is True and fmt.dtype == np.int8):
+        return 1
+    return rows
+
+
+@overload(y32_rows, inline="always")
+def _y32_rows_typed(rows, pipelined, fmt):
+    if isinstance(pipelined, types.NoneType) or (isinstance(pipelined, types.Boolean)
+                                                 and fmt.dtype == types.int8):
+        return lambda rows, pipelined, fmt: 1
+    return lambda rows, pipelined, fmt: rows
+
+
 def ln_quant_rows_by(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, inv_rows,
                      scale_out, bufs, r0, rows, pipelined):
     """:func:`ln_tiled_quant` for the ``TILED`` row loop, else :func:`ln_rows_quant`
@@ -731,7 +779,8 @@ def ln_quant_rows_by(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic
         return ln_tiled_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic,
                               inv_rows, scale_out, bufs, r0, rows)
     return ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic,
-                         inv_rows, scale_out, bufs, r0, rows, pipelined)
+                         inv_rows, scale_out, bufs, r0, rows, pipelined,
+                         block_codes_of(pipelined, fmt))
 
 
 @overload(ln_quant_rows_by, inline="always")
@@ -747,7 +796,8 @@ def _ln_quant_rows_by_typed(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, 
     def by_row(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, inv_rows,
                scale_out, bufs, r0, rows, pipelined):
         return ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic,
-                             inv_rows, scale_out, bufs, r0, rows, pipelined)
+                             inv_rows, scale_out, bufs, r0, rows, pipelined,
+                             block_codes_of(pipelined, fmt))
     return by_row
 
 
@@ -758,7 +808,7 @@ def rms_quant_rows_by(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale
         return rms_tiled_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows,
                                scale_out, bufs, r0, rows)
     return rms_rows_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_out,
-                          bufs, r0, rows, pipelined)
+                          bufs, r0, rows, pipelined, block_codes_of(pipelined, fmt))
 
 
 @overload(rms_quant_rows_by, inline="always")
@@ -774,7 +824,8 @@ def _rms_quant_rows_by_typed(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows
     def by_row(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_out, bufs, r0,
                rows, pipelined):
         return rms_rows_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows,
-                              scale_out, bufs, r0, rows, pipelined)
+                              scale_out, bufs, r0, rows, pipelined,
+                              block_codes_of(pipelined, fmt))
     return by_row
 
 
@@ -786,13 +837,13 @@ def _scratch(rows, n):
 
 
 @njit(inline="always", error_model="numpy")
-def _row_buffers(rows, n, dynamic, pipelined):
-    """The row path's buffers for blocks of up to ``rows`` rows: the float32 ``y32``
-    rows (:func:`_scratch`): the block's with a dynamic scale and ``pipelined``, one row
-    for a dynamic scale row by row, none for a static scale, whose codes come straight
-    from the output pass; one-vector float32 and uint8 rows for a last partial vector;
-    the rows' inverse scales. Allocated once per kernel (per block in parallel)."""
-    y_rows = 0 if dynamic is None else (rows if pipelined is not None else 1)
+def _row_buffers(rows, y_rows, n, dynamic):
+    """The row path's buffers for blocks of up to ``rows`` rows: ``y_rows`` float32
+    ``y32`` rows (:func:`_scratch`, :func:`y32_rows`) with a dynamic scale, none for a
+    static scale, whose codes come straight from the output pass; one-vector float32
+    and uint8 rows for a last partial vector; the rows' inverse scales. Allocated once
+    per kernel (per block in parallel)."""
+    y_rows = 0 if dynamic is None else y_rows
     return (_scratch(y_rows, n), np.zeros((1, LANES), dtype=np.float32),
             np.empty((1, LANES), dtype=np.uint8), np.empty(rows, dtype=np.float32))
 
@@ -869,7 +920,7 @@ def _ln_quant_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt, dyna
                      inv_rows, scale_out, pipelined, elements):
     rows, n = x.shape
     rb = block_rows(rows, n, 1, elements)
-    bufs = _row_buffers(rb, n, dynamic, pipelined)
+    bufs = _row_buffers(rb, y32_rows(rb, pipelined, fmt), n, dynamic)
     stopped = 0
     for r0 in range(0, rows, rb):
         r1 = imin(rows, r0 + rb)
@@ -901,7 +952,7 @@ def ln_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, 
     for blk in prange(blocks):
         r0 = blk * rb
         r1 = imin(rows, r0 + rb)
-        bufs = _row_buffers(rb, n, dynamic, PIPELINED)
+        bufs = _row_buffers(rb, y32_rows(rb, PIPELINED, fmt), n, dynamic)
         done[blk] = _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
                               dynamic, inv_rows, scale_out, bufs, r0, r1, PIPELINED) == r1
     return blocks - done.sum()
@@ -929,7 +980,7 @@ def ln_long_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out, 
     for blk in prange(blocks):
         r0 = blk * rb
         r1 = imin(rows, r0 + rb)
-        bufs = _row_buffers(rb, n, dynamic, ROW_BY_ROW)
+        bufs = _row_buffers(rb, y32_rows(rb, ROW_BY_ROW, fmt), n, dynamic)
         done[blk] = _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
                               dynamic, inv_rows, scale_out, bufs, r0, r1, ROW_BY_ROW) == r1
     return blocks - done.sum()
@@ -956,7 +1007,7 @@ def ln_tiled_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out,
     for blk in prange(blocks):
         r0 = blk * rb
         r1 = imin(rows, r0 + rb)
-        bufs = _row_buffers(rb, n, dynamic, TILED)
+        bufs = _row_buffers(rb, y32_rows(rb, TILED, fmt), n, dynamic)
         done[blk] = _ln_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab, fmt,
                               dynamic, inv_rows, scale_out, bufs, r0, r1, TILED) == r1
     return blocks - done.sum()
@@ -968,7 +1019,7 @@ def ln_short_quant_forward_serial(x, res, w, b, eps, h, q, mean_out, rstd_out, t
     """:func:`ln_quant_forward_serial` for rows of at most ``SHORT_ROW_MAX``."""
     rows, n = x.shape
     rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
-    bufs = _row_buffers(LANES, n, dynamic, PIPELINED)
+    bufs = _row_buffers(LANES, LANES, n, dynamic)
     stopped = 0
     for r0 in range(0, rows, rb):
         r1 = imin(rows, r0 + rb)
@@ -990,7 +1041,7 @@ def ln_short_quant_forward_parallel(x, res, w, b, eps, h, q, mean_out, rstd_out,
         r1 = imin(rows, r0 + rb)
         done[blk] = _ln_short_block(x, res, w, b, eps, h, q, mean_out, rstd_out, tab,
                                     fmt, dynamic, inv_rows, scale_out,
-                                    _row_buffers(LANES, n, dynamic, PIPELINED), r0, r1) == r1
+                                    _row_buffers(LANES, LANES, n, dynamic), r0, r1) == r1
     return blocks - done.sum()
 
 
@@ -999,7 +1050,7 @@ def _rms_quant_serial(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows, sc
                       pipelined, elements):
     rows, n = x.shape
     rb = block_rows(rows, n, 1, elements)
-    bufs = _row_buffers(rb, n, dynamic, pipelined)
+    bufs = _row_buffers(rb, y32_rows(rb, pipelined, fmt), n, dynamic)
     stopped = 0
     for r0 in range(0, rows, rb):
         r1 = imin(rows, r0 + rb)
@@ -1028,9 +1079,9 @@ def rms_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv
     for blk in prange(blocks):
         r0 = blk * rb
         r1 = imin(rows, r0 + rb)
+        bufs = _row_buffers(rb, y32_rows(rb, PIPELINED, fmt), n, dynamic)
         done[blk] = _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                               scale_out, _row_buffers(rb, n, dynamic, PIPELINED), r0, r1,
-                               PIPELINED) == r1
+                               scale_out, bufs, r0, r1, PIPELINED) == r1
     return blocks - done.sum()
 
 
@@ -1054,9 +1105,9 @@ def rms_long_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynamic
     for blk in prange(blocks):
         r0 = blk * rb
         r1 = imin(rows, r0 + rb)
+        bufs = _row_buffers(rb, y32_rows(rb, ROW_BY_ROW, fmt), n, dynamic)
         done[blk] = _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                               scale_out, _row_buffers(rb, n, dynamic, ROW_BY_ROW), r0,
-                               r1, ROW_BY_ROW) == r1
+                               scale_out, bufs, r0, r1, ROW_BY_ROW) == r1
     return blocks - done.sum()
 
 
@@ -1080,9 +1131,9 @@ def rms_tiled_quant_forward_parallel(x, res, w, eps, h, q, rstd_out, fmt, dynami
     for blk in prange(blocks):
         r0 = blk * rb
         r1 = imin(rows, r0 + rb)
+        bufs = _row_buffers(rb, y32_rows(rb, TILED, fmt), n, dynamic)
         done[blk] = _rms_block(x, res, w, eps, h, q, rstd_out, fmt, dynamic, inv_rows,
-                               scale_out, _row_buffers(rb, n, dynamic, TILED), r0, r1,
-                               TILED) == r1
+                               scale_out, bufs, r0, r1, TILED) == r1
     return blocks - done.sum()
 
 
