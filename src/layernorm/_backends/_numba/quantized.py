@@ -745,29 +745,32 @@ def block_codes_of(pipelined, fmt):
     return True if pipelined is True and fmt.dtype != np.int8 else None
 
 
+def _block_codes_by_type(pipelined, fmt):
+    """:func:`block_codes_of`'s rule on the Numba types of its arguments."""
+    return isinstance(pipelined, types.Boolean) and fmt.dtype != types.int8
+
+
 @overload(block_codes_of, inline="always")
 def _block_codes_of_typed(pipelined, fmt):
-    if isinstance(pipelined, types.Boolean) and fmt.dtype != types.int8:
+    if _block_codes_by_type(pipelined, fmt):
         return lambda pipelined, fmt: True
     return lambda pipelined, fmt: None
 
 
 def y32_rows(rows, pipelined, fmt):
     """The float32 ``y32`` rows a dynamic scale needs for blocks of up to ``rows`` rows
-    in the row loop ``pipelined`` (the block's for ``TILED`` and ``block_codes``, else
-    one)."""
+    in the row loop ``pipelined``: the block's for ``TILED`` (an integer, as
+    :func:`ln_quant_rows_by` tells it apart) and with :func:`block_codes_of`, else one."""
     # Python (NUMBA_DISABLE_JIT) only; jitted code: the overload.
-    if pipelined is None or (pipelined is True and fmt.dtype == np.int8):
-        return 1
-    return rows
+    tiled = pipelined is not None and not isinstance(pipelined, bool)
+    return rows if tiled or block_codes_of(pipelined, fmt) else 1
 
 
 @overload(y32_rows, inline="always")
 def _y32_rows_typed(rows, pipelined, fmt):
-    if isinstance(pipelined, types.NoneType) or (isinstance(pipelined, types.Boolean)
-                                                 and fmt.dtype == types.int8):
-        return lambda rows, pipelined, fmt: 1
-    return lambda rows, pipelined, fmt: rows
+    if isinstance(pipelined, types.Integer) or _block_codes_by_type(pipelined, fmt):
+        return lambda rows, pipelined, fmt: rows
+    return lambda rows, pipelined, fmt: 1
 
 
 def ln_quant_rows_by(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, inv_rows,
