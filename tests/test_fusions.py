@@ -1704,6 +1704,49 @@ def test_quantize_kernel_int8_ties_saturation_and_nan():
     assert_bitwise(q[0], want.astype(np.int8))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("count", [16, 5, 1])
+def test_group_scales_are_each_rows_own(fmt, count):
+    # Short LayerNorm rows get their per-row scales sixteen rows at a time
+    # (quantized.group_inverses): each row's largest |y32| folded into one lane, the
+    # contract's divisions done once for all lanes. Rows whose maximum is zero (scale
+    # 1), subnormal (amax / qmax rounds to 0: inverse inf), infinite, NaN, ordinary;
+    # a partial group writes only its own rows.
+    import numba
+
+    from layernorm._backends._numba import quantized
+    from layernorm._backends._numba._simd import raw
+
+    @numba.njit
+    def scales(tops, count, fmt, scale_out, invs):
+        quantized.group_inverses(raw(tops), count, 2, fmt, scale_out, invs)
+
+    rng = np.random.default_rng(count)
+    y = (rng.standard_normal((16, 16)) * 10.0 ** rng.integers(-3, 4, (16, 1))).astype(
+        np.float32)
+    y[0] = 0.0
+    y[1] = -0.0
+    y[2, :] = 0.0
+    y[2, 5] = np.float32(1e-45)
+    y[3, 7] = -np.inf
+    y[4, 9] = np.nan
+    y[5, :] = np.float32(-3e-39)
+    y[6, 0] = np.float32(3.4e38)
+    y = y[rng.permutation(16)]
+    tops = (y.view(np.uint32) & np.uint32(0x7FFFFFFF)).view(np.float32)  # vabsmax lanes
+    scale_out = np.full(2 + 16, 7.0, np.float32)
+    invs = np.full(16, 7.0, np.float32)
+    scales(tops, count, quantized.FORMAT_TAGS[fmt], scale_out, invs)
+    amax = np.abs(y).max(axis=1)  # NaN wherever a row holds one
+    want = np.where(amax == 0, np.float32(1.0), amax / np.float32(QMAX[fmt]))
+    want = want.astype(np.float32)
+    np.testing.assert_array_equal(scale_out[2:2 + count], want[:count])
+    with np.errstate(divide="ignore", over="ignore"):  # 1 / 0 and 1 / subnormal
+        np.testing.assert_array_equal(invs[:count], np.float32(1.0) / want[:count])
+    assert (scale_out[:2] == 7.0).all() and (scale_out[2 + count:] == 7.0).all()
+    assert (invs[count:] == 7.0).all()
+
+
 @pytest.mark.parametrize("case", ["codes over x", "float64", "columns"])
 def test_quantize_kernel_leaves_other_calls_to_the_composition(case):
     x = data((6, 32), "float32", 0)

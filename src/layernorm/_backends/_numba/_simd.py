@@ -225,9 +225,10 @@ down2 = _down(2)
 down1 = _down(1)
 
 
-def _fold(h: int):
+def _fold(h: int, largest: bool = False):
     # a and b each hold WIDTH // (2h) blocks of 2h lanes; the result holds their
-    # WIDTH // h blocks of h lanes, a's first: block lane j is lane j + lane j + h.
+    # WIDTH // h blocks of h lanes, a's first: block lane j is lane j + lane j + h
+    # (``largest``: the larger bit pattern of the two lanes, as :func:`vabsmax`).
     per_vector = WIDTH // (2 * h)
     low = []
     for k in range(WIDTH):
@@ -245,8 +246,16 @@ def _fold(h: int):
         def codegen(context, builder, sig, args):
             low_lanes = builder.shuffle_vector(args[0], args[1], low_mask)
             high_lanes = builder.shuffle_vector(args[0], args[1], high_mask)
-            return builder.fadd(low_lanes, high_lanes)
+            if not largest:
+                return builder.fadd(low_lanes, high_lanes)
+            low_bits = _bits_of(builder, low_lanes)
+            high_bits = _bits_of(builder, high_lanes)
+            top = builder.select(builder.icmp_signed(">", high_bits, low_bits), high_bits,
+                                 low_bits)
+            return builder.bitcast(top, args[0].type)
 
+        if largest and not _is_f32_vec(a):
+            return None
         return a(a, b), codegen
 
     return impl
@@ -256,6 +265,12 @@ fold8 = _fold(8)
 fold4 = _fold(4)
 fold2 = _fold(2)
 fold1 = _fold(1)
+#: :func:`fold8` .. :func:`fold1` of :func:`vabsmax` vectors: the larger bit pattern of
+#: each pair of lanes instead of their sum (exact, so any order gives the same bits).
+fold8_max = _fold(8, largest=True)
+fold4_max = _fold(4, largest=True)
+fold2_max = _fold(2, largest=True)
+fold1_max = _fold(1, largest=True)
 
 
 @intrinsic
@@ -945,6 +960,22 @@ def vabsmax(typingctx, acc, vec):
         return builder.bitcast(top, args[0].type)
 
     return acc(acc, vec), codegen
+
+
+@intrinsic
+def scales_of(typingctx, amax, qmax):
+    """Lane-wise ``amax / qmax``, 1 where ``amax`` is zero (float32 vectors): the
+    dynamic scales of the rows whose largest magnitudes (:func:`hmax_bits`) the lanes
+    of ``amax`` hold."""
+    if not (_is_f32_vec(amax) and amax == qmax):
+        return None
+
+    def codegen(context, builder, sig, args):
+        top = args[0]
+        return builder.select(builder.fcmp_ordered("==", top, _f32_splat(0.0)),
+                              _f32_splat(1.0), builder.fdiv(top, args[1]))
+
+    return amax(amax, qmax), codegen
 
 
 @intrinsic

@@ -33,11 +33,15 @@ The passes that read no memory prefetch what the next statistics pass will read
 LayerNorm rows of at most ``SHORT_ROW_MAX`` get their statistics ``LANES`` rows at a
 time, as :func:`.forward_rows.ln_short_rows` computes them, then each row's codes
 (:func:`ln_short_quant_rows`): a static scale's straight from the output pass, a dynamic
-scale's through the group's float32 rows (in L1), the codes of the group's rows after
-its last. Measured, LayerNorm, float32, public call into ``out=``, 1 thread, through a
-float32 block (what the plain forward writes, then quantized) / this: from DRAM
-(131072, 64) int8 per-row scale 6.3-6.5 / 5.1-5.4 ms, given scale 5.8-6.1 / 3.9-4.0 ms
-(the plain norm 3.3-3.7 ms), float8_e4m3fn 7.0-7.2 / 6.0-6.2 and 6.6-6.8 / 5.4 ms; in
+scale's through the group's float32 rows (in L1), the group's scales and inverses
+computed together in one vector (:func:`group_inverses`; measured, int8, 1 thread, in
+cache, against one row's at a time, three alternating pairs of processes: (4096, 32)
+107-110 -> 92-104 us, (2048, 64) 71-79 -> 68-73 us, (1024, 128) 53-60 -> 47-54 us;
+from DRAM within the noise), the codes of the group's rows after its last. Measured,
+LayerNorm, float32, public call into ``out=``, 1 thread, through a float32 block (what
+the plain forward writes, then quantized) / this: from DRAM (131072, 64) int8 per-row
+scale 6.3-6.5 / 5.1-5.4 ms, given scale 5.8-6.1 / 3.9-4.0 ms (the plain norm 3.3-3.7
+ms), float8_e4m3fn 7.0-7.2 / 6.0-6.2 and 6.6-6.8 / 5.4 ms; in
 cache (2048, 64) int8 66-68 / 70-78 us, given scale 57-60 / 53-57 us. The rescuing
 kernels still go through a float32 block (:func:`_quantize_block`).
 
@@ -78,14 +82,20 @@ from ._scalars import cast, imin, narrow, widen
 from ._simd import (
     affine,
     alive,
+    fold1_max,
+    fold2_max,
+    fold4_max,
+    fold8_max,
     get,
     hmax_bits,
     itemsize,
+    lane,
     prefetch_at,
     put,
     put_stat,
     raw,
     runtime,
+    scales_of,
     splat,
     store_float8_e4m3fn,
     store_float8_e5m2,
@@ -242,6 +252,33 @@ def inverse_of(top, r, fmt, scale_out):
         scale = np.float32(1.0)
     scale_out[r] = scale
     return np.float32(1.0) / scale
+
+
+@njit(inline="always", error_model="numpy")
+def group_inverses(tv, count, r, fmt, scale_out, invs):
+    """:func:`inverse_of` of the :func:`._simd.vabsmax` vectors in rows ``0 .. count``
+    (at most ``LANES``) of the float32 view ``tv``: rows ``r ..`` of the call, whose
+    scales go to ``scale_out``, their inverses to ``invs[0 .. count]``.
+
+    The rows' largest magnitudes are folded into one vector (row ``i``'s in lane
+    ``i``: maxima are exact, so this is :func:`._simd.hmax_bits` of each row) and
+    their scales and inverses are computed for all of them at once: the same IEEE
+    divisions per row, so the same bits."""
+    a0 = fold8_max(vload(tv, 0, 0), vload(tv, 1, 0))
+    a1 = fold8_max(vload(tv, 2, 0), vload(tv, 3, 0))
+    a2 = fold8_max(vload(tv, 4, 0), vload(tv, 5, 0))
+    a3 = fold8_max(vload(tv, 6, 0), vload(tv, 7, 0))
+    a4 = fold8_max(vload(tv, 8, 0), vload(tv, 9, 0))
+    a5 = fold8_max(vload(tv, 10, 0), vload(tv, 11, 0))
+    a6 = fold8_max(vload(tv, 12, 0), vload(tv, 13, 0))
+    a7 = fold8_max(vload(tv, 14, 0), vload(tv, 15, 0))
+    amax = fold1_max(fold2_max(fold4_max(a0, a1), fold4_max(a2, a3)),
+                     fold2_max(fold4_max(a4, a5), fold4_max(a6, a7)))
+    scale = scales_of(amax, splat(qmax_of(fmt)))
+    inv = splat(np.float32(1.0)) / scale
+    for i in range(count):
+        scale_out[r + i] = lane(scale, i)
+        invs[i] = lane(inv, i)
 
 
 @njit(inline="always", error_model="numpy")
@@ -585,8 +622,9 @@ def ln_short_quant_rows(xv, qv, qbv, wv, bv, tv, eps, n, mean_out, rstd_out, fmt
     """:func:`ln_rows_quant` for rows of at most ``SHORT_ROW_MAX``: ``LANES`` rows'
     statistics at once, as :func:`.forward_rows.ln_short_rows` computes them
     (:func:`.forward_rows.short_group_moments`), then row by row the codes: straight
-    from the output pass with a static scale (:func:`ln_row_codes`), through one float32
-    row in L1 with a dynamic one (:func:`ln_row_y32`, :func:`quantize_row`). ``qbv``
+    from the output pass with a static scale (:func:`ln_row_codes`), through the
+    group's float32 rows in L1 with a dynamic one (:func:`ln_row_y32`, then the group's
+    scales at once, :func:`group_inverses`, then :func:`quantize_row`). ``qbv``
     is the view of the block's rows of ``qv`` (rows ``r0 ..``), which the statistics
     prefetch. Returns as :func:`ln_rows_quant` does."""
     y32, fbuf, bbuf, invs = bufs
@@ -594,6 +632,8 @@ def ln_short_quant_rows(xv, qv, qbv, wv, bv, tv, eps, n, mean_out, rstd_out, fmt
     scratch, wide_scratch = short_scratch(eps)
     sv = raw(scratch)
     wv64 = raw(wide_scratch)
+    tops = np.zeros((LANES, LANES), dtype=np.float32)
+    topv = raw(tops)
     ahead = short_rows_ahead(xv, rows, n)
     stop = rows
     for first in range(0, rows, LANES):
@@ -611,11 +651,12 @@ def ln_short_quant_rows(xv, qv, qbv, wv, bv, tv, eps, n, mean_out, rstd_out, fmt
                 ln_row_codes(xv, k, qv, r, fv, bv8, n, shift, mean, rstd, wv, bv, fmt,
                              inv_rows[r], None)
             else:
-                top = ln_row_y32(xv, k, yv, i, n, shift, mean, rstd, wv, bv, None)
-                invs[i] = inverse_of(top, r, fmt, scale_out)
+                vstore(topv, ln_row_y32(xv, k, yv, i, n, shift, mean, rstd, wv, bv, None),
+                       i, 0)
             put_stat(mean_out, r, mo)
             put_stat(rstd_out, r, rstd)
         if dynamic is not None:
+            group_inverses(topv, imin(LANES, stop - first), r0 + first, fmt, scale_out, invs)
             for i in range(imin(LANES, stop - first)):
                 quantize_row(yv, qv, bv8, i, r0 + first + i, n, fmt, invs[i], None, 0, 0)
     alive(scratch)
@@ -624,6 +665,7 @@ def ln_short_quant_rows(xv, qv, qbv, wv, bv, tv, eps, n, mean_out, rstd_out, fmt
     alive(fbuf)
     alive(bbuf)
     alive(invs)
+    alive(tops)
     return stop
 
 
