@@ -1122,13 +1122,14 @@ def test_downward_output_passes_give_the_same_bits(n):
             _check_ln_rows(fn, x, _placed_after(x, offset), w, b, tab, want)
 
 
-@pytest.mark.parametrize("n", [300, 771, 1541, 2048, 3085])
+@pytest.mark.parametrize("n", [17, 40, 64, 100, 300, 771, 1541, 2048, 3085])
 def test_output_passes_from_an_aligned_head_give_the_same_bits(n):
     """The row path's output passes start their vectors at x's first 64-byte boundary
     (forward_rows.aligned_head) and finish the elements before it from a saved vector
-    (rows in the pipelined order) or one at a time (whole and tiled rows): at every
-    misalignment of x, in place too, every LayerNorm and RMSNorm row kernel must give
-    the bits of the aligned call, tails and a stopped row included."""
+    (rows in the pipelined order) or one at a time (whole and tiled rows), and the
+    elements after the last whole vector from x's last vector: at every misalignment
+    of x, in place too, every LayerNorm and RMSNorm row kernel must give the bits of
+    the aligned call, tails and a stopped row included."""
     k = backend.load_kernels()
     rows = 37
     x0 = _rows(rows, n, 8)
@@ -1141,8 +1142,9 @@ def test_output_passes_from_an_aligned_head_give_the_same_bits(n):
     for offset in (4, 16, 36, 60):  # heads of 15, 12, 7 and 1 elements
         for in_place in (False, True):
             for fn in (k.ln_forward_serial, k.ln_seq_forward_serial,
-                       k.ln_tiled_forward_serial, k.ln_forward_parallel,
-                       k.ln_seq_forward_parallel, k.ln_tiled_forward_parallel):
+                       k.ln_tiled_forward_serial, k.ln_short_forward_serial,
+                       k.ln_forward_parallel, k.ln_seq_forward_parallel,
+                       k.ln_tiled_forward_parallel, k.ln_short_forward_parallel):
                 x = _placed_at(x0, offset)
                 _check_ln_rows(fn, x, x if in_place else _placed_after(x, 1000), w, b, tab,
                                want)
