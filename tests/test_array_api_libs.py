@@ -136,6 +136,39 @@ def test_generic_path_normalizes_finite_rows_whose_spread_overflows(lib, dtype):
                                **tol)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("lib", ["numpy", "jax", "array_api_strict"])
+def test_generic_path_keeps_a_subnormal_eps(lib, dtype):
+    # A positive eps below the dtype's smallest normal number: XLA flushes such numbers
+    # to zero, which turned a constant row into NaN (the contract: eps > 0 gives the
+    # bias, never NaN) and dropped eps beside a tiny row's variance. Every library must
+    # give the native kernels' values.
+    if lib == "jax" and dtype == "float64" and not jax.config.read("jax_enable_x64"):
+        pytest.skip("JAX without x64 mode has no float64")
+    eps, tiny = (1e-40, 1e-23) if dtype == "float32" else (1e-310, 1e-160)
+    xn = np.array([[3.0, 3.0, 3.0, 3.0], [1.0, -2.0, 3.0, 0.5], [1.0, 2.5, -0.5, 4.0],
+                   [0.0, 0.0, 0.0, 0.0]], dtype)
+    xn[1] *= tiny
+    w = np.linspace(0.5, 2.0, 4).astype(dtype)
+    b = np.linspace(-1.0, 1.0, 4).astype(dtype)
+    convert = {"numpy": np.asarray, "jax": jnp.asarray, "array_api_strict": xps.asarray}[lib]
+    kw = {"backend": "array_api"} if lib == "numpy" else {}
+    y, mean, rstd = (np.from_dlpack(a) for a in ln.layer_norm(
+        convert(xn), weight=convert(w), bias=convert(b), eps=eps, return_stats=True, **kw))
+    yr, rstd_r = (np.from_dlpack(a) for a in ln.rms_norm(
+        convert(xn), weight=convert(w), eps=eps, return_stats=True, **kw))
+    want = ln.layer_norm(xn, weight=w, bias=b, eps=eps, return_stats=True)
+    want_r = ln.rms_norm(xn, weight=w, eps=eps, return_stats=True)
+    np.testing.assert_array_equal(y[[0, 3]], np.broadcast_to(b, (2, 4)))  # exactly the bias
+    np.testing.assert_array_equal(yr[3], np.zeros(4, dtype))
+    # the tiny row: eps dominates its variance, so y is far below the unit scale
+    assert np.abs(want[0][1] - b).max() < 0.01
+    tol = {"rtol": 2e-6, "atol": 1e-6} if dtype == "float32" else {"rtol": 1e-13, "atol": 1e-14}
+    for got, expected in zip((y, mean, rstd, yr, rstd_r), (*want, *want_r), strict=True):
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, expected, **tol)
+
+
 # --------------------------------------------------------------------------- array_api_strict
 
 

@@ -20,12 +20,20 @@ Two guards keep it as accurate as the native kernels:
   deviations are so small that their squares would be subnormal or vanish are scaled
   up likewise (``eps`` scaled with them, the scale capped so that it stays finite).
   Other rows are multiplied by 1, which changes no bit.
+* **Subnormal eps.** XLA (JAX on CPU) flushes subnormal numbers to zero, an ``eps``
+  below the dtype's smallest normal among them: a constant row's ``rstd`` would be
+  infinite and its ``y`` NaN. Such an eps is carried times ``2**64`` (exact) and never
+  stands alone in an array; the rows whose variance is that small are normalized in
+  units lifted likewise (:func:`_inverse_sqrt`). With IEEE arithmetic (NumPy,
+  array_api_strict) the values are those of the plain formula, bit for bit.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+import numpy as np
 
 from .._layout import c_contiguous
 
@@ -55,6 +63,39 @@ _SCALED_EPS_EXPONENT = {"float32": 100, "float64": 1000}
 _MIN_EXPONENT = {"float32": -126.0, "float64": -1022.0}
 #: Exponent of the largest power of two of the dtype (a scale for a tiny row).
 _MAX_EXPONENT = {"float32": 127.0, "float64": 1023.0}
+
+
+#: The smallest normal number of each accumulation dtype (a smaller positive eps is
+#: subnormal: see :func:`_inverse_sqrt`).
+_SMALLEST_NORMAL = {"float32": 2.0**-126, "float64": 2.0**-1022}
+#: A subnormal eps is carried times ``2**_EPS_LIFT``; rows whose variance is below
+#: ``2**-_SMALL_VAR`` are normalized in units lifted by it.
+_EPS_LIFT = 64
+_SMALL_VAR = 60
+
+
+def _inverse_sqrt(xp: Any, var: Any, eps: float, scale: Any, acc_name: str) -> Any:
+    """``1 / sqrt(var + eps * scale**2)``: the ``rstd`` of rows scaled by ``scale`` (powers
+    of two; ``eps`` scaled with them one factor at a time, since ``scale**2`` alone may
+    leave the dtype's range).
+
+    A positive ``eps`` below the dtype's smallest normal is subnormal, and XLA flushes
+    it to zero wherever it stands in an array. It enters as ``eps * 2**64`` (exact,
+    normal) times ``scale``, then ``2**-64``, then ``scale``: zero only where
+    ``eps * scale`` is itself subnormal, and then negligible beside ``var`` unless
+    ``var`` is tiny too. Those rows (constant rows, ``scale`` at most 1) get
+    ``2**32 / sqrt(var * 2**64 + eps * 2**64 * scale**2)``, the same real value in
+    normal numbers. Both branches stay finite, so ``jax.grad`` sees no NaN."""
+    if not 0.0 < eps < _SMALLEST_NORMAL[acc_name]:
+        return 1.0 / xp.sqrt(var + (eps * scale) * scale)
+    lift = 2.0**_EPS_LIFT
+    # eps in the accumulation dtype (rounded as the kernels round it), then lifted
+    eps_lifted = float(np.asarray(eps, dtype=acc_name)) * lift
+    small = (var < 2.0**-_SMALL_VAR) & (scale <= 1.0)
+    plain = xp.where(small, xp.ones_like(var), var + ((eps_lifted * scale) / lift) * scale)
+    tiny_var = xp.minimum(var, 2.0**-_SMALL_VAR)
+    lifted = 2.0 ** (_EPS_LIFT // 2) / xp.sqrt(tiny_var * lift + (eps_lifted * scale) * scale)
+    return xp.where(small, lifted, 1.0 / xp.sqrt(plain))
 
 
 def _row_scale(xp: Any, d: Any, axes: tuple[int, ...], acc_name: str, eps: float, *,
@@ -125,7 +166,7 @@ def layer_norm(
     var = xp.mean(centred * centred, axis=axes, keepdims=True)
     # In the scaled units eps is eps * scale**2 (scale is 1 on every ordinary row;
     # multiplied one factor at a time, since scale**2 alone may leave the dtype's range).
-    rstd_scaled = 1.0 / xp.sqrt(var + (eps * scale) * scale)
+    rstd_scaled = _inverse_sqrt(xp, var, eps, scale, acc_name)
     y = centred * rstd_scaled
     mean = (shift_scaled + mean_d) / scale
     rstd = rstd_scaled * scale
@@ -147,8 +188,8 @@ def rms_norm(
     xa = xp.astype(x, acc)
     scale = _row_scale(xp, xa, axes, acc_name, eps)
     xs = xa * scale
-    rstd_scaled = 1.0 / xp.sqrt(xp.mean(xs * xs, axis=axes, keepdims=True)
-                                + (eps * scale) * scale)
+    rstd_scaled = _inverse_sqrt(xp, xp.mean(xs * xs, axis=axes, keepdims=True), eps, scale,
+                                acc_name)
     y = xs * rstd_scaled
     rstd = rstd_scaled * scale
     if weight is not None:
