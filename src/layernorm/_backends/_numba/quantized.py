@@ -309,8 +309,10 @@ def prefetch_ahead(address, start, i, step):
 @njit(inline="always", error_model="numpy")
 def quantize_row(yv, qv, tv, k, r, n, fmt, inv, ahead, ahead_from, ahead_step):
     """Row ``k`` of the float32 block view ``yv`` times ``inv``, quantized into row ``r``
-    of ``qv``. ``tv`` is a one-vector uint8 scratch row for the codes of a last partial
-    vector (``yv``'s padding zeros are never stored). Unless ``ahead`` is None, each
+    of ``qv``. A row's codes after its last whole vector are those of its last
+    ``LANES`` elements (stored again, the same); in a row shorter than ``LANES`` they go
+    through ``tv``, a one-vector uint8 scratch row (``yv``'s padding zeros are never
+    stored). Unless ``ahead`` is None, each
     vector prefetches (:func:`prefetch_ahead`) from byte ``ahead_from`` after ``ahead``."""
     body = n // LANES * LANES
     iv = splat(inv)
@@ -318,7 +320,10 @@ def quantize_row(yv, qv, tv, k, r, n, fmt, inv, ahead, ahead_from, ahead_step):
         if ahead is not None:
             prefetch_ahead(ahead, ahead_from, i, ahead_step)
         store_codes(fmt, qv, vload(yv, k, i) * iv, r, i)
-    if body < n:
+    if body < n and n >= LANES:
+        # the row's last LANES codes (those before the tail stored again, the same)
+        store_codes(fmt, qv, vload(yv, k, n - LANES) * iv, r, n - LANES)
+    elif body < n:
         store_codes(fmt, tv, vload(yv, k, body) * iv, 0, 0)
         for i in range(body, n):
             put(qv, r, i, get(tv, 0, i - body))
@@ -358,8 +363,8 @@ def ln_span_y32(xv, r, yv, k, start, end, shift, mean, rstd, w, b, top, pf):
 
 @njit(inline="always", error_model="numpy")
 def ln_tail_y32(xv, r, yv, k, n, shift, mean, rstd, w, b, top):
-    """:func:`ln_span_y32` of the elements after the last whole vector of the row (its
-    padding zeros change no maximum)."""
+    """:func:`ln_span_y32` of the elements after the last whole vector of a row shorter
+    than ``LANES`` (its padding zeros change no maximum)."""
     body = n // LANES * LANES
     if body < n:
         for i in range(body, n):
@@ -383,9 +388,10 @@ def ln_row_y32(xv, r, yv, k, n, shift, mean, rstd, w, b, pf):
     body = head + (n - head) // LANES * LANES
     top = ln_span_y32(xv, r, yv, k, head, body, shift, mean, rstd, w, b,
                       splat(np.float32(0.0)), pf)
-    if head == 0:
+    if n < LANES:
         return ln_tail_y32(xv, r, yv, k, n, shift, mean, rstd, w, b, top)
-    top = ln_span_y32(xv, r, yv, k, 0, LANES, shift, mean, rstd, w, b, top, None)
+    if head > 0:
+        top = ln_span_y32(xv, r, yv, k, 0, LANES, shift, mean, rstd, w, b, top, None)
     if body < n:
         top = ln_span_y32(xv, r, yv, k, n - LANES, n, shift, mean, rstd, w, b, top, None)
     return top
@@ -408,8 +414,9 @@ def ln_span_codes(xv, r, qv, qr, start, end, shift, mean, rstd, w, b, fmt, inv, 
 
 @njit(inline="always", error_model="numpy")
 def ln_tail_codes(xv, r, qv, qr, fv, bv8, n, shift, mean, rstd, w, b, fmt, inv):
-    """:func:`ln_span_codes` of the elements after the last whole vector of the row,
-    through the one-vector scratch rows ``fv`` (float32) and ``bv8`` (uint8)."""
+    """:func:`ln_span_codes` of the elements after the last whole vector of a row
+    shorter than ``LANES``, through the one-vector scratch rows ``fv`` (float32) and
+    ``bv8`` (uint8)."""
     body = n // LANES * LANES
     if body < n:
         for i in range(body, n):
@@ -429,10 +436,11 @@ def ln_row_codes(xv, r, qv, qr, fv, bv8, n, shift, mean, rstd, w, b, fmt, inv, p
     head = aligned_head(xv, r, n)
     body = head + (n - head) // LANES * LANES
     ln_span_codes(xv, r, qv, qr, head, body, shift, mean, rstd, w, b, fmt, inv, pf)
-    if head == 0:
+    if n < LANES:
         ln_tail_codes(xv, r, qv, qr, fv, bv8, n, shift, mean, rstd, w, b, fmt, inv)
         return
-    ln_span_codes(xv, r, qv, qr, 0, LANES, shift, mean, rstd, w, b, fmt, inv, None)
+    if head > 0:
+        ln_span_codes(xv, r, qv, qr, 0, LANES, shift, mean, rstd, w, b, fmt, inv, None)
     if body < n:
         ln_span_codes(xv, r, qv, qr, n - LANES, n, shift, mean, rstd, w, b, fmt, inv,
                       None)
@@ -469,9 +477,10 @@ def rms_row_y32(xv, r, yv, k, n, rstd, w, pf):
     head = aligned_head(xv, r, n)
     body = head + (n - head) // LANES * LANES
     top = rms_span_y32(xv, r, yv, k, head, body, rstd, w, splat(np.float32(0.0)), pf)
-    if head == 0:
+    if n < LANES:
         return rms_tail_y32(xv, r, yv, k, n, rstd, w, top)
-    top = rms_span_y32(xv, r, yv, k, 0, LANES, rstd, w, top, None)
+    if head > 0:
+        top = rms_span_y32(xv, r, yv, k, 0, LANES, rstd, w, top, None)
     if body < n:
         top = rms_span_y32(xv, r, yv, k, n - LANES, n, rstd, w, top, None)
     return top
@@ -508,10 +517,11 @@ def rms_row_codes(xv, r, qv, qr, fv, bv8, n, rstd, w, fmt, inv, pf):
     head = aligned_head(xv, r, n)
     body = head + (n - head) // LANES * LANES
     rms_span_codes(xv, r, qv, qr, head, body, rstd, w, fmt, inv, pf)
-    if head == 0:
+    if n < LANES:
         rms_tail_codes(xv, r, qv, qr, fv, bv8, n, rstd, w, fmt, inv)
         return
-    rms_span_codes(xv, r, qv, qr, 0, LANES, rstd, w, fmt, inv, None)
+    if head > 0:
+        rms_span_codes(xv, r, qv, qr, 0, LANES, rstd, w, fmt, inv, None)
     if body < n:
         rms_span_codes(xv, r, qv, qr, n - LANES, n, rstd, w, fmt, inv, None)
 
