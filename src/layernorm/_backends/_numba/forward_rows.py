@@ -289,8 +289,9 @@ def ln_row_span(xr, yr, r, start, end, shift, mean, rstd, w, b):
 def row_ends(xr, r, n, head, fill):
     """x's first vector of row ``r`` if its output pass peels ``head`` > 0 elements
     (else ``fill``, a vector never used) and its last vector if the row has at least
-    ``LANES`` elements (else ``fill``): what :func:`ln_row_out_from` and the RMSNorm
-    output pass finish the row's ends from, loaded before any of its stores.
+    ``LANES`` elements and some after its last whole vector from ``head`` (else
+    ``fill``): what :func:`ln_row_out_from` and the RMSNorm output pass finish the row's
+    ends from, loaded before any of its stores.
 
     A row's elements after its last whole vector were written one at a time (up to
     ``LANES - 1`` scalar passes a row); one more vector over the row's last ``LANES``
@@ -298,9 +299,11 @@ def row_ends(xr, r, n, head, fill):
     1 thread, x 48 bytes past a 64-byte boundary (12 elements after the last vector),
     one scalar element at a time / one vector: in cache (2048, 64) 36.1 / 30.9 us,
     (1024, 128) 24.9 / 21.4 us, (512, 256) 20.4 / 18.7 us; from DRAM (131072, 64) 2.51 /
-    2.30 ms; 16 bytes past (four elements) 32.9 / 31.7 us; aligned, no tail, the same."""
+    2.30 ms; 16 bytes past (four elements) 32.9 / 31.7 us; aligned, no tail, the same.
+    A row without such elements loads no last vector (loaded unused, LayerNorm short
+    rows of 32-64 took 1-2% longer, kernel alone in cache)."""
     xh = vload(xr, r, 0) if head > 0 else fill
-    xt = vload(xr, r, n - LANES) if n >= LANES else fill
+    xt = vload(xr, r, n - LANES) if n >= LANES and (n - head) % LANES != 0 else fill
     return xh, xt
 
 
