@@ -363,15 +363,16 @@ def ln_span_y32(xv, r, yv, k, start, end, shift, mean, rstd, w, b, top, pf):
 
 @njit(inline="always", error_model="numpy")
 def ln_tail_y32(xv, r, yv, k, n, shift, mean, rstd, w, b, top):
-    """:func:`ln_span_y32` of the elements after the last whole vector of a row shorter
-    than ``LANES`` (its padding zeros change no maximum)."""
-    body = n // LANES * LANES
-    if body < n:
-        for i in range(body, n):
-            v = affine(((widen(get(xv, r, i)) - shift) - mean) * rstd, w, b, i)
-            put(yv, k, i, narrow(v, yv))
-        top = vabsmax(top, vload(yv, k, body))
-    return top
+    """:func:`ln_span_y32` of the elements after the row's last whole vector (wherever
+    its vectors start; the caller knows there are some): the row's last ``LANES``
+    elements again in a row of at least ``LANES`` (the same values stored again), else
+    one at a time (the row's padding zeros change no maximum)."""
+    if n >= LANES:
+        return ln_span_y32(xv, r, yv, k, n - LANES, n, shift, mean, rstd, w, b, top, None)
+    for i in range(n):
+        v = affine(((widen(get(xv, r, i)) - shift) - mean) * rstd, w, b, i)
+        put(yv, k, i, narrow(v, yv))
+    return vabsmax(top, vload(yv, k, 0))
 
 
 @njit(inline="always", error_model="numpy")
@@ -388,12 +389,10 @@ def ln_row_y32(xv, r, yv, k, n, shift, mean, rstd, w, b, pf):
     body = head + (n - head) // LANES * LANES
     top = ln_span_y32(xv, r, yv, k, head, body, shift, mean, rstd, w, b,
                       splat(np.float32(0.0)), pf)
-    if n < LANES:
-        return ln_tail_y32(xv, r, yv, k, n, shift, mean, rstd, w, b, top)
     if head > 0:
         top = ln_span_y32(xv, r, yv, k, 0, LANES, shift, mean, rstd, w, b, top, None)
     if body < n:
-        top = ln_span_y32(xv, r, yv, k, n - LANES, n, shift, mean, rstd, w, b, top, None)
+        top = ln_tail_y32(xv, r, yv, k, n, shift, mean, rstd, w, b, top)
     return top
 
 
@@ -414,17 +413,19 @@ def ln_span_codes(xv, r, qv, qr, start, end, shift, mean, rstd, w, b, fmt, inv, 
 
 @njit(inline="always", error_model="numpy")
 def ln_tail_codes(xv, r, qv, qr, fv, bv8, n, shift, mean, rstd, w, b, fmt, inv):
-    """:func:`ln_span_codes` of the elements after the last whole vector of a row
-    shorter than ``LANES``, through the one-vector scratch rows ``fv`` (float32) and
-    ``bv8`` (uint8)."""
-    body = n // LANES * LANES
-    if body < n:
-        for i in range(body, n):
-            v = affine(((widen(get(xv, r, i)) - shift) - mean) * rstd, w, b, i)
-            put(fv, 0, i - body, narrow(v, fv))
-        store_codes(fmt, bv8, vload(fv, 0, 0) * splat(inv), 0, 0)
-        for i in range(body, n):
-            put(qv, qr, i, get(bv8, 0, i - body))
+    """:func:`ln_span_codes` of the elements after the row's last whole vector (as
+    :func:`ln_tail_y32`): the row's last ``LANES`` codes again in a row of at least
+    ``LANES``, else through the one-vector scratch rows ``fv`` (float32) and ``bv8``
+    (uint8)."""
+    if n >= LANES:
+        ln_span_codes(xv, r, qv, qr, n - LANES, n, shift, mean, rstd, w, b, fmt, inv, None)
+        return
+    for i in range(n):
+        v = affine(((widen(get(xv, r, i)) - shift) - mean) * rstd, w, b, i)
+        put(fv, 0, i, narrow(v, fv))
+    store_codes(fmt, bv8, vload(fv, 0, 0) * splat(inv), 0, 0)
+    for i in range(n):
+        put(qv, qr, i, get(bv8, 0, i))
 
 
 @njit(inline="always", error_model="numpy")
@@ -436,14 +437,10 @@ def ln_row_codes(xv, r, qv, qr, fv, bv8, n, shift, mean, rstd, w, b, fmt, inv, p
     head = aligned_head(xv, r, n)
     body = head + (n - head) // LANES * LANES
     ln_span_codes(xv, r, qv, qr, head, body, shift, mean, rstd, w, b, fmt, inv, pf)
-    if n < LANES:
-        ln_tail_codes(xv, r, qv, qr, fv, bv8, n, shift, mean, rstd, w, b, fmt, inv)
-        return
     if head > 0:
         ln_span_codes(xv, r, qv, qr, 0, LANES, shift, mean, rstd, w, b, fmt, inv, None)
     if body < n:
-        ln_span_codes(xv, r, qv, qr, n - LANES, n, shift, mean, rstd, w, b, fmt, inv,
-                      None)
+        ln_tail_codes(xv, r, qv, qr, fv, bv8, n, shift, mean, rstd, w, b, fmt, inv)
 
 
 @njit(inline="always", error_model="numpy")
@@ -462,13 +459,12 @@ def rms_span_y32(xv, r, yv, k, start, end, rstd, w, top, pf):
 @njit(inline="always", error_model="numpy")
 def rms_tail_y32(xv, r, yv, k, n, rstd, w, top):
     """:func:`ln_tail_y32` for RMSNorm."""
-    body = n // LANES * LANES
-    if body < n:
-        for i in range(body, n):
-            v = times_w(widen(get(xv, r, i)) * rstd, w, i)
-            put(yv, k, i, narrow(v, yv))
-        top = vabsmax(top, vload(yv, k, body))
-    return top
+    if n >= LANES:
+        return rms_span_y32(xv, r, yv, k, n - LANES, n, rstd, w, top, None)
+    for i in range(n):
+        v = times_w(widen(get(xv, r, i)) * rstd, w, i)
+        put(yv, k, i, narrow(v, yv))
+    return vabsmax(top, vload(yv, k, 0))
 
 
 @njit(inline="always", error_model="numpy")
@@ -477,12 +473,10 @@ def rms_row_y32(xv, r, yv, k, n, rstd, w, pf):
     head = aligned_head(xv, r, n)
     body = head + (n - head) // LANES * LANES
     top = rms_span_y32(xv, r, yv, k, head, body, rstd, w, splat(np.float32(0.0)), pf)
-    if n < LANES:
-        return rms_tail_y32(xv, r, yv, k, n, rstd, w, top)
     if head > 0:
         top = rms_span_y32(xv, r, yv, k, 0, LANES, rstd, w, top, None)
     if body < n:
-        top = rms_span_y32(xv, r, yv, k, n - LANES, n, rstd, w, top, None)
+        top = rms_tail_y32(xv, r, yv, k, n, rstd, w, top)
     return top
 
 
@@ -501,14 +495,15 @@ def rms_span_codes(xv, r, qv, qr, start, end, rstd, w, fmt, inv, pf):
 @njit(inline="always", error_model="numpy")
 def rms_tail_codes(xv, r, qv, qr, fv, bv8, n, rstd, w, fmt, inv):
     """:func:`ln_tail_codes` for RMSNorm."""
-    body = n // LANES * LANES
-    if body < n:
-        for i in range(body, n):
-            v = times_w(widen(get(xv, r, i)) * rstd, w, i)
-            put(fv, 0, i - body, narrow(v, fv))
-        store_codes(fmt, bv8, vload(fv, 0, 0) * splat(inv), 0, 0)
-        for i in range(body, n):
-            put(qv, qr, i, get(bv8, 0, i - body))
+    if n >= LANES:
+        rms_span_codes(xv, r, qv, qr, n - LANES, n, rstd, w, fmt, inv, None)
+        return
+    for i in range(n):
+        v = times_w(widen(get(xv, r, i)) * rstd, w, i)
+        put(fv, 0, i, narrow(v, fv))
+    store_codes(fmt, bv8, vload(fv, 0, 0) * splat(inv), 0, 0)
+    for i in range(n):
+        put(qv, qr, i, get(bv8, 0, i))
 
 
 @njit(inline="always", error_model="numpy")
@@ -517,13 +512,10 @@ def rms_row_codes(xv, r, qv, qr, fv, bv8, n, rstd, w, fmt, inv, pf):
     head = aligned_head(xv, r, n)
     body = head + (n - head) // LANES * LANES
     rms_span_codes(xv, r, qv, qr, head, body, rstd, w, fmt, inv, pf)
-    if n < LANES:
-        rms_tail_codes(xv, r, qv, qr, fv, bv8, n, rstd, w, fmt, inv)
-        return
     if head > 0:
         rms_span_codes(xv, r, qv, qr, 0, LANES, rstd, w, fmt, inv, None)
     if body < n:
-        rms_span_codes(xv, r, qv, qr, n - LANES, n, rstd, w, fmt, inv, None)
+        rms_tail_codes(xv, r, qv, qr, fv, bv8, n, rstd, w, fmt, inv)
 
 
 @callee_njit
@@ -726,11 +718,14 @@ def ln_tiled_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, 
     for k in range(stop):
         r = r0 + k
         if dynamic is None:
-            ln_tail_codes(xv, k, qv, r, fv, bv8, n, stats[0, k], stats[1, k], stats[2, k],
-                          wv, bv, fmt, inv_rows[r])
+            if body < n:
+                ln_tail_codes(xv, k, qv, r, fv, bv8, n, stats[0, k], stats[1, k],
+                              stats[2, k], wv, bv, fmt, inv_rows[r])
         else:
-            top = ln_tail_y32(xv, k, yv, k, n, stats[0, k], stats[1, k], stats[2, k], wv,
-                              bv, vload(topv, k, 0))
+            top = vload(topv, k, 0)
+            if body < n:
+                top = ln_tail_y32(xv, k, yv, k, n, stats[0, k], stats[1, k], stats[2, k],
+                                  wv, bv, top)
             quantize_row(yv, qv, bv8, k, r, n, fmt, inverse_of(top, r, fmt, scale_out),
                          None, 0, 0)
     alive(y32)
@@ -775,9 +770,12 @@ def rms_tiled_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_o
     for k in range(stop):
         r = r0 + k
         if dynamic is None:
-            rms_tail_codes(xv, k, qv, r, fv, bv8, n, stats[2, k], wv, fmt, inv_rows[r])
+            if body < n:
+                rms_tail_codes(xv, k, qv, r, fv, bv8, n, stats[2, k], wv, fmt, inv_rows[r])
         else:
-            top = rms_tail_y32(xv, k, yv, k, n, stats[2, k], wv, vload(topv, k, 0))
+            top = vload(topv, k, 0)
+            if body < n:
+                top = rms_tail_y32(xv, k, yv, k, n, stats[2, k], wv, top)
             quantize_row(yv, qv, bv8, k, r, n, fmt, inverse_of(top, r, fmt, scale_out),
                          None, 0, 0)
     alive(y32)
