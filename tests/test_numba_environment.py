@@ -121,6 +121,40 @@ def test_without_a_writable_cache_location_the_kernels_compile_in_memory():
     assert proc.stdout.split() == ["ok"]
 
 
+_NO_ALLOCATIONS = textwrap.dedent(
+    """
+    import numpy as np
+    import layernorm as ln
+    from layernorm._backends._numba import forward_rows
+
+    rng = np.random.default_rng(7)
+    ln.layer_norm(rng.standard_normal((40, 64)).astype(np.float32))  # short rows
+    long = rng.standard_normal((4, 4096)).astype(np.float32)  # tiled rows
+    ln.layer_norm(long)
+    ln.rms_norm(long)
+    for loop in (forward_rows.ln_short_rows, forward_rows.ln_tiled_rows,
+                 forward_rows.rms_tiled_rows):
+        irs = loop.inspect_llvm()
+        assert irs, loop
+        for ir in irs.values():
+            assert "NRT_MemInfo_alloc" not in ir, loop
+    print("ok")
+    """
+)
+
+
+def test_short_and_tiled_row_loops_allocate_no_arrays(tmp_path):
+    """The short-row path's and the tiled rows' scratch blocks live on the stack
+    (``_simd.scratch_block``): their row loops compile no NumPy allocation (``np.empty``,
+    ``np.full``, ``np.zeros`` cost a cold first call about a quarter of a second).
+    Compiled with an empty cache: a kernel loaded from the cache compiles no helper."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", _NO_ALLOCATIONS], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["ok"]
+
+
 _NO_JIT = textwrap.dedent(
     """
     import sys

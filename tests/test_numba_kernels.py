@@ -1213,3 +1213,37 @@ def test_downward_rms_output_passes_give_the_same_bits(n):
                k.rms_stream_forward_parallel):
         for offset in (64, 200, 2048, 3000):
             _check_rms_rows(fn, x, _placed_after(x, offset), w, want)
+
+
+def test_scratch_blocks_are_aligned_separate_and_keep_their_values():
+    """``_simd.scratch_block``: a 64-byte aligned block of the given shape and dtype in
+    the function's stack frame, rows of ``cols`` elements; two blocks do not overlap."""
+    from numba import njit
+
+    from layernorm._backends._numba._simd import get, put, scratch_block, vaddress
+
+    @njit
+    def blocks(out64, out32):
+        a = scratch_block(3, 16, np.float64)
+        b = scratch_block(2, 16, np.float32)
+        for r in range(3):
+            for i in range(16):
+                put(a, r, i, np.float64(100 * r + i + 0.5))
+        for r in range(2):
+            for i in range(16):
+                put(b, r, i, np.float32(-(100 * r + i) - 0.25))
+        for r in range(3):
+            for i in range(16):
+                out64[r, i] = get(a, r, i)
+        for r in range(2):
+            for i in range(16):
+                out32[r, i] = get(b, r, i)
+        return (vaddress(a, 0, 0) % 64, vaddress(b, 0, 0) % 64,
+                vaddress(a, 1, 0) - vaddress(a, 0, 0), vaddress(b, 1, 0) - vaddress(b, 0, 0))
+
+    out64 = np.zeros((3, 16))
+    out32 = np.zeros((2, 16), np.float32)
+    assert blocks(out64, out32) == (0, 0, 16 * 8, 16 * 4)
+    rows, cols = np.mgrid[0:3, 0:16]
+    np.testing.assert_array_equal(out64, 100.0 * rows + cols + 0.5)
+    np.testing.assert_array_equal(out32, (-(100.0 * rows + cols) - 0.25)[:2].astype(np.float32))

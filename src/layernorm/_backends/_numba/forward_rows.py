@@ -49,6 +49,7 @@ from ._simd import (
     raw,
     rounded,
     runtime,
+    scratch_block,
     splat,
     sqrt,
     store_alignment,
@@ -469,12 +470,11 @@ def ln_tiled_rows(xv, yv, wv, bv, tv, eps, n, stores, mean_out, rstd_out, r0, r1
     :func:`ln_long_rows` (the same bits); returns as it does. In place (``x`` is
     ``y``) too: a row's elements are read before they are written."""
     stop = r1
-    # shift, shifted mean and rstd of the group's rows (widened exactly); the rows'
-    # vectors start at their tile_head, the elements before it and after the last
-    # whole vector written one at a time with the statistics (in place, the tiles
-    # never read them)
-    stats = np.empty((3, TILE_ROWS), dtype=np.float64)
-    heads = np.empty(TILE_ROWS, dtype=np.intp)
+    # shift, shifted mean and rstd of the group's rows (widened exactly) and their
+    # tile_head (exactly too), on the stack; the rows' vectors start at their
+    # tile_head, the elements before it and after the last whole vector written one at
+    # a time with the statistics (in place, the tiles never read them)
+    sv = scratch_block(4, TILE_ROWS, np.float64)
     body = n // LANES * LANES
     tile = tile_elements(wv)
     down = store_alignment(stores, yv) == 1 and output_downwards(xv, yv)
@@ -487,13 +487,13 @@ def ln_tiled_rows(xv, yv, wv, bv, tv, eps, n, stores, mean_out, rstd_out, r0, r1
             if needs_rescaling(xv, r, n, rstd):
                 stop = r
                 break
-            stats[0, r - g0] = shift
-            stats[1, r - g0] = mean
-            stats[2, r - g0] = rstd
+            put(sv, 0, r - g0, np.float64(shift))
+            put(sv, 1, r - g0, np.float64(mean))
+            put(sv, 2, r - g0, np.float64(rstd))
             put_stat(mean_out, s0 + (r - r0), mo)
             put_stat(rstd_out, s0 + (r - r0), rstd)
             head = tile_head(xv, yv, r, n, stores)
-            heads[r - g0] = head
+            put(sv, 3, r - g0, np.float64(head))
             end = head + (n - head) // LANES * LANES
             for j in range(head + n - end):
                 i = j if j < head else end + j - head
@@ -503,15 +503,13 @@ def ln_tiled_rows(xv, yv, wv, bv, tv, eps, n, stores, mean_out, rstd_out, r0, r1
         for start in range(0, body, tile):
             for r in range(g0, g1):
                 k = r - g0
-                head = heads[k]
+                head = int(get(sv, 3, k))
                 end = imin(head + start + tile, head + (n - head) // LANES * LANES)
-                ln_tile_span(xv, yv, r, head + start, end, cast(stats[0, k], eps),
-                             cast(stats[1, k], eps), cast(stats[2, k], eps), wv, bv, down,
-                             stores)
+                ln_tile_span(xv, yv, r, head + start, end, cast(get(sv, 0, k), eps),
+                             cast(get(sv, 1, k), eps), cast(get(sv, 2, k), eps), wv, bv,
+                             down, stores)
         g0 = g1 if stop == r1 else r1
     store_fence_by(stores)  # streaming stores done before another thread reads y
-    alive(stats)
-    alive(heads)
     return stop
 
 
@@ -634,10 +632,11 @@ def _folded_tree_sums(sv, first):
 
 @njit(inline="always", error_model="numpy")
 def short_scratch(eps):
-    """The scratch blocks of :func:`short_group_moments`: ``LANES`` rows' lane sums and
-    statistics (x's accumulation dtype, that of ``eps``) and their float64 ``M2`` and
-    sums of squares."""
-    return np.full((_S_ROWS, LANES), eps), np.zeros((2, LANES), np.float64)
+    """:class:`._simd.Raw` views of the scratch blocks of :func:`short_group_moments`,
+    in the caller's stack frame (:func:`._simd.scratch_block`): ``LANES`` rows' lane
+    sums and statistics (x's accumulation dtype, that of ``eps``) and their float64
+    ``M2`` and sums of squares. Every lane is written before it is read."""
+    return scratch_block(_S_ROWS, LANES, eps), scratch_block(2, LANES, np.float64)
 
 
 @njit(inline="always", error_model="numpy")
@@ -711,9 +710,7 @@ def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
     group fills its unused lanes with its last row again (loops of constant length run
     faster) and stores that row once. Returns as :func:`ln_long_rows` does.
     """
-    scratch, wide_scratch = short_scratch(eps)
-    sv = raw(scratch)
-    wv64 = raw(wide_scratch)
+    sv, wv64 = short_scratch(eps)
     ahead = short_rows_ahead(xv, r1 - r0, n)
     stop = r1
     for first in range(r0, r1, LANES):
@@ -728,8 +725,6 @@ def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
             ln_row_out(xv, yv, first + i, n, shift, mean, rstd, wv, bv)
             put_stat(mean_out, s0 + (first - r0) + i, mo)
             put_stat(rstd_out, s0 + (first - r0) + i, rstd)
-    alive(scratch)
-    alive(wide_scratch)
     return stop
 
 
@@ -1131,8 +1126,7 @@ def rms_tiled_rows(xv, yv, wv, eps, n, stores, rstd_out, r0, r1, s0):
     is, with the stores of ``stores`` (the same operations per row, the same bits);
     returns as it does."""
     stop = r1
-    rstds = np.empty(TILE_ROWS, dtype=np.float64)  # widened exactly
-    heads = np.empty(TILE_ROWS, dtype=np.intp)  # as in ln_tiled_rows
+    sv = scratch_block(2, TILE_ROWS, np.float64)  # rstd and tile_head, as ln_tiled_rows
     body = n // LANES * LANES
     tile = tile_elements(wv)
     down = store_alignment(stores, yv) == 1 and output_downwards(xv, yv)
@@ -1144,10 +1138,10 @@ def rms_tiled_rows(xv, yv, wv, eps, n, stores, rstd_out, r0, r1, s0):
             if needs_rescaling(xv, r, n, rstd):
                 stop = r
                 break
-            rstds[r - g0] = rstd
+            put(sv, 0, r - g0, np.float64(rstd))
             put_stat(rstd_out, s0 + (r - r0), rstd)
             head = tile_head(xv, yv, r, n, stores)
-            heads[r - g0] = head
+            put(sv, 1, r - g0, np.float64(head))
             end = head + (n - head) // LANES * LANES
             for j in range(head + n - end):
                 i = j if j < head else end + j - head
@@ -1155,14 +1149,12 @@ def rms_tiled_rows(xv, yv, wv, eps, n, stores, rstd_out, r0, r1, s0):
         g1 = imin(g1, stop)
         for start in range(0, body, tile):
             for r in range(g0, g1):
-                head = heads[r - g0]
+                head = int(get(sv, 1, r - g0))
                 end = imin(head + start + tile, head + (n - head) // LANES * LANES)
-                _rms_tile_span(xv, yv, r, head + start, end, cast(rstds[r - g0], eps), wv,
-                               down, stores)
+                _rms_tile_span(xv, yv, r, head + start, end, cast(get(sv, 0, r - g0), eps),
+                               wv, down, stores)
         g0 = g1 if stop == r1 else r1
     store_fence_by(stores)
-    alive(rstds)
-    alive(heads)
     return stop
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "raw",
     "rounded",
     "runtime",
+    "scratch_block",
     "splat",
     "sqrt",
     "store2",
@@ -54,6 +55,12 @@ __all__ = [
     "vstore_nt",
     "wide",
 ]
+
+
+def scratch_block(rows: int, cols: int, like: Any) -> Any:
+    """A new ``(rows, cols)`` NumPy array of ``like``'s dtype (its values undefined)."""
+    return np.empty((rows, cols), dtype=np.asarray(like).dtype if not isinstance(like, type)
+                    else like)
 
 
 def runtime(value: Any) -> Any:

@@ -96,6 +96,7 @@ from ._simd import (
     raw,
     runtime,
     scales_of,
+    scratch_block,
     splat,
     store_float8_e4m3fn,
     store_float8_e5m2,
@@ -631,11 +632,10 @@ def ln_short_quant_rows(xv, qv, qbv, wv, bv, tv, eps, n, mean_out, rstd_out, fmt
     prefetch. Returns as :func:`ln_rows_quant` does."""
     y32, fbuf, bbuf, invs = bufs
     yv, fv, bv8 = raw(y32), raw(fbuf), raw(bbuf)
-    scratch, wide_scratch = short_scratch(eps)
-    sv = raw(scratch)
-    wv64 = raw(wide_scratch)
-    tops = np.zeros((LANES, LANES), dtype=np.float32)
-    topv = raw(tops)
+    sv, wv64 = short_scratch(eps)
+    topv = scratch_block(LANES, LANES, np.float32)
+    for i in range(LANES):  # a partial group's unused lanes: zeros, never garbage
+        vstore(topv, splat(np.float32(0.0)), i, 0)
     ahead = short_rows_ahead(xv, rows, n)
     stop = rows
     for first in range(0, rows, LANES):
@@ -661,13 +661,10 @@ def ln_short_quant_rows(xv, qv, qbv, wv, bv, tv, eps, n, mean_out, rstd_out, fmt
             group_inverses(topv, imin(LANES, stop - first), r0 + first, fmt, scale_out, invs)
             for i in range(imin(LANES, stop - first)):
                 quantize_row(yv, qv, bv8, i, r0 + first + i, n, fmt, invs[i], None, 0, 0)
-    alive(scratch)
-    alive(wide_scratch)
     alive(y32)
     alive(fbuf)
     alive(bbuf)
     alive(invs)
-    alive(tops)
     return stop
 
 
