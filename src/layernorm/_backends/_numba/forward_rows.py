@@ -88,12 +88,12 @@ from .rowmath import (
     finish,
     lane_sums,
     lane_sums_from,
-    lane_sums_inlined,
     lane_sums_tail,
-    redo,
     row_chunk,
     row_moments,
     row_shift,
+    short_lane_sums,
+    short_redo,
     square_tree,
     total_tree_sum,
     tree_sum,
@@ -662,7 +662,7 @@ def short_group_moments(xv, pv, sv, wv64, first, last, n, eps, ahead):
                 prefetch_at(ppf, o, True)
         shift = row_shift(xv, row, n)
         put(sv, _S_SHIFT, i, shift)
-        a, q, _, _ = lane_sums_inlined(xv, row, n, shift)  # never a closed block
+        a, q = short_lane_sums(xv, row, n, shift)
         vstore(sv, a, _S_A + i, 0)
         vstore(sv, q, _S_Q + i, 0)
     s = _folded_tree_sums(sv, _S_A)
@@ -682,13 +682,13 @@ def short_group_moments(xv, pv, sv, wv64, first, last, n, eps, ahead):
 def short_row_moments(xv, sv, wv64, r, i, n, eps, tv):
     """Row ``r``'s ``(shift, mean, rstd, mean_out)`` from lane ``i`` of
     :func:`short_group_moments`' blocks; a row whose ``M2`` cancelled is redone alone by
-    the row path's :func:`.rowmath.redo`."""
+    :func:`.rowmath.short_redo`."""
     shift = get(sv, _S_SHIFT, i)
     mean = get(sv, _S_MU, i)
     rstd = get(sv, _S_RSTD, i)
     mo = get(sv, _S_MEAN_OUT, i)
     if cancelled(get(wv64, 0, i), get(wv64, 1, i), tv):
-        shift, mu2, m2r = redo(xv, r, n, shift, mean, tv)
+        shift, mu2, m2r = short_redo(xv, r, n, shift, mean)
         mean, mo, rstd = finish(shift, mu2, m2r, n, eps)
     return shift, mean, rstd, mo
 

@@ -349,13 +349,12 @@ def lane_sums_tail(xr, r, n, shift, a, q):
     return a, q
 
 
-_lane_sums_tail_inlined = njit(inline="always", error_model="numpy")(lane_sums_tail)
 lane_sums_tail = callee_njit(lane_sums_tail)
 
 
 def _lane_sums_from_ending_with(tail):
     """:func:`lane_sums_from`, its last partial chunk and remainder added by ``tail``
-    (:func:`lane_sums_tail`, called or inlined)."""
+    (:func:`lane_sums_tail`)."""
 
     def lane_sums_from(xr, r, n, shift, a, q, ta, tq, first):
         """:func:`lane_sums` from chunk ``first`` (0 or the start of a block) on, continuing
@@ -385,17 +384,13 @@ def _lane_sums_from_ending_with(tail):
     return lane_sums_from
 
 
-# Compiled twice: as functions (the row paths call them once per row; one compiled copy
-# serves them all), and inlined into the short-row loop, where the call and its return
-# through memory took a seventh of a row of 64 (measured: 12% less time per row). The
-# pipelined row loop calls lane_sums_tail, whose arguments and results are the lane sums
-# alone: passing the float64 totals through a call too cost 4-16% in cache at n = 256-1024.
-# The called lane_sums_from (long rows, rows from DRAM, the rare redo) calls
-# lane_sums_tail in turn rather than inlining it: less code to compile on a cold first
-# call (0.1 s of 1.9 s measured; inlining lane_sums_from everywhere instead cost 0.3 s
-# more).
-_lane_sums_from_inlined = njit(inline="always", error_model="numpy")(
-    _lane_sums_from_ending_with(_lane_sums_tail_inlined))
+# Compiled as functions: the row paths call them once per row, one compiled copy serving
+# them all (the short-row path has its own, :func:`short_lane_sums`). The pipelined row
+# loop calls lane_sums_tail, whose arguments and results are the lane sums alone: passing
+# the float64 totals through a call too cost 4-16% in cache at n = 256-1024. The called
+# lane_sums_from (long rows, rows from DRAM, the rare redo) calls lane_sums_tail in turn
+# rather than inlining it: less code to compile on a cold first call (0.1 s of 1.9 s
+# measured; inlining lane_sums_from everywhere instead cost 0.3 s more).
 lane_sums_from = callee_njit(_lane_sums_from_ending_with(lane_sums_tail))
 
 
@@ -408,11 +403,73 @@ def lane_sums(xr, r, n, shift):
 
 
 @njit(inline="always", error_model="numpy")
-def lane_sums_inlined(xr, r, n, shift):
-    """:func:`lane_sums`, its loop inlined into the caller."""
+def counted_chunk(xr, r, base, g, kv, pad):
+    """:func:`row_chunk` at ``base`` for a last partial chunk of ``g`` (1 .. ``PER_LANE -
+    1``) groups. The common count 4 (rows of 64-79) has a branch of its own that passes
+    it as a constant LLVM sees (Numba still compiles the helper once,
+    :func:`._simd.runtime`), as a full chunk's ``PER_LANE`` is: inlined there, it adds
+    only the leaves present (an absent leaf's ``-0.0`` adds nothing to a sum, its
+    ``+0.0`` square nothing to a sum of squares, which is never ``-0.0``), the same bits
+    as with the count known only at run time, which the other counts take.
+
+    Measured, LayerNorm, float32, 1 thread, in cache, public calls, with the rest of
+    that change (:func:`short_lane_sums`): (2883, 64) 59 -> 52.5 us. A branch for every
+    count gained as much at the others ((4096, 32) 62-63 -> 55-56 us, (2048, 48) 37-39 ->
+    33.5 us) but cost 0.1-0.15 s more of a cold first call of the short-row path."""
+    if g == 4:
+        return row_chunk(xr, r, base, runtime(4), kv, pad)
+    return row_chunk(xr, r, base, g, kv, pad)
+
+
+@njit(inline="always", error_model="numpy")
+def short_lane_sums(xr, r, n, shift, by_count=True):
+    """The lane sums ``(a, q)`` of :func:`lane_sums` for a unit-stride row that closes
+    no block (at most ``BLOCK_CHUNKS * CHUNK`` elements; the short-row path's are at
+    most ``CHUNK``), inlined into the short-row path's loop: the same additions in the
+    same order, a last partial chunk of 4 groups by :func:`counted_chunk` (with
+    ``by_count``, a constant; without it, less code, for :func:`short_redo`).
+
+    Inlined rather than called: the call and its return through memory took a seventh
+    of a row of 64 (12% per row). Measured, LayerNorm short rows, float32, 1 thread,
+    the group statistics alone: (2883, 64) in cache 21.0 us with the count known at run
+    time, 17.6 us as a constant; from L3/DRAM (65536, 64) 462 / 386 us."""
+    kv = splat(shift)
     zero = splat(cast(0.0, shift))
-    return _lane_sums_from_inlined(xr, r, n, shift, zero, zero, wide(zero), wide(zero),
-                                   runtime(0))
+    pad = splat(cast(-0.0, shift))
+    a = q = zero
+    groups = n // LANES
+    full = groups // PER_LANE
+    for k in range(full):
+        s, ss = row_chunk(xr, r, k * CHUNK, runtime(PER_LANE), kv, pad)
+        a = a + s
+        q = q + ss
+    g = groups - full * PER_LANE
+    if g > 0:
+        if by_count:
+            s, ss = counted_chunk(xr, r, full * CHUNK, g, kv, pad)
+        else:
+            s, ss = row_chunk(xr, r, full * CHUNK, g, kv, pad)
+        a = a + s
+        q = q + ss
+    start = groups * LANES
+    if start < n:
+        v = vload_tail(xr, r, start, n - start, shift) - kv
+        a = a + v
+        q = fma(v, v, q)
+    return a, q
+
+
+@callee_njit
+def short_redo(xr, r, n, shift, mu):
+    """:func:`redo` of a unit-stride row that closes no block, for the short-row path:
+    the same operations, from :func:`short_lane_sums`, so that a first call of that path
+    does not compile :func:`lane_sums_from` (measured: 0.2 s of a cold first call)."""
+    shift = shift + mu
+    a, q = short_lane_sums(xr, r, n, shift, False)
+    s = wide_tree_sum(a)
+    mu2 = s * (1.0 / np.float64(n))
+    m2 = fma(s, mu2 * -1.0, wide_tree_sum(q))
+    return shift, mu2, (m2 if not m2 < 0.0 else 0.0)
 
 
 @njit(inline="always", error_model="numpy")
