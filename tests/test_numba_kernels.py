@@ -1247,3 +1247,30 @@ def test_scratch_blocks_are_aligned_separate_and_keep_their_values():
     rows, cols = np.mgrid[0:3, 0:16]
     np.testing.assert_array_equal(out64, 100.0 * rows + cols + 0.5)
     np.testing.assert_array_equal(out32, (-(100.0 * rows + cols) - 0.25)[:2].astype(np.float32))
+
+
+def test_each_scale_kind_prunes_the_others_code_before_typing():
+    """The quantizing kernels branch on ``dynamic is None``; Numba drops the branch not
+    taken before typing for both ``DYNAMIC`` and ``STATIC`` (None), so a call compiles
+    only its own scale's code. A branch that cannot be typed shows it: with ``True``
+    as ``DYNAMIC`` (a boolean, whose branches are both kept) the first call failed."""
+    from numba import njit
+
+    from layernorm._backends._numba import quantized
+
+    @njit
+    def per_row_only(dynamic):
+        if dynamic is None:
+            return "a static scale".no_such_method()  # untypable
+        return 1
+
+    @njit
+    def static_only(dynamic):
+        if dynamic is not None:
+            return "a per-row scale".no_such_method()
+        return 2
+
+    assert per_row_only(quantized.DYNAMIC) == 1
+    assert static_only(quantized.STATIC) == 2
+    with pytest.raises(Exception, match="no_such_method"):
+        per_row_only(True)

@@ -76,7 +76,14 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.extending import (
+    NativeValue,
+    models,
+    overload,
+    register_model,
+    typeof_impl,
+    unbox,
+)
 
 from ._scalars import cast, imin, narrow, widen
 from ._simd import (
@@ -204,11 +211,53 @@ FORMAT_TAGS = {
     "float8_e4m3fn": np.empty(0, dtype=np.uint8),
     "float8_e5m2": np.empty(0, dtype=np.uint16),
 }
-#: The ``dynamic`` argument of the kernels: ``DYNAMIC`` (True) computes each row's scale,
+
+
+class DynamicScale:
+    """The type of :data:`DYNAMIC`, the kernels' ``dynamic`` argument for per-row scales.
+
+    Numba prunes a branch on ``arg is None`` before typing only if the argument's type is
+    None or has a ``literal_type`` (:class:`DynamicScaleType` does); for ``True``, a
+    boolean, it kept both branches, so a per-row-scale call compiled the static scale's
+    code too."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DYNAMIC"
+
+
+class DynamicScaleType(types.Dummy):
+    """Numba's type of a :class:`DynamicScale`: no data, never None."""
+
+    def __init__(self) -> None:
+        super().__init__(name="DynamicScale")
+
+    @property
+    def literal_type(self) -> types.Type:
+        """Itself: what dead-branch pruning compares with None (never the same)."""
+        return self
+
+
+_DYNAMIC_SCALE_TYPE = DynamicScaleType()
+register_model(DynamicScaleType)(models.OpaqueModel)
+
+
+@typeof_impl.register(DynamicScale)
+def _typeof_dynamic_scale(val, c):
+    return _DYNAMIC_SCALE_TYPE
+
+
+@unbox(DynamicScaleType)
+def _unbox_dynamic_scale(typ, obj, c):
+    return NativeValue(c.context.get_dummy_value())
+
+
+#: The ``dynamic`` argument of the kernels: ``DYNAMIC`` computes each row's scale,
 #: ``STATIC`` (None) takes the given ``1 / scale`` rows. The choice is made by the
-#: argument's *type* (Numba prunes ``dynamic is None`` before typing), so a call
-#: compiles only the scale it uses: compiling both cost 40% of a cold quantized call.
-DYNAMIC = True
+#: argument's *type* (Numba prunes ``dynamic is None`` before typing, for a
+#: :class:`DynamicScale` as for None), so a call compiles only the scale it uses.
+DYNAMIC = DynamicScale()
 STATIC = None
 #: ``qmax`` of each format, by its tag's dtype.
 _QMAX = {np.dtype(np.int8): 127.0, np.dtype(np.uint8): 448.0, np.dtype(np.uint16): 57344.0}
