@@ -332,21 +332,7 @@ def lane_sums_tail(xr, r, n, shift, a, q):
     """The end of :func:`lane_sums_from`: the last partial chunk and the remainder
     elements added to the lane sums ``a``, ``q`` of the full chunks (which close no
     block after them)."""
-    kv = splat(shift)
-    pad = splat(cast(-0.0, shift))
-    groups = n // LANES
-    full = groups // PER_LANE
-    g = groups - full * PER_LANE
-    if g > 0:
-        s, ss = row_chunk(xr, r, full * CHUNK, g, kv, pad)
-        a = a + s
-        q = q + ss
-    start = groups * LANES
-    if start < n:
-        v = vload_tail(xr, r, start, n - start, shift) - kv
-        a = a + v
-        q = fma(v, v, q)
-    return a, q
+    return tail_sums(xr, r, n, shift, a, q, False)
 
 
 lane_sums_tail = callee_njit(lane_sums_tail)
@@ -422,6 +408,31 @@ def counted_chunk(xr, r, base, g, kv, pad):
 
 
 @njit(inline="always", error_model="numpy")
+def tail_sums(xr, r, n, shift, a, q, by_count):
+    """The last partial chunk and the remainder elements of a row added to the lane sums
+    ``a``, ``q`` of its full chunks: the end of :func:`lane_sums_tail` and of
+    :func:`short_lane_sums`, a last partial chunk of 4 groups by :func:`counted_chunk`
+    with ``by_count`` (a constant at every call)."""
+    kv = splat(shift)
+    pad = splat(cast(-0.0, shift))
+    groups = n // LANES
+    g = groups - groups // PER_LANE * PER_LANE
+    if g > 0:
+        if by_count:
+            s, ss = counted_chunk(xr, r, (groups - g) * LANES, g, kv, pad)
+        else:
+            s, ss = row_chunk(xr, r, (groups - g) * LANES, g, kv, pad)
+        a = a + s
+        q = q + ss
+    start = groups * LANES
+    if start < n:
+        v = vload_tail(xr, r, start, n - start, shift) - kv
+        a = a + v
+        q = fma(v, v, q)
+    return a, q
+
+
+@njit(inline="always", error_model="numpy")
 def short_lane_sums(xr, r, n, shift, by_count=True):
     """The lane sums ``(a, q)`` of :func:`lane_sums` for a unit-stride row that closes
     no block (at most ``BLOCK_CHUNKS * CHUNK`` elements; the short-row path's are at
@@ -434,29 +445,13 @@ def short_lane_sums(xr, r, n, shift, by_count=True):
     the group statistics alone: (2883, 64) in cache 21.0 us with the count known at run
     time, 17.6 us as a constant; from L3/DRAM (65536, 64) 462 / 386 us."""
     kv = splat(shift)
-    zero = splat(cast(0.0, shift))
     pad = splat(cast(-0.0, shift))
-    a = q = zero
-    groups = n // LANES
-    full = groups // PER_LANE
-    for k in range(full):
+    a = q = splat(cast(0.0, shift))
+    for k in range(n // LANES // PER_LANE):
         s, ss = row_chunk(xr, r, k * CHUNK, runtime(PER_LANE), kv, pad)
         a = a + s
         q = q + ss
-    g = groups - full * PER_LANE
-    if g > 0:
-        if by_count:
-            s, ss = counted_chunk(xr, r, full * CHUNK, g, kv, pad)
-        else:
-            s, ss = row_chunk(xr, r, full * CHUNK, g, kv, pad)
-        a = a + s
-        q = q + ss
-    start = groups * LANES
-    if start < n:
-        v = vload_tail(xr, r, start, n - start, shift) - kv
-        a = a + v
-        q = fma(v, v, q)
-    return a, q
+    return tail_sums(xr, r, n, shift, a, q, by_count)
 
 
 @callee_njit
