@@ -171,3 +171,30 @@ def test_invalid_constructor_arguments():
             ln.LayerNorm(4, dtype=bad)
     with pytest.raises(TypeError, match="got complex64"):
         ln.RMSNorm(4, dtype="complex64")
+
+
+@pytest.mark.parametrize("cls", [ln.LayerNorm, ln.RMSNorm])
+@pytest.mark.parametrize("copier", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("namespace", ["numpy", "torch"])
+def test_layers_deep_copy_and_pickle_like_torch_modules(cls, copier, namespace):
+    """``copy.deepcopy`` and ``pickle`` copy a layer as they do a ``torch.nn`` module:
+    the same parameters, namespace and saved statistics, sharing no memory with the
+    original (the namespace, a module, travels by name)."""
+    import copy
+    import pickle
+
+    xp = np if namespace == "numpy" else pytest.importorskip("torch")
+    layer = cls(6, weight_offset=0.5, xp=xp)
+    rng = np.random.default_rng(3)
+    layer.load_state_dict({name: xp.asarray(rng.standard_normal(6).astype(np.float32))
+                           for name in layer.state_dict()})
+    x = xp.asarray((2.0 + rng.standard_normal((5, 6))).astype(np.float32))
+    y = layer(x)
+    twin = copy.deepcopy(layer) if copier == "deepcopy" else pickle.loads(pickle.dumps(layer))
+    assert twin._xp is xp and repr(twin) == repr(layer)
+    gy = xp.asarray(rng.standard_normal((5, 6)).astype(np.float32))
+    for got, want in zip(twin.backward(gy), layer.backward(gy), strict=True):  # saved stats
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(twin(x)), np.asarray(y))
+    twin.weight[0] = 100.0
+    assert float(layer.weight[0]) != 100.0

@@ -6,6 +6,8 @@ attributes, ``state_dict`` keys and repr) for arrays of any supported library.
 
 from __future__ import annotations
 
+import importlib
+import types
 from typing import Any
 
 import numpy as np
@@ -61,6 +63,10 @@ def _copied_as(xp: Any, value: Any, dtype: Any, device: Any) -> Any:
     # asarray may return the source or a view of it (same namespace and dtype, or a
     # NumPy view of a CPU tensor): copy once more, in the namespace's own terms.
     return array_namespace(converted).asarray(converted, copy=True)
+
+
+class _ModuleName(str):
+    """A namespace module's name in a pickled layer (see :meth:`_Norm.__getstate__`)."""
 
 
 class _Norm:
@@ -143,6 +149,20 @@ class _Norm:
             values[name] = _copied_as(self._xp, value, self._dtype, self._device)
         for name, value in values.items():
             setattr(self, name, value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The layer's state for :mod:`pickle` and :func:`copy.deepcopy`: its namespace
+        (a module, which neither can copy) by name, everything else as it is."""
+        state = self.__dict__.copy()
+        if isinstance(self._xp, types.ModuleType):
+            state["_xp"] = _ModuleName(self._xp.__name__)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        if isinstance(state["_xp"], _ModuleName):
+            state["_xp"] = importlib.import_module(state["_xp"])
+        self.__dict__.update(state)
 
     def _require_saved(self) -> tuple[Any, ...]:
         if self._saved is None:
