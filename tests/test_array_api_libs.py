@@ -42,6 +42,28 @@ def test_jax_jit_equals_eager():
                                atol=1e-6)
 
 
+def test_jax_jit_takes_a_static_scale_array():
+    """Under ``jax.jit`` a ``scale`` array is traced: its values cannot be checked then
+    (only its shape and dtype), and the call runs as eagerly; eagerly a bad value is
+    still a ValueError."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(random_rows(rng, (4, 16), "float32"))
+    scale = jnp.asarray(np.linspace(0.01, 0.04, 4, dtype=np.float32).reshape(4, 1))
+
+    def f(x, s):
+        return (ln.rms_norm(x, quantize="int8", scale=s)[0],
+                ln.add_layer_norm(x, x, quantize="float8_e4m3fn", scale=s)[0])
+
+    for jitted, eager in zip(jax.jit(f)(x, scale), f(x, scale), strict=True):
+        assert _is_jax(jitted) and jitted.dtype == eager.dtype
+        # XLA may round y32 differently than eager execution: one code step at most
+        # (int8: 1; float8_e4m3fn: 3 mantissa bits)
+        np.testing.assert_allclose(np.asarray(jitted).astype(np.float32),
+                                   np.asarray(eager).astype(np.float32), rtol=0.125, atol=1)
+    with pytest.raises(ValueError, match="scale must be positive and finite"):
+        ln.rms_norm(x, quantize="int8", scale=-scale)
+
+
 @pytest.mark.parametrize("kw", [{}, {"axis": 1}], ids=str)
 def test_jax_grad_matches_reference_gradient(kw):
     rng = np.random.default_rng(2)

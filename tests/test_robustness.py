@@ -108,6 +108,62 @@ def test_other_ndarray_subclasses_compute_as_ndarrays(tmp_path):
     assert np.array_equal(ln.layer_norm(mm), ln.layer_norm(data))
 
 
+class _Arithmetic(np.ndarray):
+    """A subclass whose operators give other values than NumPy's: a path that computed
+    with them would be silently wrong."""
+
+    def __mul__(self, other):
+        return np.asarray(np.multiply(np.asarray(self), other) * 2).view(type(self))
+
+    __rmul__ = __mul__
+
+    def __add__(self, other):
+        return np.asarray(np.add(np.asarray(self), other) + 1).view(type(self))
+
+    __radd__ = __add__
+
+
+@pytest.mark.parametrize("backend", [None, "array_api"])
+def test_subclass_operators_never_reach_the_computation(backend):
+    """Every array argument that is an ndarray subclass computes as its plain ndarray
+    view on both NumPy paths (the kernels and the generic one, which computes with the
+    arrays' operators; the offset gain adds to the weight on both), and the results are
+    plain ndarrays."""
+    rng = np.random.default_rng(9)
+    x, r, gy = (random_rows(rng, (3, 8), "float32") for _ in range(3))
+    w, b = (random_rows(rng, (8,), "float32") for _ in range(2))
+    scale = np.full((3, 1), 0.05, np.float32)
+    _, mean, rstd = ln.layer_norm(x, 8, w, b, return_stats=True)
+    _, rms_rstd = ln.rms_norm(x, 8, w, return_stats=True)
+
+    def odd(a):
+        return a.view(_Arithmetic)
+
+    calls = {
+        "layer_norm": lambda f: ln.layer_norm(f(x), 8, f(w), f(b), weight_offset=1.0,
+                                              backend=backend),
+        "rms_norm": lambda f: ln.rms_norm(f(x), 8, f(w), weight_offset=1.0, backend=backend),
+        "quantized": lambda f: ln.layer_norm(f(x), 8, f(w), f(b), quantize="int8",
+                                             scale=f(scale), backend=backend),
+        "add_layer_norm": lambda f: ln.add_layer_norm(f(x), f(r), 8, f(w), f(b),
+                                                      weight_offset=1.0, backend=backend),
+        "add_rms_norm": lambda f: ln.add_rms_norm(f(x), f(r), 8, f(w), weight_offset=1.0,
+                                                  backend=backend),
+        "layer_norm_backward": lambda f: ln.layer_norm_backward(
+            f(gy), f(x), f(mean), f(rstd), f(w), weight_offset=1.0, grad_residual=f(r),
+            backend=backend),
+        "rms_norm_backward": lambda f: ln.rms_norm_backward(
+            f(gy), f(x), f(rms_rstd), f(w), weight_offset=1.0, backend=backend),
+    }
+    for name, call in calls.items():
+        want, got = call(lambda a: a), call(odd)
+        want = want if isinstance(want, tuple) else (want,)
+        got = got if isinstance(got, tuple) else (got,)
+        for g, e in zip(got, want, strict=True):
+            assert type(g) is np.ndarray, (name, type(g))
+            np.testing.assert_array_equal(g, e, err_msg=name)
+
+
 # ------------------------------------------------------------------ 5: eps rounding to 0
 
 

@@ -104,6 +104,35 @@ def given_array(value: Any) -> Any:
     return value
 
 
+def plain_ndarrays(library: str, *arrays: Any) -> tuple[Any, ...]:
+    """``arrays`` with every ``ndarray`` subclass instance (of a NumPy-library call) as a
+    plain ``ndarray`` view of the same memory; anything else as it is.
+
+    The generic path computes with the arrays' own operators, which a subclass may
+    redefine (a ``__mul__`` that scales its result would scale the output silently), and
+    would return the subclass; the kernels read memory only. Masked arrays and
+    ``np.matrix`` stay as they are, to be refused. Outputs (``out=``) are not passed
+    here: a call returns the object it was given.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> class Tagged(np.ndarray):
+    ...     pass
+    >>> a, b = plain_ndarrays("numpy", np.ones(2).view(Tagged), None)
+    >>> type(a).__name__, b
+    ('ndarray', None)
+    """
+    if library != "numpy":
+        return arrays
+    return tuple(np.asarray(a) if isinstance(a, np.ndarray) and type(a) is not np.ndarray
+                 and not isinstance(a, _REFUSED_SUBCLASSES) else a for a in arrays)
+
+
+#: The ``ndarray`` subclasses refused with their own ``TypeError`` (:func:`library_of`).
+_REFUSED_SUBCLASSES = (np.ma.MaskedArray, np.matrix)
+
+
 def library_of(x: Any, name: str = "x") -> str:
     """Library of an array: "numpy", "cupy", "torch", "dask" or "array_api".
 

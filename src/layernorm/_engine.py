@@ -27,7 +27,7 @@ import numpy as np
 
 from . import _layout
 from ._backends import _array_api as generic
-from ._dispatch import Route, check_companions, given_array
+from ._dispatch import Route, check_companions, given_array, plain_ndarrays
 from ._dtypes import HALF_DTYPES, MACHINE_EPS, SUPPORTED, accumulation_name, dtype_name
 from ._layout import c_contiguous
 from ._validate import (
@@ -355,6 +355,7 @@ def normalize(x: Any, route: Route, normalized_shape: Any, weight: Any, bias: An
 
     Returns ``(y, mean, rstd)`` as :func:`forward` does.
     """
+    x, weight, bias = plain_ndarrays(route.library, x, weight, bias)
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
     check_companions(x, route.library, out=out, **params)
     req = request(x, route, normalized_shape, axis, **params)
@@ -457,6 +458,8 @@ def gradients(grad_y: Any, x: Any, route: Route, mean: Any, rstd: Any, weight: A
     (:func:`gain`); with ``grad_residual`` ``grad_x`` is ``grad_x + grad_residual``
     (:func:`with_grad_residual`).
     """
+    grad_y, x, mean, rstd, weight, grad_residual = plain_ndarrays(
+        route.library, grad_y, x, mean, rstd, weight, grad_residual)
     stats = {"rstd": rstd} if rms else {"mean": mean, "rstd": rstd}
     check_companions(x, route.library, grad_y=grad_y, weight=weight,
                      grad_residual=grad_residual, **stats)
@@ -656,16 +659,29 @@ def check_scale(xp: Any, scale: Any, stats_shape: tuple[int, ...], acc: str) -> 
     kind = dtype_name(scale.dtype)
     if not (kind.startswith("float") or kind.startswith("int") or kind.startswith("uint")):
         raise TypeError(f"scale must have a real dtype, got dtype {kind}")
-    good = xp.all((scale > 0) & xp.isfinite(scale))
-    if not bool(good):
+    good = _known(xp.all((scale > 0) & xp.isfinite(scale)))
+    if good is False:
         low, high = float(xp.min(scale)), float(xp.max(scale))
         raise ValueError("scale must be positive and finite in every element, got values "
                          f"from {low!r} to {high!r}")
     with np.errstate(over="ignore", divide="ignore"):
         s = astype(xp, scale, acc)
-        usable = bool(xp.all(xp.isfinite(s) & xp.isfinite(1 / s)))
-    if not usable:
+        usable = _known(xp.all(xp.isfinite(s) & xp.isfinite(1 / s)))
+    if usable is False:
         raise ValueError(_unusable_scale("an element of scale", acc))
+
+
+def _known(flag: Any) -> bool | None:
+    """``bool(flag)`` for a 0-d boolean array, or None where its value is not known
+    when the call is traced: under ``jax.jit`` an argument's values exist only when the
+    compiled function runs, so a traced ``scale`` is checked for its shape and dtype
+    only and used as given."""
+    try:
+        return bool(flag)
+    except Exception as exc:  # jax's ConcretizationTypeError family, without importing jax
+        if type(exc).__module__.split(".", 1)[0] == "jax":
+            return None
+        raise
 
 
 def _unusable_scale(what: str, acc: str) -> str:
@@ -797,6 +813,7 @@ def normalize_ex(x: Any, route: Route, normalized_shape: Any, weight: Any, bias:
                  weight_offset: Any = 0.0, quantize: Any = None,
                  scale: Any = None) -> tuple[Any, Any, Any, Any]:
     """:func:`normalize` with ``weight_offset`` and ``quantize``: ``(y, scale, mean, rstd)``."""
+    x, weight, bias, scale = plain_ndarrays(route.library, x, weight, bias, scale)
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
     check_companions(x, route.library, out=out, scale=given_array(scale), **params)
     req = request(x, route, normalized_shape, axis, **params)
@@ -1022,6 +1039,8 @@ def add_normalize(x: Any, residual: Any, route: Route, normalized_shape: Any, we
     before ``y`` is written. Either way ``out`` and ``residual_out`` may be ``x`` or
     ``residual`` themselves, and ``y`` is bit for bit the composition's.
     """
+    x, residual, weight, bias, scale = plain_ndarrays(route.library, x, residual, weight,
+                                                      bias, scale)
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
     check_companions(x, route.library, residual=residual, out=out, residual_out=residual_out,
                      scale=given_array(scale), **params)
