@@ -105,7 +105,7 @@ _READ_ONLY = textwrap.dedent(
     kernels = backend.load_kernels()
     # Rows of 40: the short-row kernels.
     for kernel in (kernels.ln_short_forward_serial, kernels.ln_short_backward_serial,
-                   kernels.rms_forward_serial):
+                   kernels.rms_short_forward_serial):
         assert kernel.overloads, "the kernel ran compiled"
         assert type(kernel._cache).__name__ == "NullCache", kernel._cache
     print("ok")
@@ -128,12 +128,14 @@ _NO_ALLOCATIONS = textwrap.dedent(
     from layernorm._backends._numba import forward_rows
 
     rng = np.random.default_rng(7)
-    ln.layer_norm(rng.standard_normal((40, 64)).astype(np.float32))  # short rows
+    short = rng.standard_normal((40, 64)).astype(np.float32)
+    ln.layer_norm(short)
+    ln.rms_norm(short)
     long = rng.standard_normal((4, 4096)).astype(np.float32)  # tiled rows
     ln.layer_norm(long)
     ln.rms_norm(long)
     for loop in (forward_rows.ln_short_rows, forward_rows.ln_tiled_rows,
-                 forward_rows.rms_tiled_rows):
+                 forward_rows.rms_short_rows, forward_rows.rms_tiled_rows):
         irs = loop.inspect_llvm()
         assert irs, loop
         for ir in irs.values():
@@ -144,7 +146,7 @@ _NO_ALLOCATIONS = textwrap.dedent(
 
 
 def test_short_and_tiled_row_loops_allocate_no_arrays(tmp_path):
-    """The short-row path's and the tiled rows' scratch blocks live on the stack
+    """The short-row paths' and the tiled rows' scratch blocks live on the stack
     (``_simd.scratch_block``): their row loops compile no NumPy allocation (``np.empty``,
     ``np.full``, ``np.zeros`` cost a cold first call about a quarter of a second).
     Compiled with an empty cache: a kernel loaded from the cache compiles no helper."""

@@ -127,9 +127,10 @@ def test_channels_first_matches_rows(n, inner):
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 @pytest.mark.parametrize("n", [1, 17, 64, "short_max", "short_max+1"])
 def test_short_rows_in_blocks_match_the_column_path(dtype, n):
-    """Short rows go 16 at a time with their lane trees folded together; the column path
-    runs the same arithmetic another way. Row counts cover partial last blocks, and
-    constant and non-finite rows sit at several positions in a block."""
+    """Short rows (LayerNorm and RMSNorm) go 16 at a time with their lane trees folded
+    together; the column path runs the same arithmetic another way. Row counts cover
+    partial last blocks, and constant and non-finite rows sit at several positions in a
+    block."""
     short_max = backend.load_kernels().SHORT_ROW_MAX
     n = {"short_max": short_max, "short_max+1": short_max + 1}.get(n, n)
     npdt = {"float16": np.float16, "float32": np.float32, "float64": np.float64}[dtype]
@@ -152,6 +153,17 @@ def test_short_rows_in_blocks_match_the_column_path(dtype, n):
         _same_bits(work, y)
         finite = np.isfinite(x).all(axis=1)
         ref = reference.layer_norm(x[finite], (1,), w, b, 1e-5)[0].astype(np.float64)
+        tol = 8 * np.finfo(npdt).eps * max(1.0, np.abs(ref).max())
+        np.testing.assert_allclose(y[finite].astype(np.float64), ref, atol=tol, rtol=0)
+        # RMSNorm's short rows: 16 at a time too, against its column path
+        y, rstd = ln.rms_norm(x, n, w, return_stats=True)
+        yc, rc = ln.rms_norm(columns, weight=w, axis=1, return_stats=True)
+        _same_bits(y, yc[0].T)
+        _same_bits(rstd.reshape(-1), rc.reshape(-1))
+        work = x.copy()
+        assert ln.rms_norm(work, n, w, out=work) is work
+        _same_bits(work, y)
+        ref = reference.rms_norm(x[finite], (1,), w)[0].astype(np.float64)
         tol = 8 * np.finfo(npdt).eps * max(1.0, np.abs(ref).max())
         np.testing.assert_allclose(y[finite].astype(np.float64), ref, atol=tol, rtol=0)
 
@@ -208,9 +220,10 @@ def test_every_row_entry_kernel_gives_the_same_bits_at_any_length(n):
     ref = reference.layer_norm(x[good].astype(np.float64), (1,), w, b, 1e-5)[0]
     np.testing.assert_allclose(y[good], ref, atol=2e-5 * max(1.0, np.abs(ref).max()))
     rms = []
-    for fn in (k.rms_forward_serial, k.rms_gathered_forward_serial, k.rms_stream_forward_serial,
-               k.rms_seq_forward_serial, k.rms_tiled_forward_serial,
-               k.rms_stream_tiled_forward_serial, k.rms_forward_parallel,
+    for fn in (k.rms_forward_serial, k.rms_short_forward_serial, k.rms_gathered_forward_serial,
+               k.rms_stream_forward_serial, k.rms_seq_forward_serial,
+               k.rms_tiled_forward_serial, k.rms_stream_tiled_forward_serial,
+               k.rms_forward_parallel, k.rms_short_forward_parallel,
                k.rms_gathered_forward_parallel, k.rms_stream_forward_parallel,
                k.rms_seq_forward_parallel, k.rms_tiled_forward_parallel,
                k.rms_stream_tiled_forward_parallel):
@@ -218,12 +231,13 @@ def test_every_row_entry_kernel_gives_the_same_bits_at_any_length(n):
         rstd = np.full(rows, np.nan, np.float32)
         args = (x, w, eps, y, rstd, False)
         done = backend.entry.call(fn, backend.RMS_FORWARD_WRITES, *args)
-        if fn in (k.rms_forward_serial, k.rms_stream_forward_serial, k.rms_seq_forward_serial,
-                  k.rms_tiled_forward_serial, k.rms_stream_tiled_forward_serial):
+        if fn in (k.rms_forward_serial, k.rms_short_forward_serial, k.rms_stream_forward_serial,
+                  k.rms_seq_forward_serial, k.rms_tiled_forward_serial,
+                  k.rms_stream_tiled_forward_serial):
             assert done == 11
-        if fn in (k.rms_forward_parallel, k.rms_stream_forward_parallel,
-                  k.rms_seq_forward_parallel, k.rms_tiled_forward_parallel,
-                  k.rms_stream_tiled_forward_parallel):
+        if fn in (k.rms_forward_parallel, k.rms_short_forward_parallel,
+                  k.rms_stream_forward_parallel, k.rms_seq_forward_parallel,
+                  k.rms_tiled_forward_parallel, k.rms_stream_tiled_forward_parallel):
             assert len(done) >= 1 and done[0, 0] == 11 and (done[:, 0] < done[:, 1]).all()
         backend.complete_rms_norm_rows(done, args)
         rms.append((y, rstd))
@@ -799,11 +813,11 @@ def test_calls_with_and_without_statistics_share_one_compiled_kernel():
     y, _, rstd = ln.layer_norm(x, 96, return_stats=True)
     y_rms, _ = ln.rms_norm(x, 96, return_stats=True)
     before = (len(kernels.ln_short_forward_serial.overloads),
-              len(kernels.rms_forward_serial.overloads))
+              len(kernels.rms_short_forward_serial.overloads))
     _same_bits(ln.layer_norm(x, 96), y)  # the same kernel, statistics skipped
     _same_bits(ln.rms_norm(x, 96), y_rms)
     assert (len(kernels.ln_short_forward_serial.overloads),
-            len(kernels.rms_forward_serial.overloads)) == before
+            len(kernels.rms_short_forward_serial.overloads)) == before
     assert np.array_equal(ln.layer_norm(x, 96, return_stats=True)[2], rstd)
 
 
@@ -1149,8 +1163,9 @@ def test_output_passes_from_an_aligned_head_give_the_same_bits(n):
                 _check_ln_rows(fn, x, x if in_place else _placed_after(x, 1000), w, b, tab,
                                want)
             for fn in (k.rms_forward_serial, k.rms_seq_forward_serial,
-                       k.rms_tiled_forward_serial, k.rms_forward_parallel,
-                       k.rms_seq_forward_parallel, k.rms_tiled_forward_parallel):
+                       k.rms_tiled_forward_serial, k.rms_short_forward_serial,
+                       k.rms_forward_parallel, k.rms_seq_forward_parallel,
+                       k.rms_tiled_forward_parallel, k.rms_short_forward_parallel):
                 x = _placed_at(x0, offset)
                 _check_rms_rows(fn, x, x if in_place else _placed_after(x, 1000), w,
                                 want_rms)

@@ -472,6 +472,8 @@ def rms_unit_row_kernels(k: Any, n: int, stream: bool = False,
                          param_size: int = 4) -> tuple[Any, Any]:
     """:func:`rms_row_kernels` for rows of ``n`` elements of unit stride (x and y) (see
     :func:`ln_unit_row_kernels`)."""
+    if n <= k.SHORT_ROW_MAX:
+        return k.rms_short_forward_serial, k.rms_short_forward_parallel
     if stream and n * param_size >= k.RMS_STREAM_TILED_MIN_BYTES:
         return k.rms_stream_tiled_forward_serial, k.rms_stream_tiled_forward_parallel
     if stream:
@@ -502,6 +504,8 @@ def add_ln_kernels(k: Any, n: int, stream: bool = False,
 def add_rms_kernels(k: Any, n: int, stream: bool = False,
                     param_size: int = 4) -> tuple[Any, Any]:
     """:func:`add_ln_kernels` for RMSNorm."""
+    if n <= k.SHORT_ROW_MAX:
+        return k.add_rms_short_forward_serial, k.add_rms_short_forward_parallel
     if stream:
         return k.add_rms_stream_forward_serial, k.add_rms_stream_forward_parallel
     if n * param_size >= k.TILED_MIN_BYTES:

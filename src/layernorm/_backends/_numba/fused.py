@@ -5,7 +5,8 @@ unit stride, block of rows by block of rows: a block's ``h`` is computed in the
 accumulation type (an IEEE add per element of the widened inputs), rounded once to h's
 element type and stored, then the block is normalized by the same compiled row functions
 as the unfused forward (:func:`.forward_rows.ln_long_rows` /
-:func:`.forward_rows.ln_short_rows` / :func:`.forward_rows.rms_raw_rows`) reading those
+:func:`.forward_rows.ln_short_rows` / :func:`.forward_rows.rms_raw_rows` /
+:func:`.forward_rows.rms_short_rows`) reading those
 just-stored, cache-resident ``h`` values. The same operations on the same values: ``y``
 is bit for bit ``layer_norm(h)`` / ``rms_norm(h)``, rounded to y's element type. A
 block whose row function stops before a finite row whose squares overflow or underflow
@@ -49,6 +50,7 @@ from .forward_rows import (
     ln_rows_in_order,
     ln_short_rows,
     rms_rows_in_order,
+    rms_short_rows,
     stopped_blocks,
 )
 from .rowmath import LANES, PLAIN, SEQUENTIAL, STREAM, TILED
@@ -98,6 +100,14 @@ def _add_ln_short_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, r0, r1
     hv = add_block(x, res, h, r0, r1)
     return r0 + ln_short_rows(hv, raw(y[r0:r1]), raw(w), raw(b), raw(tab), eps, x.shape[1],
                               mean_out, rstd_out, runtime(0), r1 - r0, r0)
+
+
+@callee_njit
+def _add_rms_short_block(x, res, w, eps, h, y, rstd_out, r0, r1):
+    """:func:`_add_rms_block` for rows of at most ``SHORT_ROW_MAX``."""
+    hv = add_block(x, res, h, r0, r1)
+    return r0 + rms_short_rows(hv, raw(y[r0:r1]), raw(w), eps, x.shape[1], rstd_out,
+                               runtime(0), r1 - r0, r0)
 
 
 @njit(inline="always", error_model="numpy")
@@ -274,6 +284,33 @@ def add_rms_forward_serial(x, res, w, eps, h, y, rstd_out, nt):
 def add_rms_forward_parallel(x, res, w, eps, h, y, rstd_out, nt):
     """:func:`add_rms_forward_serial` with blocks of rows over Numba's threads."""
     return _add_rms_parallel(x, res, w, eps, h, y, rstd_out, PLAIN)
+
+
+@cached_njit(error_model="numpy")
+def add_rms_short_forward_serial(x, res, w, eps, h, y, rstd_out, nt):
+    """:func:`add_rms_forward_serial` for rows of at most ``SHORT_ROW_MAX`` (``nt``
+    unused)."""
+    rows, n = x.shape
+    rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
+    stopped = 0
+    for r0 in range(0, rows, rb):
+        r1 = imin(rows, r0 + rb)
+        stopped += _add_rms_short_block(x, res, w, eps, h, y, rstd_out, r0, r1) < r1
+    return stopped
+
+
+@cached_njit(parallel=True, error_model="numpy")
+def add_rms_short_forward_parallel(x, res, w, eps, h, y, rstd_out, nt):
+    """:func:`add_rms_short_forward_serial` with blocks of rows over Numba's threads."""
+    rows, n = x.shape
+    rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
+    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
+    for blk in prange(pending.shape[0]):
+        r0 = blk * rb
+        r1 = imin(rows, r0 + rb)
+        pending[blk, 0] = _add_rms_short_block(x, res, w, eps, h, y, rstd_out, r0, r1)
+        pending[blk, 1] = r1
+    return stopped_blocks(pending)
 
 
 @cached_njit(error_model="numpy")

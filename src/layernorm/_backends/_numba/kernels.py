@@ -6,12 +6,12 @@ of threads, so each row's result is bitwise reproducible. Three code paths perfo
 
 * **row path** (2-D, row with unit stride): the ``LANES`` lanes of the row arithmetic
   are the lanes of one SIMD vector (:mod:`._simd`), loaded straight from the row. In the
-  LayerNorm forward, rows of at most ``SHORT_ROW_MAX`` elements go ``LANES`` at a time:
+  forward, rows of at most ``SHORT_ROW_MAX`` elements go ``LANES`` at a time:
   each row's lane sums are computed alone, then the lane trees of step 3 and the
   ``rstd`` of step 5 are evaluated for all of them at once on folded vectors (row ``i``
   in lane ``i``, the same additions in the same tree), which removes most of a short
-  row's latency; the rare row that step 4 redoes is redone alone. Longer rows (and
-  RMSNorm's) are software pipelined: the first pass over row ``r + 1`` runs chunk by
+  row's latency; the rare row that step 4 redoes is redone alone. Longer rows are
+  software pipelined: the first pass over row ``r + 1`` runs chunk by
   chunk with the output pass of row ``r``;
 * **gather path** (any other 2-D row): rows are copied into contiguous scratch rows,
   run through the row path, and the results copied out;
@@ -139,6 +139,8 @@ _HOMES = {
         "rms_gathered_forward_serial",
         "rms_seq_forward_parallel",
         "rms_seq_forward_serial",
+        "rms_short_forward_parallel",
+        "rms_short_forward_serial",
         "rms_stream_forward_parallel",
         "rms_stream_forward_serial",
         "rms_stream_tiled_forward_parallel",
@@ -161,6 +163,8 @@ _HOMES = {
         "add_rms_forward_serial",
         "add_rms_seq_forward_parallel",
         "add_rms_seq_forward_serial",
+        "add_rms_short_forward_parallel",
+        "add_rms_short_forward_serial",
         "add_rms_stream_forward_parallel",
         "add_rms_stream_forward_serial",
         "add_rms_tiled_forward_parallel",
