@@ -111,8 +111,9 @@ def plain_ndarrays(library: str, *arrays: Any) -> tuple[Any, ...]:
     The generic path computes with the arrays' own operators, which a subclass may
     redefine (a ``__mul__`` that scales its result would scale the output silently), and
     would return the subclass; the kernels read memory only. Masked arrays and
-    ``np.matrix`` stay as they are, to be refused. Outputs (``out=``) are not passed
-    here: a call returns the object it was given.
+    ``np.matrix`` stay as they are, to be refused. Outputs (``out=``) and a static
+    ``scale`` are not passed here: a call returns the objects it was given (a scale's
+    values are read through ``asarray``, :func:`._engine.static_inverse`).
 
     Examples
     --------

@@ -813,7 +813,7 @@ def normalize_ex(x: Any, route: Route, normalized_shape: Any, weight: Any, bias:
                  weight_offset: Any = 0.0, quantize: Any = None,
                  scale: Any = None) -> tuple[Any, Any, Any, Any]:
     """:func:`normalize` with ``weight_offset`` and ``quantize``: ``(y, scale, mean, rstd)``."""
-    x, weight, bias, scale = plain_ndarrays(route.library, x, weight, bias, scale)
+    x, weight, bias = plain_ndarrays(route.library, x, weight, bias)
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
     check_companions(x, route.library, out=out, scale=given_array(scale), **params)
     req = request(x, route, normalized_shape, axis, **params)
@@ -1039,8 +1039,7 @@ def add_normalize(x: Any, residual: Any, route: Route, normalized_shape: Any, we
     before ``y`` is written. Either way ``out`` and ``residual_out`` may be ``x`` or
     ``residual`` themselves, and ``y`` is bit for bit the composition's.
     """
-    x, residual, weight, bias, scale = plain_ndarrays(route.library, x, residual, weight,
-                                                      bias, scale)
+    x, residual, weight, bias = plain_ndarrays(route.library, x, residual, weight, bias)
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
     check_companions(x, route.library, residual=residual, out=out, residual_out=residual_out,
                      scale=given_array(scale), **params)
