@@ -641,6 +641,18 @@ def short_scratch(eps):
 
 
 @njit(inline="always", error_model="numpy")
+def prefetch_row(xv, pv, r, n):
+    """Prefetch (a hint, no effect on results) row ``r`` of ``xv`` for reading and of
+    the output view ``pv`` for writing, ``n`` elements of each: the short-row paths'
+    look ahead (:func:`short_rows_ahead`)."""
+    xpf, ppf = vaddress(xv, r, 0), vaddress(pv, r, 0)
+    for o in range(0, n * itemsize(xv), 64):
+        prefetch_at(xpf, o, False)
+    for o in range(0, n * itemsize(pv), 64):
+        prefetch_at(ppf, o, True)
+
+
+@njit(inline="always", error_model="numpy")
 def short_group_moments(xv, pv, sv, wv64, first, last, n, eps, ahead):
     """The statistics of the ``LANES`` rows ``first ..`` of ``xv`` (rows past ``last``
     are ``last`` again), row ``i``'s in lane ``i`` of the scratch blocks ``sv`` and
@@ -655,12 +667,7 @@ def short_group_moments(xv, pv, sv, wv64, first, last, n, eps, ahead):
     for i in range(LANES):
         row = imin(first + i, last)
         if ahead:
-            soon = imin(first + 2 * LANES + i, last)
-            xpf, ppf = vaddress(xv, soon, 0), vaddress(pv, soon, 0)
-            for o in range(0, n * itemsize(xv), 64):
-                prefetch_at(xpf, o, False)
-            for o in range(0, n * itemsize(pv), 64):
-                prefetch_at(ppf, o, True)
+            prefetch_row(xv, pv, imin(first + 2 * LANES + i, last), n)
         shift = row_shift(xv, row, n)
         put(sv, _S_SHIFT, i, shift)
         a, q = short_lane_sums(xv, row, n, shift)
@@ -1270,12 +1277,7 @@ def rms_short_rows(xv, yv, wv, eps, n, rstd_out, r0, r1, s0):
         for i in range(LANES):
             row = imin(first + i, r1 - 1)
             if ahead:  # as short_group_moments
-                soon = imin(first + 2 * LANES + i, r1 - 1)
-                xpf, ypf = vaddress(xv, soon, 0), vaddress(yv, soon, 0)
-                for o in range(0, n * itemsize(xv), 64):
-                    prefetch_at(xpf, o, False)
-                for o in range(0, n * itemsize(yv), 64):
-                    prefetch_at(ypf, o, True)
+                prefetch_row(xv, yv, imin(first + 2 * LANES + i, r1 - 1), n)
             acc, _ = _row_sum_squares_inlined(xv, row, n, zero, wide(zero), runtime(0), eps)
             vstore(sv, acc, i, 0)
         ss = _folded_square_sums(sv)
