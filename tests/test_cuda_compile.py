@@ -502,10 +502,11 @@ def test_add_launch_arguments_match_kernel_signature(monkeypatch, dtypes, n):
 # ------------------------------------------------ the kernels on a host emulation of CUDA
 #
 # The CUDA source itself, compiled with g++ against a tiny emulation of the CUDA features
-# it uses (one std::thread per CUDA thread, barriers for __syncthreads and warp shuffles,
-# blocks one after another) and launched through launch.py's real forward/backward code
-# on NumPy memory. This checks the algorithm without a GPU: results against the float64
-# reference, and the bitwise guarantees across layouts, alignment and batch position.
+# it uses (one fiber per CUDA thread on one host thread, barriers for __syncthreads and
+# warp shuffles, blocks one after another) and launched through launch.py's real
+# forward/backward code on NumPy memory. This checks the algorithm without a GPU:
+# results against the float64 reference, and the bitwise guarantees across layouts,
+# alignment and batch position.
 # (The GPU's approximate sqrt/division (--prec-sqrt=false --prec-div=false) and float16
 # conversions may differ from the host's exact ones in the last bit, so these results
 # are compared with each other, never with the GPU's: every bitwise guarantee here is
@@ -514,15 +515,21 @@ def test_add_launch_arguments_match_kernel_signature(monkeypatch, dtypes, n):
 # host's default arithmetic is IEEE with subnormals, the same policy.)
 
 _EMULATION_PRELUDE = r"""
-// Host emulation of the few CUDA features the kernels use: one std::thread per CUDA
-// thread, std::barrier for __syncthreads and warp shuffles, blocks run one by one.
-#include <barrier>
+// Host emulation of the few CUDA features the kernels use. Every CUDA thread of a block
+// is a fiber (ucontext) on one host thread; a barrier (__syncthreads, a warp's shuffle)
+// parks the fiber until the last thread of its block or warp arrives. The scheduler
+// resumes the fibers in turn, in alternate directions from round to round, so a missing
+// barrier shows up either way (the first or the last thread runs ahead); it aborts when a
+// whole round makes no progress (a barrier some thread never reaches). Blocks run one by
+// one, as on a GPU with one SM.
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
+#include <sys/mman.h>
+#include <ucontext.h>
 
 #define __global__
 #define __device__
@@ -532,35 +539,50 @@ _EMULATION_PRELUDE = r"""
 #define __shared__ static
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
-thread_local dim3 threadIdx, blockIdx;
-dim3 blockDim, gridDim;
+dim3 threadIdx, blockIdx, blockDim, gridDim;
 
-struct EmuWarp { std::barrier<>* bar; unsigned size; unsigned char slots[32][16]; };
-thread_local EmuWarp* emu_warp;
-thread_local int emu_lane;
-thread_local std::barrier<>* emu_block;
+struct EmuBarrier { unsigned count = 0, arrived = 0, generation = 0; };
+struct EmuWarp { EmuBarrier bar; unsigned size = 0; unsigned char slots[32][16]; };
+struct EmuFiber { ucontext_t ctx; dim3 tid; EmuWarp* warp; int lane; bool done; };
 
-inline void __syncthreads() { emu_block->arrive_and_wait(); }
+static ucontext_t emu_scheduler;
+static EmuFiber* emu_current;
+static EmuWarp* emu_warp;
+static int emu_lane;
+static EmuBarrier emu_block;
+static unsigned long long emu_progress;  // barrier arrivals and finished threads
+
+__attribute__((noinline)) static void emu_wait(EmuBarrier& bar) {
+  const unsigned generation = bar.generation;
+  ++emu_progress;
+  if (++bar.arrived == bar.count) { bar.arrived = 0; ++bar.generation; return; }
+  while (bar.generation == generation) swapcontext(&emu_current->ctx, &emu_scheduler);
+}
+
+inline void __syncthreads() { emu_wait(emu_block); }
 template <typename V> V __shfl_xor_sync(unsigned, V v, int off) {
   static_assert(sizeof(V) <= 16, "shuffle size");
-  std::memcpy(emu_warp->slots[emu_lane], &v, sizeof(V));
-  emu_warp->bar->arrive_and_wait();
+  EmuWarp* const warp = emu_warp;
+  const int lane = emu_lane;
+  std::memcpy(warp->slots[lane], &v, sizeof(V));
+  emu_wait(warp->bar);
   V o;
-  std::memcpy(&o, emu_warp->slots[emu_lane ^ off], sizeof(V));
-  emu_warp->bar->arrive_and_wait();
+  std::memcpy(&o, warp->slots[lane ^ off], sizeof(V));
+  emu_wait(warp->bar);
   return o;
 }
-inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp->bar->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_wait(emu_warp->bar); }
 inline int __any_sync(unsigned, int p) {
-  std::memcpy(emu_warp->slots[emu_lane], &p, sizeof(p));
-  emu_warp->bar->arrive_and_wait();
+  EmuWarp* const warp = emu_warp;
+  std::memcpy(warp->slots[emu_lane], &p, sizeof(p));
+  emu_wait(warp->bar);
   int any = 0;
-  for (unsigned l = 0; l < emu_warp->size; ++l) {
+  for (unsigned l = 0; l < warp->size; ++l) {
     int v;
-    std::memcpy(&v, emu_warp->slots[l], sizeof(v));
+    std::memcpy(&v, warp->slots[l], sizeof(v));
     any |= v != 0;
   }
-  emu_warp->bar->arrive_and_wait();
+  emu_wait(warp->bar);
   return any;
 }
 template <typename V> V __ldg(const V* p) { return *p; }
@@ -585,36 +607,139 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   return {uint16_t(u >> 16)};
 }
 
+static void (*emu_body)(void*);
+static void* emu_body_arg;
+
+static void emu_thread_main() {
+  emu_body(emu_body_arg);
+  emu_current->done = true;
+  ++emu_progress;
+}  // returns to emu_scheduler (uc_link)
+
+// One stack per CUDA thread, mapped once per library (pages are touched as used).
+constexpr size_t emu_stack_bytes = 256 * 1024;
+static char* emu_stack(unsigned t) {
+  static char* stacks = nullptr;
+  if (!stacks) {
+    void* p = mmap(nullptr, 1024 * emu_stack_bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) { std::perror("emulation: mmap"); std::abort(); }
+    stacks = static_cast<char*>(p);
+    for (unsigned t = 0; t < 1024; ++t)  // a guard page below each: overflow faults
+      mprotect(stacks + t * emu_stack_bytes, 4096, PROT_NONE);
+  }
+  return stacks + t * emu_stack_bytes;
+}
+
 template <typename F>
 void emu_launch(unsigned grid, unsigned bx, unsigned by, F body) {
   gridDim = {grid, 1, 1};
   blockDim = {bx, by, 1};
   const unsigned nt = bx * by;
+  if (nt > 1024) { std::fprintf(stderr, "emulation: %u threads\n", nt); std::abort(); }
+  emu_body = [](void* f) { (*static_cast<F*>(f))(); };
+  emu_body_arg = &body;
+  std::vector<EmuFiber> fibers(nt);
+  std::vector<EmuWarp> warps((nt + 31) / 32);
   for (unsigned b = 0; b < grid; ++b) {
-    std::barrier<> block(nt);
-    const unsigned nw = (nt + 31) / 32;
-    std::vector<std::unique_ptr<std::barrier<>>> bars;
-    std::vector<EmuWarp> warps(nw);
-    for (unsigned w = 0; w < nw; ++w) {
+    blockIdx = {b, 0, 0};
+    emu_block = {nt, 0, 0};
+    for (unsigned w = 0; w < warps.size(); ++w) {
       warps[w].size = std::min(32u, nt - 32 * w);
-      bars.emplace_back(new std::barrier<>(warps[w].size));
-      warps[w].bar = bars.back().get();
+      warps[w].bar = {warps[w].size, 0, 0};
     }
-    std::vector<std::thread> ts;
     for (unsigned t = 0; t < nt; ++t) {
-      ts.emplace_back([&, t, b] {
-        threadIdx = {t % bx, t / bx, 0};
-        blockIdx = {b, 0, 0};
-        emu_warp = &warps[t / 32];
-        emu_lane = t % 32;
-        emu_block = &block;
-        body();
-      });
+      EmuFiber& f = fibers[t];
+      getcontext(&f.ctx);
+      f.ctx.uc_stack.ss_sp = emu_stack(t);
+      f.ctx.uc_stack.ss_size = emu_stack_bytes;
+      f.ctx.uc_link = &emu_scheduler;
+      makecontext(&f.ctx, emu_thread_main, 0);
+      f.tid = {t % bx, t / bx, 0};
+      f.warp = &warps[t / 32];
+      f.lane = t % 32;
+      f.done = false;
     }
-    for (auto& th : ts) th.join();
+    for (unsigned round = 0, live = nt; live; ++round) {
+      const unsigned long long before = emu_progress;
+      live = 0;
+      for (unsigned i = 0; i < nt; ++i) {
+        EmuFiber& f = fibers[round % 2 ? nt - 1 - i : i];
+        if (f.done) continue;
+        threadIdx = f.tid;
+        emu_warp = f.warp;
+        emu_lane = f.lane;
+        emu_current = &f;
+        swapcontext(&emu_scheduler, &f.ctx);
+        live += !f.done;
+      }
+      if (live && emu_progress == before) {
+        std::fprintf(stderr, "emulation: deadlock, %u threads wait at a barrier\n", live);
+        std::abort();
+      }
+    }
   }
 }
 """
+
+
+_BARRIER_PROBE = r"""
+__global__ void rotate(const int* in, int* out, int* shuffled, int sync) {
+  __shared__ int slot[256];
+  const unsigned t = threadIdx.x + blockDim.x * threadIdx.y;
+  const unsigned n = blockDim.x * blockDim.y;
+  slot[t] = in[blockIdx.x * n + t];
+  if (sync) __syncthreads();
+  out[blockIdx.x * n + t] = slot[(t + 1) % n];
+  shuffled[blockIdx.x * n + t] = __shfl_xor_sync(0xffffffffu, (int)t, 5);
+  if (sync) __syncthreads();
+}
+extern "C" void run(unsigned g, unsigned bx, unsigned by, const int* in, int* out,
+                    int* shuffled, int sync) {
+  emu_launch(g, bx, by, [=] { rotate(in, out, shuffled, sync); });
+}
+extern "C" void stall(void) {  // thread 0 never reaches the barrier the others wait at
+  emu_launch(1, 64, 1, [] { if (threadIdx.x) __syncthreads(); });
+}
+"""
+
+
+def test_emulation_models_barriers_and_shuffles(tmp_path):
+    """The emulation itself: a kernel that reads its neighbour's shared slot is right with
+    the barrier and wrong without it (a missing __syncthreads is caught), warp shuffles
+    exchange lanes, blocks and the 2-D thread index are numbered as on a GPU, and a
+    barrier that a thread never reaches stops the process instead of hanging."""
+    import ctypes
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed for the host emulation")
+    src = tmp_path / "probe.cpp"
+    src.write_text(_EMULATION_PRELUDE + _BARRIER_PROBE)
+    lib_path = tmp_path / "probe.so"
+    proc = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", str(src), "-o",
+                           str(lib_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    lib = ctypes.CDLL(str(lib_path))
+    grid, bx, by = 3, 32, 8
+    n = bx * by
+    data = np.random.default_rng(0).integers(1, 10**6, (grid, n), dtype=np.int32)
+    expected = np.roll(data, -1, axis=1)
+    lane = np.arange(n) % 32
+    for sync in (1, 0):
+        out, shuffled = np.zeros_like(data), np.zeros_like(data)
+        lib.run(ctypes.c_uint(grid), ctypes.c_uint(bx), ctypes.c_uint(by),
+                data.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
+                shuffled.ctypes.data_as(ctypes.c_void_p), ctypes.c_int(sync))
+        np.testing.assert_array_equal(shuffled, np.broadcast_to(np.arange(n) - lane
+                                                                + (lane ^ 5), data.shape))
+        if sync:
+            np.testing.assert_array_equal(out, expected)
+        else:
+            assert not np.array_equal(out, expected), "a missing barrier went unnoticed"
+    stalled = subprocess.run(
+        [sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(lib_path)!r}).stall()"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert stalled.returncode != 0 and "deadlock" in stalled.stderr, stalled.stderr
 
 
 def _emulated_library(exprs, workdir):
@@ -648,7 +773,7 @@ def _emulated_library(exprs, workdir):
     # The same -D defines as the GPU compile (launch.DEFINES: the one definition).
     defines = [f"-D{k}={v}" for k, v in launch.DEFINES.items()]
     proc = subprocess.run(["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-shared",
-                           "-ffp-contract=off", "-fPIC", "-pthread", *defines, f"-I{workdir}",
+                           "-ffp-contract=off", "-fPIC", *defines, f"-I{workdir}",
                            f"-I{kdir}", str(src), "-o", str(lib)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
