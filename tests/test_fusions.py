@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 
 import layernorm as ln
 
+from .conftest import optional
+
 DT = {
     "float16": np.dtype(np.float16),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -681,6 +683,42 @@ def test_offset_errors(bad, exc, match):
         ln.layer_norm(x, weight=w, weight_offset=bad)
     with pytest.raises(exc, match=match):
         ln.add_rms_norm(x, x, weight=w, weight_offset=bad)
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch", "dask"])
+def test_offset_that_overflows_the_accumulation_dtype_is_an_error(lib):
+    """The gain weight + weight_offset is formed in the accumulation dtype: an offset
+    that is infinite there (1e39 in float32) would make every output inf or NaN."""
+    convert = {"numpy": lambda a: a, "torch": lambda a: optional("torch").from_numpy(a),
+               "dask": lambda a: optional("dask.array").from_array(a)}[lib]
+    x32 = data((3, 4), "float32", 1)
+    x, w, b = convert(x32), convert(np.ones(4, np.float32)), convert(np.zeros(4, np.float32))
+    _, mean, rstd = ln.layer_norm(x, 4, return_stats=True)
+    calls = {
+        "layer_norm": lambda o, **k: ln.layer_norm(x, 4, w, b, weight_offset=o, **k),
+        "rms_norm": lambda o, **k: ln.rms_norm(x, 4, w, weight_offset=o, **k),
+        "add_layer_norm": lambda o, **k: ln.add_layer_norm(x, x, 4, w, b, weight_offset=o,
+                                                           **k),
+        "add_rms_norm": lambda o, **k: ln.add_rms_norm(x, x, 4, w, weight_offset=o, **k),
+        "layer_norm_backward": lambda o: ln.layer_norm_backward(x, x, mean, rstd, w, 4,
+                                                                weight_offset=o),
+        "rms_norm_backward": lambda o: ln.rms_norm_backward(x, x, rstd, w, 4,
+                                                            weight_offset=o),
+    }
+    # 2**128 - 2**103 is the smallest magnitude that rounds to infinity in float32.
+    for offset in (1e39, -1e39, 2.0**128 - 2.0**103):
+        for name, call in calls.items():
+            for extra in ({}, {"quantize": "int8"}) if "backward" not in name else ({},):
+                with pytest.raises(ValueError, match=r"weight_offset=.* overflows the "
+                                                     r"accumulation dtype float32"):
+                    call(offset, **extra)
+    largest = float(np.nextafter(2.0**128 - 2.0**103, 0))  # rounds to float32's max
+    y = np.asarray(calls["rms_norm"](largest) if lib != "dask"
+                   else calls["rms_norm"](largest).compute())
+    assert np.isfinite(y).any()
+    if lib == "numpy":  # float64 accumulates in float64, where 1e39 is an ordinary value
+        y64 = ln.layer_norm(x32.astype(np.float64), 4, np.ones(4), weight_offset=1e39)
+        assert np.isfinite(y64).all()
 
 
 def test_offset_without_weight_is_an_error():

@@ -465,7 +465,7 @@ def gradients(grad_y: Any, x: Any, route: Route, mean: Any, rstd: Any, weight: A
                      grad_residual=grad_residual, **stats)
     req = request(x, route, normalized_shape, axis, weight=weight)
     check_backward(grad_y, req, **stats)
-    offset = check_weight_offset(weight_offset, weight is not None)
+    offset = check_weight_offset(weight_offset, weight is not None, req.acc)
     check_grad_residual(grad_residual, req)
     xp = namespace(route.library, x)
     g = gain(xp, weight, offset, req.acc)
@@ -770,7 +770,7 @@ def check_extras(xp: Any, req: Request, weight: Any, weight_offset: Any, quantiz
 
     Returns the offset as a float and the quantize format (or None).
     """
-    offset = check_weight_offset(weight_offset, weight is not None)
+    offset = check_weight_offset(weight_offset, weight is not None, req.acc)
     quantize = check_quantize(quantize)
     if quantize is not None:
         dtype_of(xp, quantize)

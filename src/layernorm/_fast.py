@@ -188,15 +188,15 @@ def offset_weight(x: np.ndarray, weight: Any, weight_offset: Any) -> Any:
     kind = type(weight_offset)
     if kind is not float and kind is not int:
         return GENERAL
-    try:  # the general path's own check (a finite offset; nonzero only with a weight)
-        offset = check_weight_offset(weight_offset, weight is not None)
+    acc = "float64" if x.dtype == np.float64 else "float32"
+    try:  # the general path's own check (finite there; nonzero only with a weight)
+        offset = check_weight_offset(weight_offset, weight is not None, acc)
     except ValueError:  # the general path raises it
         return GENERAL
     if offset == 0.0:
         return weight
     if type(weight) is not np.ndarray or dtype_name(weight.dtype) not in SUPPORTED:
         return GENERAL
-    acc = "float64" if x.dtype == np.float64 else "float32"
     return _engine.gain(np, weight, offset, acc)
 
 

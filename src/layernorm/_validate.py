@@ -294,8 +294,18 @@ QUANTIZE_QMAX: dict[str, float] = {"int8": 127.0, "float8_e4m3fn": 448.0,
                                    "float8_e5m2": 57344.0}
 
 
-def check_weight_offset(offset: Any, has_weight: bool) -> float:
+#: The smallest magnitude that rounds to infinity in float32 (half an ulp above its
+#: largest finite value, where round-to-nearest-even goes up).
+FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
+
+
+def check_weight_offset(offset: Any, has_weight: bool, acc: str | None = None) -> float:
     """``weight_offset`` as a Python float: a finite real, and 0 unless there is a weight.
+
+    With the accumulation dtype ``acc`` (a call's, not a layer's construction) it must
+    also be finite there: the gain ``weight + weight_offset`` is formed in ``acc``, and
+    an offset that overflows it (``1e39`` in float32) would make every output infinite
+    or NaN.
 
     Examples
     --------
@@ -305,6 +315,10 @@ def check_weight_offset(offset: Any, has_weight: bool) -> float:
     Traceback (most recent call last):
     ...
     ValueError: weight_offset=1.0 needs a weight (the gain is weight + weight_offset)...
+    >>> check_weight_offset(1e39, True, "float32")
+    Traceback (most recent call last):
+    ...
+    ValueError: weight_offset=1e+39 overflows the accumulation dtype float32...
     """
     if type(offset) is float and math.isfinite(offset):
         value = offset
@@ -323,6 +337,10 @@ def check_weight_offset(offset: Any, has_weight: bool) -> float:
     if value != 0.0 and not has_weight:
         raise ValueError(f"weight_offset={offset!r} needs a weight (the gain is weight + "
                          "weight_offset), got weight=None")
+    if acc == "float32" and abs(value) >= FLOAT32_OVERFLOW:
+        raise ValueError(f"weight_offset={offset!r} overflows the accumulation dtype float32, "
+                         "where the gain weight + weight_offset is formed; pass at most "
+                         "3.4028235e+38 in magnitude")
     return value
 
 

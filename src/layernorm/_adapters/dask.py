@@ -362,7 +362,7 @@ def _backward(rms: bool, grad_y: Any, x: Any, dask_route: Route, mean: Any, rstd
     _check_common(x, None, grad_y=grad_y, weight=weight, **stats, **extra)
     req = _engine.request(x, dask_route, ns, axis, weight=weight)
     _engine.check_backward(grad_y, req, **stats)
-    offset = _engine.check_weight_offset(weight_offset, weight is not None)
+    offset = _engine.check_weight_offset(weight_offset, weight is not None, req.acc)
     _engine.check_grad_residual(grad_residual, req)
     axes = req.layout.axes
     xr = _rows_rechunked(x, axes)

@@ -647,7 +647,7 @@ def _extended_backward(route: Route, rms: bool, gy: Any, x: Any, mean: Any, rstd
                        weight: Any, ns: Any, axis: Any, weight_offset: Any,
                        grad_residual: Any) -> tuple[Any, ...]:
     req = _engine.request(x, route, ns, axis, weight=weight)
-    offset = _engine.check_weight_offset(weight_offset, weight is not None)
+    offset = _engine.check_weight_offset(weight_offset, weight is not None, req.acc)
     _engine.check_grad_residual(grad_residual, req)
     g = _engine.gain(_namespace(x), weight, offset, req.acc)
     grads = _backward_plus(route, rms, req, gy, x, mean, rstd, g, ns, axis, grad_residual)
