@@ -512,6 +512,57 @@ def test_first_order_backward_still_runs_the_kernels(monkeypatch):
     assert calls == [1]
 
 
+@pytest.mark.parametrize("rms", [False, True])
+def test_functional_backward_is_differentiable(rms, monkeypatch):
+    """layer_norm_backward / rms_norm_backward on tensors that require grad return
+    differentiable gradients, as torch's native_layer_norm_backward does (a gradient
+    penalty differentiates them): gradcheck with respect to grad_y, x, weight and
+    grad_residual (an offset gain), the second derivative of torch's own layer_norm /
+    rms_norm, and the same values as the kernels, which run when nothing requires grad."""
+    import torch.nn.functional as F
+
+    n = 6
+    x = _randn(4, n, seed=120, loc=0.3).requires_grad_()
+    gy = _randn(4, n, seed=121).requires_grad_()
+    w = (1 + 0.3 * _randn(n, seed=122)).requires_grad_()
+    gr = _randn(4, n, seed=123).requires_grad_()
+    with torch.no_grad():
+        _, *stats = (ln.rms_norm if rms else ln.layer_norm)(x, n, return_stats=True)
+    backward = ln.rms_norm_backward if rms else ln.layer_norm_backward
+
+    def fn(g, a, ww, r):
+        return backward(g, a, *stats, ww, n, weight_offset=0.5, grad_residual=r)
+
+    grads = fn(gy, x, w, gr)
+    assert all(g.requires_grad for g in grads)
+    _gradcheck(fn, gy, x, w, gr)
+
+    def through_stats(a):  # the statistics as functions of x, as inside torch's norm
+        var = (a * a).mean(-1, keepdim=True) if rms else a.var(-1, unbiased=False,
+                                                               keepdim=True)
+        rstd = torch.rsqrt(var + 1e-5)
+        mean = [] if rms else [a.mean(-1, keepdim=True)]
+        return backward(gy, a, *mean, rstd, w, n)[0]
+
+    def theirs(a):
+        y = (F.rms_norm(a, (n,), w, 1e-5) if rms else F.layer_norm(a, (n,), w, None, 1e-5))
+        return torch.autograd.grad(y, a, gy, create_graph=True)[0]
+
+    v = _randn(4, n, seed=124)
+    second = torch.autograd.grad((through_stats(x) * v).sum(), x)[0]
+    expected = torch.autograd.grad((theirs(x) * v).sum(), x)[0]
+    np.testing.assert_allclose(_np64(second), _np64(expected), atol=1e-12)
+    calls = []
+    native = _torch.backward_with
+    monkeypatch.setattr(_torch, "backward_with",
+                        lambda *args, **kw: calls.append(1) or native(*args, **kw))
+    with torch.no_grad():
+        kernels = fn(gy, x, w, gr)
+    assert calls and not any(g.requires_grad for g in kernels)
+    for a, b in zip(grads, kernels, strict=True):
+        np.testing.assert_allclose(_np64(a), _np64(b), rtol=1e-12, atol=1e-12)
+
+
 # --------------------------------------------------------------------------- routes
 
 

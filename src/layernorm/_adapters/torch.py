@@ -658,11 +658,12 @@ def _extended_backward(route: Route, rms: bool, gy: Any, x: Any, mean: Any, rstd
 def layer_norm_backward(grad_y: Any, x: Any, route: Route, mean: Any, rstd: Any, weight: Any,
                         normalized_shape: Any, *, axis: Any, weight_offset: Any = 0.0,
                         grad_residual: Any = None) -> Any:
-    """:func:`layernorm.layer_norm_backward` for torch tensors (not itself differentiable)."""
+    """:func:`layernorm.layer_norm_backward` for torch tensors (differentiable where an
+    input requires grad: :func:`_backward_route`)."""
     _check_inputs(x, grad_y=grad_y, mean=mean, rstd=rstd, weight=weight,
                   grad_residual=grad_residual)
-    route = _differentiable_route(route, grad_y, x, mean, rstd, weight, grad_residual)
-    with torch.no_grad():
+    route, scope = _backward_route(route, grad_y, x, mean, rstd, weight, grad_residual)
+    with scope:
         return _extended_backward(route, False, grad_y, x, mean, rstd, weight,
                                   normalized_shape, axis, weight_offset, grad_residual)
 
@@ -670,12 +671,27 @@ def layer_norm_backward(grad_y: Any, x: Any, route: Route, mean: Any, rstd: Any,
 def rms_norm_backward(grad_y: Any, x: Any, route: Route, rstd: Any, weight: Any,
                       normalized_shape: Any, *, axis: Any, weight_offset: Any = 0.0,
                       grad_residual: Any = None) -> Any:
-    """:func:`layernorm.rms_norm_backward` for torch tensors (not itself differentiable)."""
+    """:func:`layernorm.rms_norm_backward` for torch tensors (differentiable where an
+    input requires grad: :func:`_backward_route`)."""
     _check_inputs(x, grad_y=grad_y, rstd=rstd, weight=weight, grad_residual=grad_residual)
-    route = _differentiable_route(route, grad_y, x, rstd, weight, grad_residual)
-    with torch.no_grad():
+    route, scope = _backward_route(route, grad_y, x, rstd, weight, grad_residual)
+    with scope:
         return _extended_backward(route, True, grad_y, x, None, rstd, weight,
                                   normalized_shape, axis, weight_offset, grad_residual)
+
+
+def _backward_route(route: Route, *tensors: Any) -> tuple[Route, Any]:
+    """The route and grad mode of a functional backward call.
+
+    Where autograd records the call (grad mode on and an input requiring grad), its
+    gradients must be differentiable, as those of torch's ``native_layer_norm_backward``
+    are (a gradient penalty differentiates them): they are computed by the generic
+    implementation, whose torch operations autograd records. Otherwise the backend's
+    kernels run under ``no_grad``.
+    """
+    if _wants_grad(*tensors):
+        return Route(route.library, "array_api"), contextlib.nullcontext()
+    return _differentiable_route(route, *tensors), torch.no_grad()
 
 
 # --------------------------------------------------------------------------- fusions
