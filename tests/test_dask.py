@@ -202,6 +202,40 @@ def test_dask_and_numpy_weights_and_dask_only_errors():
         ln.layer_norm(unknown)
 
 
+def test_dask_scale_is_used_lazily_and_checked_per_block():
+    """A static scale= may be a Dask array (every array argument comes from x's library):
+    rechunked to x's row blocks, the same codes as NumPy's, returned as passed; its
+    values are checked in each block when the result is computed (not eagerly: that
+    would run the scale's graph), its shape when the call is made."""
+    rng = np.random.default_rng(6)
+    xn = random_rows(rng, (9, 16), "float32")
+    x = da.from_array(xn, chunks=(4, 16))
+    per_row = (0.01 + rng.random((9, 1))).astype(np.float32)
+    for sn in (per_row, np.full((1, 1), 0.02, np.float32), np.asarray(0.03, np.float32)):
+        sd = da.from_array(sn, chunks=(5, 1) if sn.ndim else ())
+        y, s = ln.layer_norm(x, quantize="int8", scale=sd)
+        assert s is sd
+        np.testing.assert_array_equal(y.compute(),
+                                      ln.layer_norm(xn, quantize="int8", scale=sn)[0])
+        y = ln.add_rms_norm(x, x, quantize="float8_e4m3fn", scale=sd)[0]
+        want = ln.add_rms_norm(xn, xn, quantize="float8_e4m3fn", scale=sn)[0]
+        np.testing.assert_array_equal(y.compute().view(np.uint8), want.view(np.uint8))
+    bad = per_row.copy()
+    bad[6] = -1.0
+    seen = []
+    lazy = da.from_array(bad, chunks=(5, 1)).map_blocks(
+        lambda b: (seen.append(b.size), b)[1], meta=np.empty((0, 0), np.float32))
+    y, _ = ln.layer_norm(x, quantize="int8", scale=lazy)
+    assert not seen, "the scale was computed when the call was made"
+    with pytest.raises(ValueError, match="scale must be positive and finite"):
+        y.compute()
+    with pytest.raises(ValueError, match=r"scale must be broadcastable .*\(9, 1\).*\(9, 2\)"):
+        ln.layer_norm(x, quantize="int8", scale=da.ones((9, 2), chunks=3))
+    unknown = da.from_array(per_row, chunks=(5, 1))
+    with pytest.raises(ValueError, match="scale has unknown chunk sizes"):
+        ln.layer_norm(x, quantize="int8", scale=unknown[unknown[:, 0] > 0])
+
+
 def test_array_api_backend_per_block():
     rng = np.random.default_rng(5)
     xn = random_rows(rng, (12, 10), "float64")

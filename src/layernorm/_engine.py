@@ -673,9 +673,12 @@ def check_scale(xp: Any, scale: Any, stats_shape: tuple[int, ...], acc: str) -> 
 
 def _known(flag: Any) -> bool | None:
     """``bool(flag)`` for a 0-d boolean array, or None where its value is not known
-    when the call is traced: under ``jax.jit`` an argument's values exist only when the
-    compiled function runs, so a traced ``scale`` is checked for its shape and dtype
-    only and used as given."""
+    when the call is traced or lazy: under ``jax.jit`` an argument's values exist only
+    when the compiled function runs, so a traced ``scale`` is checked for its shape and
+    dtype only and used as given; a Dask ``scale`` likewise, its values checked in each
+    block when the result is computed (computing them here would run its graph)."""
+    if type(flag).__module__.split(".", 1)[0] == "dask":
+        return None
     try:
         return bool(flag)
     except Exception as exc:  # jax's ConcretizationTypeError family, without importing jax

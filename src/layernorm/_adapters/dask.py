@@ -270,9 +270,10 @@ def _fused(rms: bool, x: Any, residual: Any, dask_route: Route, ns: Any, weight:
         stats_req = _engine.Request(req.layout, h_name, accumulation_name(h_name), req.backend)
     eps = _engine.resolve_eps(eps, stats_req, rms)
     scale_array = given_array(scale)
-    if scale_array is not None and library_of(scale_array, "scale") == "dask":
-        raise TypeError("scale must be a number or a NumPy array for Dask inputs, got a Dask "
-                        "array; pass scale.compute()")
+    if scale_array is not None and library_of(scale_array, "scale") == "dask" \
+            and any(math.isnan(s) for s in scale_array.shape):
+        raise ValueError(f"scale has unknown chunk sizes (shape {scale_array.shape}); call "
+                         "scale.compute_chunk_sizes() first")
     check_companions(x, "dask", scale=scale_array)
     offset, quantize = _engine.check_extras(np, req, weight, weight_offset, quantize, scale,
                                             None)
@@ -282,12 +283,13 @@ def _fused(rms: bool, x: Any, residual: Any, dask_route: Route, ns: Any, weight:
     xr = _rows_rechunked(x, axes)
     stats_chunks = _stats_chunks(xr.chunks, axes)
     ind = tuple(range(x.ndim))
+    da = _da()
     static = None
-    if scale_array is not None:
-        static = _as_dask(np.broadcast_to(scale, req.layout.stats_shape), stats_chunks)
+    if scale_array is not None:  # a Dask scale's values are checked block by block
+        broadcast = da.broadcast_to if isinstance(scale, da.Array) else np.broadcast_to
+        static = _as_dask(broadcast(scale, req.layout.stats_shape), stats_chunks)
     pairs = [(xr, ind), (_as_dask(residual, xr.chunks), ind), (_param(weight), axes),
              (_param(bias), axes), (static, ind)]
-    da = _da()
     tmp = da.blockwise(_fused_block, ind, *_args(pairs), dtype=y_dtype,
                        meta=_meta(xr._meta, x.ndim, y_dtype),
                        token="add_norm" if residual is not None else "norm_ex", rms=rms,
