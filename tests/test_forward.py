@@ -45,6 +45,23 @@ def test_output_is_new_c_contiguous_and_input_unchanged():
     assert y2.flags.c_contiguous and y2.shape == x.shape
 
 
+def test_statistics_are_c_contiguous_on_both_numpy_paths():
+    """Outputs are new C-contiguous arrays on the generic path too, statistics
+    included: elementwise operations and reductions keep a Fortran x's layout."""
+    rng = np.random.default_rng(3)
+    x = np.asfortranarray(random_rows(rng, (6, 5, 8), "float32"))
+    for backend in ("numba", "array_api"):
+        for out in (ln.layer_norm(x, return_stats=True, backend=backend),
+                    ln.rms_norm(x, return_stats=True, backend=backend),
+                    ln.layer_norm(x, return_stats=True, backend=backend, quantize="int8"),
+                    ln.add_rms_norm(x, x, return_stats=True, backend=backend)):
+            assert all(a.flags.c_contiguous for a in out), (backend, [a.flags for a in out])
+    kernel, generic = (ln.layer_norm(x, return_stats=True, backend=b)
+                       for b in ("numba", "array_api"))
+    for a, b in zip(kernel, generic, strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-6)
+
+
 def test_out_and_in_place():
     rng = np.random.default_rng(7)
     x = random_rows(rng, (8, 200), "float32")

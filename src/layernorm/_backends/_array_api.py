@@ -174,7 +174,7 @@ def layer_norm(
         y = y * _param(xp, weight, bshape, acc)
     if bias is not None:
         y = y + _param(xp, bias, bshape, acc)
-    return c_contiguous(xp.astype(y, x.dtype)), mean, rstd
+    return c_contiguous(xp.astype(y, x.dtype)), c_contiguous(mean), c_contiguous(rstd)
 
 
 def rms_norm(
@@ -194,7 +194,7 @@ def rms_norm(
     rstd = rstd_scaled * scale
     if weight is not None:
         y = y * _param(xp, weight, bshape, acc)
-    return c_contiguous(xp.astype(y, x.dtype)), rstd
+    return c_contiguous(xp.astype(y, x.dtype)), c_contiguous(rstd)
 
 
 def _other_axes(ndim: int, axes: tuple[int, ...]) -> tuple[int, ...]:
