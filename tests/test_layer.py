@@ -62,6 +62,9 @@ def test_state_dict_round_trip_and_errors():
         layer.load_state_dict({**state, "running_mean": np.ones(5)})
     with pytest.raises(ValueError, match=r"\(5,\).*\(4,\)"):
         layer.load_state_dict({"weight": np.ones(4), "bias": np.ones(5)})
+    with pytest.raises(TypeError, match=r"state_dict\['bias'\] must be an array or tensor of "
+                                        r"shape \(5,\), got list"):
+        layer.load_state_dict({"weight": np.ones(5), "bias": [0.0] * 5})
     masked = np.ma.masked_array(np.full(5, 2.0), mask=[True, False, False, False, False])
     with pytest.raises(TypeError, match=r"state_dict\['weight'\] is a numpy\.ma\.MaskedArray"):
         layer.load_state_dict({"weight": masked, "bias": np.ones(5)})
@@ -171,6 +174,12 @@ def test_invalid_constructor_arguments():
             ln.LayerNorm(4, dtype=bad)
     with pytest.raises(TypeError, match="got complex64"):
         ln.RMSNorm(4, dtype="complex64")
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"dtype must be a dtype of numpy or a name such as "
+                                        r"'float32' .*got torch\.float16"):
+        ln.LayerNorm(4, dtype=torch.float16)
+    with pytest.raises(TypeError, match=r"dtype must be a dtype of torch .*got .*float16"):
+        ln.RMSNorm(4, dtype=np.float16, xp=torch)
 
 
 @pytest.mark.parametrize("cls", [ln.LayerNorm, ln.RMSNorm])

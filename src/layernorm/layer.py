@@ -19,6 +19,12 @@ from ._validate import as_int_tuple, check_eps, check_weight_offset
 
 def _resolve_dtype(xp: Any, dtype: Any) -> Any:
     if not isinstance(dtype, str):
+        try:  # another library's dtype object (torch.float16 for a NumPy layer)
+            xp.empty((0,), dtype=dtype)
+        except (TypeError, ValueError):
+            name = getattr(xp, "__name__", type(xp).__name__)
+            raise TypeError(f"dtype must be a dtype of {name} or a name such as 'float32' "
+                            f"(the parameters' float dtype), got {dtype!r}") from None
         return dtype
     if dtype == "bfloat16" and getattr(xp, "__name__", "") == "numpy":
         import ml_dtypes
@@ -138,7 +144,10 @@ class _Norm:
         values = {}
         for name in expected:
             value = state[name]
-            shape = tuple(int(s) for s in getattr(value, "shape", ()))
+            if not hasattr(value, "shape"):
+                raise TypeError(f"state_dict[{name!r}] must be an array or tensor of shape "
+                                f"{self.normalized_shape}, got {type(value).__name__}")
+            shape = tuple(int(s) for s in value.shape)
             if shape != self.normalized_shape:
                 raise ValueError(
                     f"state_dict[{name!r}] must have shape {self.normalized_shape}, got {shape}"
