@@ -516,7 +516,7 @@ def test_add_launch_arguments_match_kernel_signature(monkeypatch, dtypes, n):
 
 _EMULATION_PRELUDE = r"""
 // Host emulation of the few CUDA features the kernels use. Every CUDA thread of a block
-// is a fiber (ucontext) on one host thread; a barrier (__syncthreads, a warp's shuffle)
+// is a fiber on one host thread; a barrier (__syncthreads, a warp's shuffle)
 // parks the fiber until the last thread of its block or warp arrives. The scheduler
 // resumes the fibers in turn, in alternate directions from round to round, so a missing
 // barrier shows up either way (the first or the last thread runs ahead); it aborts when a
@@ -543,10 +543,9 @@ dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 struct EmuBarrier { unsigned count = 0, arrived = 0, generation = 0; };
 struct EmuWarp { EmuBarrier bar; unsigned size = 0; unsigned char slots[32][16]; };
-struct EmuFiber { ucontext_t ctx; dim3 tid; EmuWarp* warp; int lane; bool done; };
-
-static ucontext_t emu_scheduler;
+struct EmuFiber;
 static EmuFiber* emu_current;
+static void emu_to_scheduler();
 static EmuWarp* emu_warp;
 static int emu_lane;
 static EmuBarrier emu_block;
@@ -556,7 +555,7 @@ __attribute__((noinline)) static void emu_wait(EmuBarrier& bar) {
   const unsigned generation = bar.generation;
   ++emu_progress;
   if (++bar.arrived == bar.count) { bar.arrived = 0; ++bar.generation; return; }
-  while (bar.generation == generation) swapcontext(&emu_current->ctx, &emu_scheduler);
+  while (bar.generation == generation) emu_to_scheduler();
 }
 
 inline void __syncthreads() { emu_wait(emu_block); }
@@ -610,11 +609,81 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
 static void (*emu_body)(void*);
 static void* emu_body_arg;
 
+static void emu_thread_main();
+
+#if defined(__x86_64__) && !defined(EMU_UCONTEXT)
+// The fiber switch: callee-saved registers, the SSE and x87 control words and the stack
+// pointer (glibc's swapcontext also saves the signal mask, a system call per switch).
+struct EmuFiber { void* sp; dim3 tid; EmuWarp* warp; int lane; bool done; };
+extern "C" void emu_switch(void** save_sp, void* sp);
+asm(R"(
+  .text
+  .p2align 4
+  .hidden emu_switch
+  .globl emu_switch
+  .type emu_switch, @function
+emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size emu_switch, .-emu_switch
+)");
+static void* emu_scheduler_sp;
+static void emu_to_scheduler() { emu_switch(&emu_current->sp, emu_scheduler_sp); }
+static void emu_to_fiber(EmuFiber& f) { emu_switch(&emu_scheduler_sp, f.sp); }
+[[noreturn]] static void emu_fiber_entry() {  // entered by emu_switch's ret
+  emu_thread_main();
+  for (;;) emu_to_scheduler();  // never resumed: the fiber is done
+}
+static void emu_start(EmuFiber& f, char* stack, size_t bytes) {
+  auto* top = reinterpret_cast<uint64_t*>(
+      reinterpret_cast<uintptr_t>(stack + bytes) & ~uintptr_t(15));
+  *--top = 0;  // so that the entry sees rsp % 16 == 8, as after a call
+  *--top = reinterpret_cast<uint64_t>(&emu_fiber_entry);
+  for (int r = 0; r < 6; ++r) *--top = 0;  // rbp rbx r12-r15
+  uint32_t control[2] = {0, 0};
+  asm volatile("stmxcsr %0" : "=m"(control[0]));
+  asm volatile("fnstcw %0" : "=m"(control[1]));
+  std::memcpy(--top, control, 8);
+  f.sp = top;
+}
+#else  // elsewhere (and with -DEMU_UCONTEXT): glibc's contexts
+struct EmuFiber { ucontext_t ctx; dim3 tid; EmuWarp* warp; int lane; bool done; };
+static ucontext_t emu_scheduler;
+static void emu_to_scheduler() { swapcontext(&emu_current->ctx, &emu_scheduler); }
+static void emu_to_fiber(EmuFiber& f) { swapcontext(&emu_scheduler, &f.ctx); }
+static void emu_start(EmuFiber& f, char* stack, size_t bytes) {
+  getcontext(&f.ctx);
+  f.ctx.uc_stack.ss_sp = stack;
+  f.ctx.uc_stack.ss_size = bytes;
+  f.ctx.uc_link = &emu_scheduler;
+  makecontext(&f.ctx, emu_thread_main, 0);
+}
+#endif
+
 static void emu_thread_main() {
   emu_body(emu_body_arg);
   emu_current->done = true;
   ++emu_progress;
-}  // returns to emu_scheduler (uc_link)
+}  // then back to the scheduler, for good
 
 // One stack per CUDA thread, mapped once per library (pages are touched as used).
 constexpr size_t emu_stack_bytes = 256 * 1024;
@@ -650,11 +719,7 @@ void emu_launch(unsigned grid, unsigned bx, unsigned by, F body) {
     }
     for (unsigned t = 0; t < nt; ++t) {
       EmuFiber& f = fibers[t];
-      getcontext(&f.ctx);
-      f.ctx.uc_stack.ss_sp = emu_stack(t);
-      f.ctx.uc_stack.ss_size = emu_stack_bytes;
-      f.ctx.uc_link = &emu_scheduler;
-      makecontext(&f.ctx, emu_thread_main, 0);
+      emu_start(f, emu_stack(t), emu_stack_bytes);
       f.tid = {t % bx, t / bx, 0};
       f.warp = &warps[t / 32];
       f.lane = t % 32;
@@ -670,7 +735,7 @@ void emu_launch(unsigned grid, unsigned bx, unsigned by, F body) {
         emu_warp = f.warp;
         emu_lane = f.lane;
         emu_current = &f;
-        swapcontext(&emu_scheduler, &f.ctx);
+        emu_to_fiber(f);
         live += !f.done;
       }
       if (live && emu_progress == before) {
@@ -704,11 +769,13 @@ extern "C" void stall(void) {  // thread 0 never reaches the barrier the others 
 """
 
 
-def test_emulation_models_barriers_and_shuffles(tmp_path):
-    """The emulation itself: a kernel that reads its neighbour's shared slot is right with
-    the barrier and wrong without it (a missing __syncthreads is caught), warp shuffles
-    exchange lanes, blocks and the 2-D thread index are numbered as on a GPU, and a
-    barrier that a thread never reaches stops the process instead of hanging."""
+@pytest.mark.parametrize("switch", ["default", "ucontext"])
+def test_emulation_models_barriers_and_shuffles(tmp_path, switch):
+    """The emulation itself, with each fiber switch (x86-64's own and glibc's contexts,
+    the fallback elsewhere): a kernel that reads its neighbour's shared slot is right
+    with the barrier and wrong without it (a missing __syncthreads is caught), warp
+    shuffles exchange lanes, blocks and the 2-D thread index are numbered as on a GPU,
+    and a barrier that a thread never reaches stops the process instead of hanging."""
     import ctypes
 
     if shutil.which("g++") is None:
@@ -716,8 +783,9 @@ def test_emulation_models_barriers_and_shuffles(tmp_path):
     src = tmp_path / "probe.cpp"
     src.write_text(_EMULATION_PRELUDE + _BARRIER_PROBE)
     lib_path = tmp_path / "probe.so"
-    proc = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", str(src), "-o",
-                           str(lib_path)], capture_output=True, text=True, timeout=300)
+    define = ["-DEMU_UCONTEXT"] if switch == "ucontext" else []
+    proc = subprocess.run(["g++", "-std=c++20", "-O0", "-shared", "-fPIC", *define, str(src),
+                           "-o", str(lib_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     lib = ctypes.CDLL(str(lib_path))
     grid, bx, by = 3, 32, 8
@@ -772,7 +840,7 @@ def _emulated_library(exprs, workdir):
     lib = workdir / "emulation.so"
     # The same -D defines as the GPU compile (launch.DEFINES: the one definition).
     defines = [f"-D{k}={v}" for k, v in launch.DEFINES.items()]
-    proc = subprocess.run(["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-shared",
+    proc = subprocess.run(["g++", "-std=c++20", "-O0", "-fno-strict-aliasing", "-shared",
                            "-ffp-contract=off", "-fPIC", *defines, f"-I{workdir}",
                            f"-I{kdir}", str(src), "-o", str(lib)],
                           capture_output=True, text=True, timeout=900)
