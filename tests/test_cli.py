@@ -265,6 +265,9 @@ def test_memory_regime_in_a_run(monkeypatch):
     (["--quantize", "int4"], "--quantize"),
     (["--roofline", "--regime", "cache"], "--regime"),
     (["--dask", "--regime", "memory"], "--regime"),
+    (["--repeats", "0"], "--repeats must be >= 1; got 0"),
+    (["--quick", "--repeats", "0"], "--repeats must be >= 1; got 0"),
+    (["--repeats", "-3"], "--repeats must be >= 1; got -3"),
 ])
 def test_bench_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

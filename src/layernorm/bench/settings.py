@@ -114,7 +114,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                 f"--threads must be between 1 and {available} (NUMBA_NUM_THREADS); got {t}")
     regimes = split_choices(getattr(args, "regime", None), REGIMES, "--regime") or REGIMES
     regimes = tuple(r for r in REGIMES if r in regimes)  # each once, cache first
-    repeats = args.repeats or (5 if args.quick else 11)
+    repeats = args.repeats if args.repeats is not None else (5 if args.quick else 11)
     if repeats < 1:
         raise UsageError(f"--repeats must be >= 1; got {repeats}")
     directions = ("forward", "backward") if args.backward else ("forward",)
