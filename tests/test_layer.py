@@ -183,6 +183,41 @@ def test_invalid_constructor_arguments():
 
 
 @pytest.mark.parametrize("cls", [ln.LayerNorm, ln.RMSNorm])
+def test_backward_is_that_of_the_call_after_in_place_changes(cls):
+    """A residual stream updated in place (x += ...) or an optimizer step on the weight
+    between the call and backward: the gradients stay those of the call (NumPy: the
+    layer kept copies), or torch's in-place error (version counters), never silently
+    other gradients."""
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((5, 8)).astype(np.float32) + 0.5
+    g = rng.standard_normal((5, 8)).astype(np.float32)
+    w = (1 + 0.3 * rng.standard_normal(8)).astype(np.float32)
+    for change in ("x", "weight"):
+        layer, xc = cls(8), x.copy()
+        layer.weight[:] = w
+        layer(xc)
+        want = layer.backward(g)
+        layer(xc)
+        if change == "x":
+            xc *= 2.0
+        else:
+            layer.weight *= 3.0
+        got = layer.backward(g)
+        for a, b in zip(want, got, strict=True):
+            if a is not None:
+                np.testing.assert_array_equal(a, b, err_msg=change)
+    torch = pytest.importorskip("torch")
+    for change in ("x", "weight"):
+        layer, xt = cls(8, xp=torch), torch.from_numpy(x.copy())
+        layer(xt)
+        (xt if change == "x" else layer.weight).mul_(2.0)
+        with pytest.raises(RuntimeError, match=r"modified in place after the forward call"):
+            layer.backward(torch.from_numpy(g))
+        layer(xt)  # a new call: its own gradients
+        assert layer.backward(torch.from_numpy(g))[0].shape == (5, 8)
+
+
+@pytest.mark.parametrize("cls", [ln.LayerNorm, ln.RMSNorm])
 @pytest.mark.parametrize("copier", ["deepcopy", "pickle"])
 @pytest.mark.parametrize("namespace", ["numpy", "torch"])
 def test_layers_deep_copy_and_pickle_like_torch_modules(cls, copier, namespace):

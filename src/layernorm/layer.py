@@ -71,6 +71,54 @@ def _copied_as(xp: Any, value: Any, dtype: Any, device: Any) -> Any:
     return array_namespace(converted).asarray(converted, copy=True)
 
 
+class _Kept:
+    """A forward call's argument as ``backward`` will read it: the array as it was at the
+    call, so that changing it in place afterwards (a residual stream updated with
+    ``x += ...``, an optimizer step on the weight) cannot change the gradients silently.
+
+    torch tensors are kept with their version counter and checked, as torch's autograd
+    checks them (a ``RuntimeError`` if modified in place); arrays of immutable libraries
+    (JAX, Dask) as they are; every other array (NumPy, CuPy, ...) as a copy.
+    """
+
+    __slots__ = ("value", "version")
+
+    def __init__(self, value: Any) -> None:
+        self.version = None
+        if value is None or _is_immutable(value):
+            self.value = value
+        elif _is_torch_tensor(value):
+            self.value, self.version = value, value._version
+        else:
+            from array_api_compat import array_namespace
+
+            self.value = array_namespace(value).asarray(value, copy=True)
+
+    def __getstate__(self) -> tuple[Any, bool | None]:
+        """For copies of the layer: a copied tensor's version counter starts anew, so
+        the state says whether the tensor was modified, not its version."""
+        changed = None if self.version is None else self.value._version != self.version
+        return self.value, changed
+
+    def __setstate__(self, state: tuple[Any, bool | None]) -> None:
+        self.value, changed = state
+        self.version = None if changed is None else self.value._version - int(changed)
+
+    def get(self, name: str, layer: str) -> Any:
+        """The kept array; a torch tensor modified in place since the call is an error."""
+        if self.version is not None and self.value._version != self.version:
+            raise RuntimeError(
+                f"{layer}.backward(): {name} was modified in place after the forward call "
+                f"(version {self.version} then, {self.value._version} now); the gradients "
+                "would not be those of the call. Call the layer again, or modify a copy")
+        return self.value
+
+
+def _is_immutable(value: Any) -> bool:
+    """Arrays of libraries that never change an array in place (JAX, Dask)."""
+    return type(value).__module__.split(".", 1)[0] in ("jax", "jaxlib", "dask")
+
+
 class _ModuleName(str):
     """A namespace module's name in a pickled layer (see :meth:`_Norm.__getstate__`)."""
 
@@ -173,10 +221,18 @@ class _Norm:
             state["_xp"] = importlib.import_module(state["_xp"])
         self.__dict__.update(state)
 
+    def _keep(self, x: Any, *stats: Any) -> None:
+        """Save what ``backward`` needs: ``x`` and the parameters as they are now
+        (:class:`_Kept`), and the call's statistics (new arrays of the call)."""
+        self._saved = (_Kept(x), _Kept(self.weight), *stats)
+
     def _require_saved(self) -> tuple[Any, ...]:
+        """``(x, weight, *stats)`` of the last call, as they were at the call."""
         if self._saved is None:
             raise RuntimeError(f"{type(self).__name__}.backward() needs a forward call first")
-        return self._saved
+        x, weight, *stats = self._saved
+        layer = type(self).__name__
+        return (x.get("the input x", layer), weight.get("weight", layer), *stats)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.extra_repr()})"
@@ -253,7 +309,7 @@ class LayerNorm(_Norm):
         """Normalize ``x`` and keep what ``backward`` needs."""
         y, mean, rstd = layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
                                    weight_offset=self.weight_offset, return_stats=True)
-        self._saved = (x, mean, rstd)
+        self._keep(x, mean, rstd)
         return y
 
     def backward(self, grad_y: Any) -> tuple[Any, Any, Any]:
@@ -271,11 +327,11 @@ class LayerNorm(_Norm):
         grad_weight, grad_bias : array or None
             Gradients of the parameters; None for a parameter the layer does not have.
         """
-        x, mean, rstd = self._require_saved()
-        gx, gw, gb = layer_norm_backward(grad_y, x, mean, rstd, self.weight,
+        x, weight, mean, rstd = self._require_saved()
+        gx, gw, gb = layer_norm_backward(grad_y, x, mean, rstd, weight,
                                          self.normalized_shape,
                                          weight_offset=self.weight_offset)
-        return (gx, gw if self.weight is not None else None,
+        return (gx, gw if weight is not None else None,
                 gb if self.bias is not None else None)
 
     def extra_repr(self) -> str:
@@ -350,7 +406,7 @@ class RMSNorm(_Norm):
         """Normalize ``x`` and keep what ``backward`` needs."""
         y, rstd = rms_norm(x, self.normalized_shape, self.weight, self.eps,
                            weight_offset=self.weight_offset, return_stats=True)
-        self._saved = (x, rstd)
+        self._keep(x, rstd)
         return y
 
     def backward(self, grad_y: Any) -> tuple[Any, Any]:
@@ -368,7 +424,7 @@ class RMSNorm(_Norm):
         grad_weight : array or None
             Gradient of ``weight``; None without ``elementwise_affine``.
         """
-        x, rstd = self._require_saved()
-        gx, gw = rms_norm_backward(grad_y, x, rstd, self.weight, self.normalized_shape,
+        x, weight, rstd = self._require_saved()
+        gx, gw = rms_norm_backward(grad_y, x, rstd, weight, self.normalized_shape,
                                    weight_offset=self.weight_offset)
-        return gx, (gw if self.weight is not None else None)
+        return gx, (gw if weight is not None else None)
