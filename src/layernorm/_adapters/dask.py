@@ -270,10 +270,9 @@ def _fused(rms: bool, x: Any, residual: Any, dask_route: Route, ns: Any, weight:
         stats_req = _engine.Request(req.layout, h_name, accumulation_name(h_name), req.backend)
     eps = _engine.resolve_eps(eps, stats_req, rms)
     scale_array = given_array(scale)
-    if scale_array is not None and library_of(scale_array, "scale") == "dask" \
-            and any(math.isnan(s) for s in scale_array.shape):
-        raise ValueError(f"scale has unknown chunk sizes (shape {scale_array.shape}); call "
-                         "scale.compute_chunk_sizes() first")
+    lazy_scale = scale_array is not None and library_of(scale_array, "scale") == "dask"
+    if lazy_scale:
+        _check_known_shape(scale_array, "scale")
     check_companions(x, "dask", scale=scale_array)
     offset, quantize = _engine.check_extras(np, req, weight, weight_offset, quantize, scale,
                                             None)
@@ -286,7 +285,7 @@ def _fused(rms: bool, x: Any, residual: Any, dask_route: Route, ns: Any, weight:
     da = _da()
     static = None
     if scale_array is not None:  # a Dask scale's values are checked block by block
-        broadcast = da.broadcast_to if isinstance(scale, da.Array) else np.broadcast_to
+        broadcast = da.broadcast_to if lazy_scale else np.broadcast_to
         static = _as_dask(broadcast(scale, req.layout.stats_shape), stats_chunks)
     pairs = [(xr, ind), (_as_dask(residual, xr.chunks), ind), (_param(weight), axes),
              (_param(bias), axes), (static, ind)]
