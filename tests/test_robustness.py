@@ -66,6 +66,21 @@ def test_non_native_byte_order_is_a_type_error_naming_the_argument(dtype, which,
             ln.rms_norm(arrays["x"], 5, arrays["weight"])
 
 
+@pytest.mark.parametrize("fortran", [False, True])
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"])
+def test_a_swapped_weight_with_an_offset_is_refused_on_every_layout(name, fortran):
+    # The short path forms the gain weight + offset itself; it must not turn a swapped
+    # weight into an accepted one where the general path (Fortran x) refuses it.
+    rng = np.random.default_rng(4)
+    x = random_rows(rng, (4, 8), "float32")
+    x = np.asfortranarray(x) if fortran else x
+    weight = random_rows(rng, 8, "float32").astype(">f4")
+    args = (x,) if name in ("layer_norm", "rms_norm") else (x, x[::-1].copy())
+    for _ in range(2):
+        with pytest.raises(TypeError, match="weight must have native byte order"):
+            getattr(ln, name)(*args, weight=weight, weight_offset=1.0)
+
+
 def test_a_swapped_out_is_refused():
     x = random_rows(np.random.default_rng(1), (2, 4), "float32")
     out = np.empty((2, 4), np.dtype(">f4"))

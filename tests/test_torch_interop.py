@@ -767,6 +767,33 @@ def test_outputs_that_require_grad_are_refused(name):
     assert torch.equal(leaf.detach(), ln.layer_norm(x))
 
 
+@pytest.mark.parametrize("name", ["out", "residual_out", "in place"])
+def test_inference_tensors_are_not_written_outside_inference_mode(name):
+    # torch refuses every in-place or out= update of an inference tensor outside
+    # inference mode ("Inplace update to inference tensor outside InferenceMode").
+    with torch.inference_mode():
+        buf = torch.zeros(3, 5)
+        xi = _randn(3, 5, seed=51, dtype=torch.float32)
+    x = _randn(3, 5, seed=52, dtype=torch.float32)
+    if name == "in place":
+        with pytest.raises(RuntimeError, match="out= is an inference tensor"):
+            ln.rms_norm(xi, 5, out=xi)
+        with torch.inference_mode():
+            expected = ln.rms_norm(xi.clone(), 5)
+            assert ln.rms_norm(xi, 5, out=xi) is xi and torch.equal(xi, expected)
+        return
+    call = ({"out": buf} if name == "out" else {"residual_out": buf})
+    with pytest.raises(RuntimeError, match=f"{name}= is an inference tensor"):
+        ln.add_layer_norm(x, x.cos(), **call)
+    if name == "out":
+        with pytest.raises(RuntimeError, match="out= is an inference tensor"):
+            ln.layer_norm(x, 5, out=buf)
+    assert torch.equal(buf, torch.zeros(3, 5))
+    with torch.inference_mode():
+        ln.add_layer_norm(x, x.cos(), **call)
+    assert not torch.equal(buf, torch.zeros(3, 5))
+
+
 def test_other_devices_use_the_generic_path():
     x = torch.empty(2, 3, 4, device="meta")
     assert ln.backend_name(x) == "array_api"

@@ -195,8 +195,9 @@ def offset_weight(x: np.ndarray, weight: Any, weight_offset: Any) -> Any:
         return GENERAL
     if offset == 0.0:
         return weight
-    if type(weight) is not np.ndarray or dtype_name(weight.dtype) not in SUPPORTED:
-        return GENERAL
+    if (type(weight) is not np.ndarray or not weight.dtype.isnative
+            or dtype_name(weight.dtype) not in SUPPORTED):
+        return GENERAL  # the general path refuses a non-native byte order, as without
     return _engine.gain(np, weight, offset, acc)
 
 

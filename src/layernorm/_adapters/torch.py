@@ -73,9 +73,18 @@ def _wants_grad(*tensors: Any) -> bool:
     )
 
 
-def _no_out_with_grad(out: Any, *tensors: Any, name: str = "out") -> None:
-    """No ``out=`` where autograd would need to see the write (as torch's ``out=`` ops)."""
-    if out is None or not torch.is_grad_enabled():
+def _check_out(out: Any, *tensors: Any, name: str = "out") -> None:
+    """No ``out=`` that torch's own ``out=`` ops refuse: an inference tensor outside
+    inference mode, or a write autograd would need to see."""
+    if out is None:
+        return
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{name}= is an inference tensor, which cannot be written outside "
+            "torch.inference_mode() (torch refuses such in-place updates too); call "
+            f"under torch.inference_mode() or pass {name}.clone()"
+        )
+    if not torch.is_grad_enabled():
         return
     if out.requires_grad:
         raise RuntimeError(
@@ -617,7 +626,7 @@ def layer_norm(x: Any, route: Route, normalized_shape: Any, weight: Any, bias: A
                quantize: Any = None, scale: Any = None) -> Any:
     """:func:`layernorm.layer_norm` for a torch tensor ``x``; returns torch tensors."""
     _check_inputs(x, weight=weight, bias=bias, out=out, scale=scale)
-    _no_out_with_grad(out, x, weight, bias)
+    _check_out(out, x, weight, bias)
     route = _differentiable_route(route, x, weight, bias)
     if (quantize is not None or scale is not None or type(weight_offset) is not float
             or weight_offset != 0.0):
@@ -633,7 +642,7 @@ def rms_norm(x: Any, route: Route, normalized_shape: Any, weight: Any, eps: Any,
              scale: Any = None) -> Any:
     """:func:`layernorm.rms_norm` for a torch tensor ``x``; returns torch tensors."""
     _check_inputs(x, weight=weight, out=out, scale=scale)
-    _no_out_with_grad(out, x, weight)
+    _check_out(out, x, weight)
     route = _differentiable_route(route, x, weight)
     if (quantize is not None or scale is not None or type(weight_offset) is not float
             or weight_offset != 0.0):
@@ -864,8 +873,8 @@ def add_norm(x: Any, residual: Any, route: Route, normalized_shape: Any, weight:
         bias = None
     _check_inputs(x, residual=residual, weight=weight, bias=bias, out=out,
                   residual_out=residual_out, scale=scale)
-    _no_out_with_grad(out, x, residual, weight, bias)
-    _no_out_with_grad(residual_out, x, residual, weight, bias, name="residual_out")
+    _check_out(out, x, residual, weight, bias)
+    _check_out(residual_out, x, residual, weight, bias, name="residual_out")
     route = _differentiable_route(route, x, residual, weight, bias)
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
     req_x = _engine.request(x, route, normalized_shape, axis, **params)
