@@ -37,10 +37,6 @@ from ._simd import (
     affine,
     alive,
     fma,
-    fold1,
-    fold2,
-    fold4,
-    fold8,
     get,
     itemsize,
     prefetch_at,
@@ -93,11 +89,13 @@ from .rowmath import (
     row_chunk,
     row_moments,
     row_shift,
+    row_trees,
     short_lane_sums,
     short_redo,
     square_tree,
     total_tree_sum,
     tree_sum,
+    wide_row_trees,
 )
 
 #: Rows up to this long take the LayerNorm forward's short-row path, ``LANES`` rows at a
@@ -612,26 +610,6 @@ def ln_raw_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1, 
 
 
 @njit(inline="always", error_model="numpy")
-def _folded_tree_sums(sv, first):
-    """:func:`.rowmath.wide_tree_sum` of each of the LANES vectors in rows ``first ..`` of
-    ``sv`` (float64); the sum of row ``first + i`` lands in lane ``i`` (the same
-    additions, see ``fold8``)."""
-    a0 = wide(fold8(vload(sv, first, 0), vload(sv, first + 1, 0)))
-    a1 = wide(fold8(vload(sv, first + 2, 0), vload(sv, first + 3, 0)))
-    a2 = wide(fold8(vload(sv, first + 4, 0), vload(sv, first + 5, 0)))
-    a3 = wide(fold8(vload(sv, first + 6, 0), vload(sv, first + 7, 0)))
-    a4 = wide(fold8(vload(sv, first + 8, 0), vload(sv, first + 9, 0)))
-    a5 = wide(fold8(vload(sv, first + 10, 0), vload(sv, first + 11, 0)))
-    a6 = wide(fold8(vload(sv, first + 12, 0), vload(sv, first + 13, 0)))
-    a7 = wide(fold8(vload(sv, first + 14, 0), vload(sv, first + 15, 0)))
-    b0 = fold4(a0, a1)
-    b1 = fold4(a2, a3)
-    b2 = fold4(a4, a5)
-    b3 = fold4(a6, a7)
-    return fold1(fold2(b0, b1), fold2(b2, b3))
-
-
-@njit(inline="always", error_model="numpy")
 def short_scratch(eps):
     """:class:`._simd.Raw` views of the scratch blocks of :func:`short_group_moments`,
     in the caller's stack frame (:func:`._simd.scratch_block`): ``LANES`` rows' lane
@@ -673,8 +651,8 @@ def short_group_moments(xv, pv, sv, wv64, first, last, n, eps, ahead):
         a, q = short_lane_sums(xv, row, n, shift)
         vstore(sv, a, _S_A + i, 0)
         vstore(sv, q, _S_Q + i, 0)
-    s = _folded_tree_sums(sv, _S_A)
-    ss = _folded_tree_sums(sv, _S_Q)
+    s = wide_row_trees(sv, _S_A)
+    ss = wide_row_trees(sv, _S_Q)
     mu = s * inv_n
     m2 = fma(s, mu * splat(-1.0), ss)
     vstore(wv64, m2, 0, 0)
@@ -1233,22 +1211,6 @@ def rms_rstd(xr, r, n, eps):
 _RS_ROWS = LANES + 1
 
 
-@njit(inline="always", error_model="numpy")
-def _folded_square_sums(sv):
-    """:func:`.rowmath.tree_sum` of each of the ``LANES`` vectors in rows ``0 ..`` of
-    ``sv``, every level in their type; the sum of row ``i`` lands in lane ``i`` (the
-    same additions, see ``fold8``)."""
-    a0 = fold8(vload(sv, 0, 0), vload(sv, 1, 0))
-    a1 = fold8(vload(sv, 2, 0), vload(sv, 3, 0))
-    a2 = fold8(vload(sv, 4, 0), vload(sv, 5, 0))
-    a3 = fold8(vload(sv, 6, 0), vload(sv, 7, 0))
-    a4 = fold8(vload(sv, 8, 0), vload(sv, 9, 0))
-    a5 = fold8(vload(sv, 10, 0), vload(sv, 11, 0))
-    a6 = fold8(vload(sv, 12, 0), vload(sv, 13, 0))
-    a7 = fold8(vload(sv, 14, 0), vload(sv, 15, 0))
-    return fold1(fold2(fold4(a0, a1), fold4(a2, a3)), fold2(fold4(a4, a5), fold4(a6, a7)))
-
-
 @callee_njit
 def rms_short_rows(xv, yv, wv, eps, n, rstd_out, r0, r1, s0):
     """:func:`rms_raw_rows` for rows of at most ``SHORT_ROW_MAX``, ``LANES`` rows at a
@@ -1280,7 +1242,7 @@ def rms_short_rows(xv, yv, wv, eps, n, rstd_out, r0, r1, s0):
                 prefetch_row(xv, yv, imin(first + 2 * LANES + i, r1 - 1), n)
             acc, _ = _row_sum_squares_inlined(xv, row, n, zero, wide(zero), runtime(0), eps)
             vstore(sv, acc, i, 0)
-        ss = _folded_square_sums(sv)
+        ss = row_trees(sv, runtime(0))
         vstore(sv, splat(cast(1.0, eps)) / sqrt(ss / count + splat(eps)), LANES, 0)
         for i in range(imin(LANES, r1 - first)):
             r = first + i

@@ -89,10 +89,6 @@ from ._scalars import cast, imin, narrow, widen
 from ._simd import (
     affine,
     alive,
-    fold1_max,
-    fold2_max,
-    fold4_max,
-    fold8_max,
     get,
     hmax_bits,
     itemsize,
@@ -134,6 +130,7 @@ from .rowmath import (
     LANES,
     aligned_head,
     finish,
+    row_maxima,
     row_moments,
 )
 
@@ -314,16 +311,7 @@ def group_inverses(tv, count, r, fmt, scale_out, invs):
     ``i``: maxima are exact, so this is :func:`._simd.hmax_bits` of each row) and
     their scales and inverses are computed for all of them at once: the same IEEE
     divisions per row, so the same bits."""
-    a0 = fold8_max(vload(tv, 0, 0), vload(tv, 1, 0))
-    a1 = fold8_max(vload(tv, 2, 0), vload(tv, 3, 0))
-    a2 = fold8_max(vload(tv, 4, 0), vload(tv, 5, 0))
-    a3 = fold8_max(vload(tv, 6, 0), vload(tv, 7, 0))
-    a4 = fold8_max(vload(tv, 8, 0), vload(tv, 9, 0))
-    a5 = fold8_max(vload(tv, 10, 0), vload(tv, 11, 0))
-    a6 = fold8_max(vload(tv, 12, 0), vload(tv, 13, 0))
-    a7 = fold8_max(vload(tv, 14, 0), vload(tv, 15, 0))
-    amax = fold1_max(fold2_max(fold4_max(a0, a1), fold4_max(a2, a3)),
-                     fold2_max(fold4_max(a4, a5), fold4_max(a6, a7)))
+    amax = row_maxima(tv, runtime(0))
     scale = scales_of(amax, splat(qmax_of(fmt)))
     inv = splat(np.float32(1.0)) / scale
     for i in range(count):

@@ -86,6 +86,14 @@ from ._simd import (
     down4,
     down8,
     fma,
+    fold1,
+    fold1_max,
+    fold2,
+    fold2_max,
+    fold4,
+    fold4_max,
+    fold8,
+    fold8_max,
     get,
     itemsize,
     lane,
@@ -280,6 +288,45 @@ def block_end(c, full):
     lane sums (step 2) if another full chunk follows: the inner loop stays the plain
     chunk loop (a test per chunk cost 3-16% in cache at n = 256-1024)."""
     return imin(full, (c // BLOCK_CHUNKS + 1) * BLOCK_CHUNKS)
+
+
+@njit(inline="always", error_model="numpy")
+def unchanged(v):
+    """``v`` itself (the first level of :func:`row_trees`' tree kept in ``v``'s type)."""
+    return v
+
+
+def _trees_of_rows(level8, level4, level2, level1, after_first):
+    """A function ``(view, first)`` folding the ``LANES`` vectors in rows ``first ..``
+    of a :class:`._simd.Raw` view pairwise with ``level8`` .. ``level1`` (the
+    :func:`._simd.fold8` family), ``after_first`` applied to the first level's results:
+    row ``first + i``'s tree lands in lane ``i``, by the same operations as the fixed
+    tree of that row alone."""
+
+    def trees(sv, first):
+        a0 = after_first(level8(vload(sv, first, 0), vload(sv, first + 1, 0)))
+        a1 = after_first(level8(vload(sv, first + 2, 0), vload(sv, first + 3, 0)))
+        a2 = after_first(level8(vload(sv, first + 4, 0), vload(sv, first + 5, 0)))
+        a3 = after_first(level8(vload(sv, first + 6, 0), vload(sv, first + 7, 0)))
+        a4 = after_first(level8(vload(sv, first + 8, 0), vload(sv, first + 9, 0)))
+        a5 = after_first(level8(vload(sv, first + 10, 0), vload(sv, first + 11, 0)))
+        a6 = after_first(level8(vload(sv, first + 12, 0), vload(sv, first + 13, 0)))
+        a7 = after_first(level8(vload(sv, first + 14, 0), vload(sv, first + 15, 0)))
+        return level1(level2(level4(a0, a1), level4(a2, a3)),
+                      level2(level4(a4, a5), level4(a6, a7)))
+
+    return njit(inline="always", error_model="numpy")(trees)
+
+
+#: :func:`tree_sum` of each of the ``LANES`` vectors in rows ``first ..`` of a view,
+#: every level in their type; row ``first + i``'s sum in lane ``i`` (``(view, first)``).
+row_trees = _trees_of_rows(fold8, fold4, fold2, fold1, unchanged)
+#: :func:`wide_tree_sum` of each of the ``LANES`` vectors in rows ``first ..``: the first
+#: level in their type, the others in float64.
+wide_row_trees = _trees_of_rows(fold8, fold4, fold2, fold1, wide)
+#: :func:`._simd.hmax_bits` of each of the ``LANES`` :func:`._simd.vabsmax` vectors in
+#: rows ``first ..`` (maxima are exact: any order gives the same bits).
+row_maxima = _trees_of_rows(fold8_max, fold4_max, fold2_max, fold1_max, unchanged)
 
 
 @njit(inline="always", error_model="numpy")
