@@ -567,7 +567,10 @@ def _blocks_in_order_typed(rows, n, order):
 def ln_rows_in_order(xv, yv, wv, bv, tv, eps, n, order, mean_out, rstd_out, r0, r1, s0):
     """:func:`ln_tiled_rows` for the ``TILED`` and ``STREAM_TILED`` orders, else
     :func:`ln_long_rows` (``PLAIN``, ``STREAM`` or ``SEQUENTIAL``): chosen by
-    ``order``'s type, so that a kernel compiles only its own row loop."""
+    ``order``'s type, so that a kernel compiles only its own row loop; :func:`ln_short_rows`
+    for ``SHORT``."""
+    if isinstance(order, complex):
+        return ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0)
     stores = tiled_stores(order)
     if stores is not None:
         return ln_tiled_rows(xv, yv, wv, bv, tv, eps, n, stores, mean_out, rstd_out, r0, r1,
@@ -578,6 +581,10 @@ def ln_rows_in_order(xv, yv, wv, bv, tv, eps, n, order, mean_out, rstd_out, r0, 
 @overload(ln_rows_in_order, inline="always")
 def _ln_rows_in_order_typed(xv, yv, wv, bv, tv, eps, n, order, mean_out, rstd_out, r0, r1,
                             s0):
+    if isinstance(order, types.Complex):
+        def short(xv, yv, wv, bv, tv, eps, n, order, mean_out, rstd_out, r0, r1, s0):
+            return ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0)
+        return short
     stores = _tiled_stores_of_type(order)
     if stores is not None:
         def tiled(xv, yv, wv, bv, tv, eps, n, order, mean_out, rstd_out, r0, r1, s0):
@@ -1146,7 +1153,9 @@ def rms_tiled_rows(xv, yv, wv, eps, n, stores, rstd_out, r0, r1, s0):
 
 def rms_rows_in_order(xv, yv, wv, eps, n, order, rstd_out, r0, r1, s0):
     """:func:`rms_tiled_rows` for the ``TILED`` orders, else :func:`rms_raw_rows`
-    (see :func:`ln_rows_in_order`)."""
+    (see :func:`ln_rows_in_order`), :func:`rms_short_rows` for ``SHORT``."""
+    if isinstance(order, complex):
+        return rms_short_rows(xv, yv, wv, eps, n, rstd_out, r0, r1, s0)
     stores = tiled_stores(order)
     if stores is not None:
         return rms_tiled_rows(xv, yv, wv, eps, n, stores, rstd_out, r0, r1, s0)
@@ -1155,6 +1164,10 @@ def rms_rows_in_order(xv, yv, wv, eps, n, order, rstd_out, r0, r1, s0):
 
 @overload(rms_rows_in_order, inline="always")
 def _rms_rows_in_order_typed(xv, yv, wv, eps, n, order, rstd_out, r0, r1, s0):
+    if isinstance(order, types.Complex):
+        def short(xv, yv, wv, eps, n, order, rstd_out, r0, r1, s0):
+            return rms_short_rows(xv, yv, wv, eps, n, rstd_out, r0, r1, s0)
+        return short
     stores = _tiled_stores_of_type(order)
     if stores is not None:
         def tiled(xv, yv, wv, eps, n, order, rstd_out, r0, r1, s0):

@@ -48,12 +48,10 @@ from .callee import callee_njit
 from .diskcache import cached_njit
 from .forward_rows import (
     ln_rows_in_order,
-    ln_short_rows,
     rms_rows_in_order,
-    rms_short_rows,
     stopped_blocks,
 )
-from .rowmath import LANES, PLAIN, SEQUENTIAL, STREAM, TILED
+from .rowmath import LANES, PLAIN, SEQUENTIAL, SHORT, STREAM, TILED
 
 #: Elements per block of rows (no effect on results): the block's ``h`` stays in L2
 #: between the add and the two passes of the row function over it.
@@ -92,22 +90,6 @@ def _add_ln_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, stream, r0, 
     return r0 + ln_rows_in_order(hv, raw(y[r0:r1]), raw(w), raw(b), raw(tab), eps,
                                  x.shape[1], stream, mean_out, rstd_out, runtime(0), r1 - r0,
                                  r0)
-
-
-@callee_njit
-def _add_ln_short_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, r0, r1):
-    """:func:`_add_ln_block` for rows of at most ``SHORT_ROW_MAX``."""
-    hv = add_block(x, res, h, r0, r1)
-    return r0 + ln_short_rows(hv, raw(y[r0:r1]), raw(w), raw(b), raw(tab), eps, x.shape[1],
-                              mean_out, rstd_out, runtime(0), r1 - r0, r0)
-
-
-@callee_njit
-def _add_rms_short_block(x, res, w, eps, h, y, rstd_out, r0, r1):
-    """:func:`_add_rms_block` for rows of at most ``SHORT_ROW_MAX``."""
-    hv = add_block(x, res, h, r0, r1)
-    return r0 + rms_short_rows(hv, raw(y[r0:r1]), raw(w), eps, x.shape[1], rstd_out,
-                               runtime(0), r1 - r0, r0)
 
 
 @njit(inline="always", error_model="numpy")
@@ -224,29 +206,13 @@ def add_ln_stream_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, 
 def add_ln_short_forward_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
     """:func:`add_ln_forward_serial` for rows of at most ``SHORT_ROW_MAX`` (``nt``
     unused)."""
-    rows, n = x.shape
-    rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
-    stopped = 0
-    for r0 in range(0, rows, rb):
-        r1 = imin(rows, r0 + rb)
-        stopped += _add_ln_short_block(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, r0,
-                                       r1) < r1
-    return stopped
+    return _add_ln_serial(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, SHORT)
 
 
 @cached_njit(parallel=True, error_model="numpy")
 def add_ln_short_forward_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, nt):
     """:func:`add_ln_short_forward_serial` with blocks of rows over Numba's threads."""
-    rows, n = x.shape
-    rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
-    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
-    for blk in prange(pending.shape[0]):
-        r0 = blk * rb
-        r1 = imin(rows, r0 + rb)
-        pending[blk, 0] = _add_ln_short_block(x, res, w, b, eps, h, y, mean_out, rstd_out,
-                                              tab, r0, r1)
-        pending[blk, 1] = r1
-    return stopped_blocks(pending)
+    return _add_ln_parallel(x, res, w, b, eps, h, y, mean_out, rstd_out, tab, SHORT)
 
 
 @njit(inline="always", error_model="numpy")
@@ -290,27 +256,13 @@ def add_rms_forward_parallel(x, res, w, eps, h, y, rstd_out, nt):
 def add_rms_short_forward_serial(x, res, w, eps, h, y, rstd_out, nt):
     """:func:`add_rms_forward_serial` for rows of at most ``SHORT_ROW_MAX`` (``nt``
     unused)."""
-    rows, n = x.shape
-    rb = block_rows(rows, n, 1, BLOCK_ELEMENTS)
-    stopped = 0
-    for r0 in range(0, rows, rb):
-        r1 = imin(rows, r0 + rb)
-        stopped += _add_rms_short_block(x, res, w, eps, h, y, rstd_out, r0, r1) < r1
-    return stopped
+    return _add_rms_serial(x, res, w, eps, h, y, rstd_out, SHORT)
 
 
 @cached_njit(parallel=True, error_model="numpy")
 def add_rms_short_forward_parallel(x, res, w, eps, h, y, rstd_out, nt):
     """:func:`add_rms_short_forward_serial` with blocks of rows over Numba's threads."""
-    rows, n = x.shape
-    rb = block_rows(rows, n, PARALLEL_BLOCKS, BLOCK_ELEMENTS)
-    pending = np.empty(((rows + rb - 1) // rb, 2), dtype=np.int64)
-    for blk in prange(pending.shape[0]):
-        r0 = blk * rb
-        r1 = imin(rows, r0 + rb)
-        pending[blk, 0] = _add_rms_short_block(x, res, w, eps, h, y, rstd_out, r0, r1)
-        pending[blk, 1] = r1
-    return stopped_blocks(pending)
+    return _add_rms_parallel(x, res, w, eps, h, y, rstd_out, SHORT)
 
 
 @cached_njit(error_model="numpy")

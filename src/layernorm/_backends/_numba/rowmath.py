@@ -126,6 +126,10 @@ TILED = 0.0
 #: The fifth, ``STREAM_TILED`` (a tuple): the ``TILED`` order writing with streaming
 #: stores, for long rows from memory.
 STREAM_TILED = (TILED, STREAM)
+#: The sixth, ``SHORT`` (a complex number): rows of at most ``SHORT_ROW_MAX``, ``LANES``
+#: rows at a time (:func:`.forward_rows.ln_short_rows`, :func:`.forward_rows.rms_short_rows`;
+#: plain stores).
+SHORT = 0j
 PER_LANE = 8
 CHUNK = LANES * PER_LANE
 #: Full chunks summed in ``T`` before a long row's lane sums are closed into float64
