@@ -994,6 +994,41 @@ def test_quantize_rounds_half_to_even():
     np.testing.assert_array_equal(q.astype(np.float64), [[1.0, 3.0]])
 
 
+@pytest.mark.parametrize("lib", ["numpy", "torch", "jax", "jax.jit"])
+def test_float64_quantize_rounds_once_on_every_library(lib):
+    # 1.0625 + 2**-40 lies above the e4m3fn tie 1.0625 (between 1.0 and 1.125), and
+    # 1.125 + 2**-40 above the e5m2 tie 1.125 (between 1.0 and 1.25): a float32 step
+    # between would land on the tie and round to even, down.
+    x = np.array([[-1.0, 1.0]])
+    w = np.array([1.0625 + 2.0**-40, 1.0625 - 2.0**-40])
+    w_rms = np.array([1.125 + 2.0**-40, 3.0])
+    if lib == "numpy":
+        convert, to_numpy, context = np.asarray, np.asarray, contextlib.nullcontext()
+    elif lib == "torch":
+        torch = pytest.importorskip("torch")
+        convert, to_numpy = torch.from_numpy, lambda t: t.numpy()
+        context = contextlib.nullcontext()
+    else:
+        jax = pytest.importorskip("jax")
+        if not hasattr(jax, "enable_x64"):
+            pytest.skip("this JAX has no enable_x64 context")
+        convert, to_numpy, context = jax.numpy.asarray, np.asarray, jax.enable_x64(True)
+    with context:
+        def quantized(x, w, w_rms):
+            q, _ = ln.layer_norm(x, weight=w, eps=0.0, quantize="float8_e4m3fn", scale=1.0)
+            r, _ = ln.rms_norm(x * x, weight=w_rms, eps=0.0, quantize="float8_e5m2",
+                               scale=1.0)
+            return q, r
+        if lib == "jax.jit":
+            import jax
+            quantized = jax.jit(quantized)
+        q, r = quantized(convert(x), convert(w), convert(w_rms))
+        q = to_numpy(q).astype(np.float64) if lib != "torch" else to_numpy(q.double())
+        r = to_numpy(r).astype(np.float64) if lib != "torch" else to_numpy(r.double())
+    np.testing.assert_array_equal(q, [[-1.125, 1.0]])
+    np.testing.assert_array_equal(r, [[1.25, 3.0]])
+
+
 def test_quantize_nan():
     x = data((3, 8), "float32", 0)
     x[1, 3] = np.nan

@@ -594,12 +594,19 @@ def _saturate(xp: Any, v: Any, low: float, high: float) -> Any:
 
 
 def _int_view(xp: Any, arr: Any, bits: str) -> Any:
+    """``arr``'s bits as the dtype named ``bits`` (of the same size), or None for a
+    library without such a view."""
     if _is_native_namespace(xp):
         return arr.view(bits)
-    if type(arr).__module__.split(".", 1)[0] == "torch":
+    library = type(arr).__module__.split(".", 1)[0]
+    if library == "torch":
         import torch
 
         return arr.view(getattr(torch, bits))
+    if library in ("jax", "jaxlib"):  # arrays and, under jax.jit, tracers
+        import jax
+
+        return jax.lax.bitcast_convert_type(arr, getattr(jax.numpy, bits))
     return None
 
 
@@ -609,12 +616,14 @@ def _float32_round_to_odd(xp: Any, v: Any) -> Any:
     Rounding to float32 by "round to odd" and then to float8 gives the float8 value
     nearest to ``v`` (ties to even): a direct float64 -> float8 conversion goes through
     float32 in NumPy/ml_dtypes and torch, rounding twice. Without an integer view of
-    the array (namespaces other than NumPy, CuPy and torch) this is a plain rounding.
+    the array (namespaces other than NumPy, CuPy, torch and JAX) ``v`` is returned
+    as it is, for the library's own float64 -> float8 conversion: rounding it to
+    float32 here would round twice for certain.
     """
     t = astype(xp, v, "float32")
     bits = _int_view(xp, t, "int32")
     if bits is None:
-        return t
+        return v
     back = astype(xp, t, "float64")
     inexact = back != v
     # Truncate towards zero: one step down in magnitude is one step down in the bits.
