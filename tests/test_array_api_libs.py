@@ -158,6 +158,41 @@ def test_generic_path_normalizes_finite_rows_whose_spread_overflows(lib, dtype):
                                **tol)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("lib", ["numpy", "jax", "array_api_strict"])
+def test_generic_path_returns_and_reads_a_subnormal_rstd(lib, jit):
+    # A float32 row of spread 2e38 has rstd 4.6e-39, a subnormal: XLA flushed it to 0,
+    # and a backward from those statistics gave grad_weight 0 for the row.
+    if jit and lib != "jax":
+        pytest.skip("jax.jit is JAX's")
+    xn = np.array([[3e38, -3e38, 1e38, 0.0], [1.0, 2.5, -0.5, 4.0]], np.float32)
+    gn = np.array([[0.5, -1.0, 2.0, 0.25], [1.0, -0.5, 0.75, -2.0]], np.float32)
+    w = np.linspace(0.5, 2.0, 4).astype(np.float32)
+    convert = {"numpy": np.asarray, "jax": jnp.asarray, "array_api_strict": xps.asarray}[lib]
+    kw = {"backend": "array_api"} if lib == "numpy" else {}
+
+    def both(x, g, w):
+        _, mean, rstd = ln.layer_norm(x, weight=w, return_stats=True, **kw)
+        _, rstd_r = ln.rms_norm(x, weight=w, return_stats=True, **kw)
+        return (mean, rstd, rstd_r, *ln.layer_norm_backward(g, x, mean, rstd, w, **kw),
+                *ln.rms_norm_backward(g, x, rstd_r, w, **kw))
+
+    run = jax.jit(both) if jit else both
+    got = [np.from_dlpack(a) for a in run(convert(xn), convert(gn), convert(w))]
+    _, mean, rstd = ln.layer_norm(xn, weight=w, return_stats=True)
+    _, rstd_r = ln.rms_norm(xn, weight=w, return_stats=True)
+    want = (mean, rstd, rstd_r, *ln.layer_norm_backward(gn, xn, mean, rstd, w),
+            *ln.rms_norm_backward(gn, xn, rstd_r, w))
+    assert 0 < got[1][0, 0] < 2.0**-126 and 0 < got[2][0, 0] < 2.0**-126
+    names = ["mean", "rstd", "rms rstd", "grad_x", "grad_weight", "grad_bias", "rms grad_x",
+             "rms grad_weight"]
+    for name, a, b in zip(names, got, want, strict=True):
+        if name.endswith("grad_x"):  # grad_x of the huge row is subnormal: XLA flushes it
+            a, b = a[1:], b[1:]
+        # a subnormal float32 rstd has 21 significant bits here
+        np.testing.assert_allclose(a, b, rtol=4e-6, atol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("lib", ["numpy", "jax", "array_api_strict"])
 def test_generic_path_keeps_a_subnormal_eps(lib, dtype):

@@ -84,3 +84,43 @@ def _name(dtype: Any) -> str:
 def accumulation_name(name: str) -> str:
     """Accumulation dtype name for a supported input dtype name."""
     return ACCUMULATION[name]
+
+
+def array_library(arr: Any) -> str:
+    """The top-level package of ``arr``'s type: "numpy", "cupy", "torch", "jax" (its
+    arrays' types live in ``jaxlib``; under ``jax.jit``, tracers in ``jax``), ...
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> array_library(np.zeros(2))
+    'numpy'
+    """
+    library = type(arr).__module__.split(".", 1)[0]
+    return "jax" if library == "jaxlib" else library
+
+
+def bit_view(arr: Any, name: str) -> Any:
+    """``arr``'s bits as the dtype called ``name`` of the same size (an integer type to
+    read a float's bits, a float type to read them back), or None for a library
+    without such a view (array_api_strict, Dask, ...). A view where the library has one
+    (NumPy, CuPy, torch), a bitcast under JAX (arrays and ``jax.jit`` tracers).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> bit_view(np.array([1.0], np.float32), "int32")
+    array([1065353216], dtype=int32)
+    """
+    library = array_library(arr)
+    if library in ("numpy", "cupy"):
+        return arr.view(name)
+    if library == "torch":
+        import torch
+
+        return arr.view(getattr(torch, name))
+    if library == "jax":
+        import jax
+
+        return jax.lax.bitcast_convert_type(arr, getattr(jax.numpy, name))
+    return None

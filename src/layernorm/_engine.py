@@ -28,7 +28,14 @@ import numpy as np
 from . import _layout
 from ._backends import _array_api as generic
 from ._dispatch import Route, check_companions, given_array, plain_ndarrays
-from ._dtypes import HALF_DTYPES, MACHINE_EPS, SUPPORTED, accumulation_name, dtype_name
+from ._dtypes import (
+    HALF_DTYPES,
+    MACHINE_EPS,
+    SUPPORTED,
+    accumulation_name,
+    bit_view,
+    dtype_name,
+)
 from ._layout import c_contiguous
 from ._validate import (
     QUANTIZE_QMAX,
@@ -593,23 +600,6 @@ def _saturate(xp: Any, v: Any, low: float, high: float) -> Any:
     return xp.where(v < low, xp.full_like(v, low), v)
 
 
-def _int_view(xp: Any, arr: Any, bits: str) -> Any:
-    """``arr``'s bits as the dtype named ``bits`` (of the same size), or None for a
-    library without such a view."""
-    if _is_native_namespace(xp):
-        return arr.view(bits)
-    library = type(arr).__module__.split(".", 1)[0]
-    if library == "torch":
-        import torch
-
-        return arr.view(getattr(torch, bits))
-    if library in ("jax", "jaxlib"):  # arrays and, under jax.jit, tracers
-        import jax
-
-        return jax.lax.bitcast_convert_type(arr, getattr(jax.numpy, bits))
-    return None
-
-
 def _float32_round_to_odd(xp: Any, v: Any) -> Any:
     """float64 ``v`` (finite or NaN, inside float32's range) as float32, rounded to odd.
 
@@ -621,7 +611,7 @@ def _float32_round_to_odd(xp: Any, v: Any) -> Any:
     float32 here would round twice for certain.
     """
     t = astype(xp, v, "float32")
-    bits = _int_view(xp, t, "int32")
+    bits = bit_view(t, "int32")
     if bits is None:
         return v
     back = astype(xp, t, "float64")
@@ -630,7 +620,7 @@ def _float32_round_to_odd(xp: Any, v: Any) -> Any:
     toward_zero = inexact & (xp.abs(back) > xp.abs(v))
     bits = xp.where(toward_zero, bits - 1, bits)
     bits = xp.where(inexact, bits | 1, bits)
-    return _int_view(xp, bits, "float32")
+    return bit_view(bits, "float32")
 
 
 def check_scale(xp: Any, scale: Any, stats_shape: tuple[int, ...], acc: str) -> None:

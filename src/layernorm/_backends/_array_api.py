@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .._dtypes import array_library, bit_view
 from .._layout import c_contiguous
 
 
@@ -72,6 +73,50 @@ _SMALLEST_NORMAL = {"float32": 2.0**-126, "float64": 2.0**-1022}
 #: ``2**-_SMALL_VAR`` are normalized in units lifted by it.
 _EPS_LIFT = 64
 _SMALL_VAR = 60
+
+
+#: Per accumulation dtype: the exponent of its smallest subnormal (``2**-149``,
+#: ``2**-1074``), its mantissa bits and the integer type of its bits.
+_SUBNORMAL = {"float32": (149, 23, "int32"), "float64": (1074, 52, "int64")}
+
+
+def _flushes(arr: Any) -> bool:
+    """Whether ``arr``'s library flushes subnormal numbers to zero, in results and when
+    it reads them (XLA: JAX)."""
+    return array_library(arr) == "jax"
+
+
+def _times_scale(xp: Any, value: Any, scale: Any, acc_name: str) -> Any:
+    """``value * scale`` for a positive ``value`` and per-row powers of two ``scale``:
+    the ``rstd`` of rows scaled by ``scale``. A huge row's ``rstd`` may be subnormal
+    (``4.6e-39`` for a float32 row of spread ``2e38``), which XLA flushes to zero:
+    there it is built from its bits, rounded half to even as an IEEE product is."""
+    product = value * scale
+    if not _flushes(product):
+        return product
+    places, mantissa_bits, int_name = _SUBNORMAL[acc_name]
+    below = 2.0**mantissa_bits
+    # value * scale in units of the smallest subnormal, by exact power-of-two steps
+    # (scale <= 1 here: a tiny row's rstd is never subnormal), capped short of inf
+    units = xp.minimum(value * (xp.minimum(scale, 1.0) * 2.0**100), below * 2.0**(100 - places))
+    units = units * 2.0 ** (places - 100)
+    bits = xp.astype(xp.round(xp.minimum(units, below)), getattr(xp, int_name))
+    subnormal = bit_view(bits, acc_name)
+    return xp.where(units < below, subnormal, product)
+
+
+def _lifted(xp: Any, r: Any, acc_name: str) -> tuple[Any, Any]:
+    """``(lifted, down)`` with ``r == lifted * down`` exactly and ``lifted`` normal: a
+    positive subnormal ``r`` (:func:`_times_scale`) is read from its bits where the
+    library would read it as zero (XLA), times ``2**64``; elsewhere ``(r, 1)``."""
+    if not _flushes(r):
+        return r, 1.0
+    places, mantissa_bits, int_name = _SUBNORMAL[acc_name]
+    bits = bit_view(r, int_name)
+    subnormal = (bits > 0) & (bits < 2**mantissa_bits)  # sign clear, exponent field 0
+    units = xp.astype(xp.where(subnormal, bits, 0), _acc(xp, acc_name))  # exact
+    lifted = xp.where(subnormal, units * 2.0 ** (64 - places), r)
+    return lifted, xp.where(subnormal, 2.0**-64, 1.0)
 
 
 def _inverse_sqrt(xp: Any, var: Any, eps: float, scale: Any, acc_name: str) -> Any:
@@ -169,7 +214,7 @@ def layer_norm(
     rstd_scaled = _inverse_sqrt(xp, var, eps, scale, acc_name)
     y = centred * rstd_scaled
     mean = (shift_scaled + mean_d) / scale
-    rstd = rstd_scaled * scale
+    rstd = _times_scale(xp, rstd_scaled, scale, acc_name)
     if weight is not None:
         y = y * _param(xp, weight, bshape, acc)
     if bias is not None:
@@ -191,7 +236,7 @@ def rms_norm(
     rstd_scaled = _inverse_sqrt(xp, xp.mean(xs * xs, axis=axes, keepdims=True), eps, scale,
                                 acc_name)
     y = xs * rstd_scaled
-    rstd = rstd_scaled * scale
+    rstd = _times_scale(xp, rstd_scaled, scale, acc_name)
     if weight is not None:
         y = y * _param(xp, weight, bshape, acc)
     return c_contiguous(xp.astype(y, x.dtype)), c_contiguous(rstd)
@@ -208,11 +253,12 @@ def layer_norm_backward(
     """``(grad_x, grad_weight, grad_bias)``; parameter grads in the accumulation dtype."""
     acc = _acc(xp, acc_name)
     dy = xp.astype(grad_y, acc)
-    xhat = (xp.astype(x, acc) - xp.astype(mean, acc)) * xp.astype(rstd, acc)
+    r, down = _lifted(xp, xp.astype(rstd, acc), acc_name)
+    xhat = ((xp.astype(x, acc) - xp.astype(mean, acc)) * r) * down
     g = dy * _param(xp, weight, bshape, acc) if weight is not None else dy
     mean_g = xp.mean(g, axis=axes, keepdims=True)
     mean_gx = xp.mean(g * xhat, axis=axes, keepdims=True)
-    grad_x = ((g - mean_g) - xhat * mean_gx) * xp.astype(rstd, acc)
+    grad_x = (((g - mean_g) - xhat * mean_gx) * r) * down
     other = _other_axes(x.ndim, axes)
     grad_w = xp.sum(dy * xhat, axis=other)
     grad_b = xp.sum(dy, axis=other)
@@ -226,10 +272,10 @@ def rms_norm_backward(
     """``(grad_x, grad_weight)``; the parameter grad in the accumulation dtype."""
     acc = _acc(xp, acc_name)
     dy = xp.astype(grad_y, acc)
-    r = xp.astype(rstd, acc)
-    xhat = xp.astype(x, acc) * r
+    r, down = _lifted(xp, xp.astype(rstd, acc), acc_name)
+    xhat = (xp.astype(x, acc) * r) * down
     g = dy * _param(xp, weight, bshape, acc) if weight is not None else dy
     mean_gx = xp.mean(g * xhat, axis=axes, keepdims=True)
-    grad_x = (g - xhat * mean_gx) * r
+    grad_x = ((g - xhat * mean_gx) * r) * down
     grad_w = xp.sum(dy * xhat, axis=_other_axes(x.ndim, axes))
     return c_contiguous(xp.astype(grad_x, x.dtype)), grad_w
