@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -33,17 +34,25 @@ GRAD_ROW_BLOCK = 64
 # 1. Only one Python thread at a time runs a parallel kernel ("workqueue", the fallback
 #    layer, aborts on concurrent use); the others run the serial variant, which performs
 #    exactly the same arithmetic per row.
-# 2. GNU OpenMP kills a forked child that enters a parallel region after its parent ran
-#    one; such a child runs serial kernels only (same bits, one thread).
+# 2. GNU OpenMP kills a forked child that enters a parallel region after its parent
+#    started Numba's thread pool, which compiling or loading a parallel kernel does (not
+#    only running one); such a child runs serial kernels only (same bits, one thread).
 _parallel_lock = threading.Lock()
 _parallel_ran = False
 _serial_only = False
 
 
+def _threads_launched() -> bool:
+    """Whether Numba's threading layer has started in this process (without importing
+    Numba where nothing did)."""
+    parallel = sys.modules.get("numba.np.ufunc.parallel")
+    return bool(getattr(parallel, "_is_initialized", True)) if parallel is not None else False
+
+
 def _after_fork_in_child() -> None:
     global _parallel_lock, _serial_only
     _parallel_lock = threading.Lock()
-    if _parallel_ran:
+    if _parallel_ran or _threads_launched():
         _serial_only = True
 
 

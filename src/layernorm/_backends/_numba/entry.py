@@ -63,6 +63,13 @@ def finish_compiling() -> None:
 
 
 if hasattr(os, "register_at_fork"):
+    # Hooks run before a fork in the reverse order of their registration. logging's
+    # holds its module lock through the fork; a compiling thread that imports a module
+    # which asks for a logger (Numba's registries import SciPy) waited for it while
+    # finish_compiling waited for that thread: the fork never returned. Importing
+    # logging first registers its hook before this one, so this one runs first.
+    import logging  # noqa: F401
+
     os.register_at_fork(before=finish_compiling)
 
 
