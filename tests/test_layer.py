@@ -251,3 +251,53 @@ def test_layers_deep_copy_and_pickle_like_torch_modules(cls, copier, namespace):
     np.testing.assert_array_equal(np.asarray(twin(x)), np.asarray(y))
     twin.weight[0] = 100.0
     assert float(layer.weight[0]) != 100.0
+
+
+@pytest.mark.parametrize("cls", [ln.LayerNorm, ln.RMSNorm])
+def test_a_shallow_copy_keeps_each_layers_gradients(cls):
+    """``copy.copy`` shares the parameters, as with a torch module, but a call of either
+    layer never changes the other's gradients (the last call's kept input was written
+    over by the copy's next call of the same shape)."""
+    import copy
+
+    rng = np.random.default_rng(22)
+    x1, x2 = (rng.standard_normal((3, 8)).astype(np.float32) + k for k in (0.5, -1.0))
+    g = rng.standard_normal((3, 8)).astype(np.float32)
+
+    def grads_of(x):
+        fresh = cls(8)
+        fresh(x.copy())
+        return fresh.backward(g)
+
+    a = cls(8)
+    a(x1)
+    b = copy.copy(a)
+    assert b.weight is a.weight
+    b(x2)
+    a_after = a.backward(g)
+    a(x2 * 3.0)
+    b_after = b.backward(g)
+    for got, want in ((a_after, grads_of(x1)), (b_after, grads_of(x2))):
+        for u, v in zip(got, want, strict=True):
+            if u is not None:
+                np.testing.assert_array_equal(u, v)
+
+
+def test_a_torch_layer_deep_copies_after_a_call_on_a_non_leaf_tensor():
+    import copy
+    import gc
+    import weakref
+
+    torch = pytest.importorskip("torch")
+    layer = ln.LayerNorm(8, xp=torch)
+    leaf = torch.randn(4, 8, requires_grad=True)
+    inner = leaf * 2.0  # a non-leaf input, as inside a model
+    alive = weakref.ref(inner)
+    layer(inner)
+    twin = copy.deepcopy(layer)
+    g = torch.ones(4, 8)
+    for got, want in zip(twin.backward(g), layer.backward(g), strict=True):
+        assert torch.equal(got, want)
+    del inner
+    gc.collect()
+    assert alive() is None  # the layer keeps the data, not the caller's tensor and graph

@@ -81,14 +81,19 @@ class _Kept:
     (JAX, Dask) as they are; every other array (NumPy, CuPy, ...) as a copy.
     """
 
-    __slots__ = ("value", "version")
+    __slots__ = ("reusable", "value", "version")
 
     def __init__(self, value: Any, previous: _Kept | None = None) -> None:
         self.version = None
+        #: Whether a later call of the same layer may write its copy into this one's
+        #: memory (not once a shallow copy of the layer shares it: :meth:`shared`).
+        self.reusable = True
         if value is None or _is_immutable(value):
             self.value = value
         elif _is_torch_tensor(value):
-            self.value, self.version = value, value._version
+            # detached: the same data and version counter, without the caller's graph
+            # (kept alive otherwise, and a non-leaf tensor refuses copy.deepcopy)
+            self.value, self.version = value.detach(), value._version
         elif _same_ndarray_kind(value, previous):
             # The last call's copy, which nothing else holds, takes the new values: a new
             # array is paged in anew. A (8192, 1024) float32 call, 1 thread: 11.0 ms with
@@ -110,6 +115,13 @@ class _Kept:
     def __setstate__(self, state: tuple[Any, bool | None]) -> None:
         self.value, changed = state
         self.version = None if changed is None else self.value._version - int(changed)
+        self.reusable = True
+
+    def shared(self) -> _Kept:
+        """This kept array, from now on shared by two layers (a shallow copy): neither
+        writes a later call's copy into its memory."""
+        self.reusable = False
+        return self
 
     def get(self, name: str, layer: str) -> Any:
         """The kept array; a torch tensor modified in place since the call is an error."""
@@ -126,7 +138,7 @@ def _same_ndarray_kind(value: Any, previous: _Kept | None) -> bool:
     if previous is None or type(value) is not np.ndarray:
         return False
     kept = previous.value
-    return (type(kept) is np.ndarray and kept.shape == value.shape
+    return (previous.reusable and type(kept) is np.ndarray and kept.shape == value.shape
             and kept.dtype == value.dtype and not np.shares_memory(kept, value))
 
 
@@ -230,6 +242,17 @@ class _Norm:
         if isinstance(self._xp, types.ModuleType):
             state["_xp"] = _ModuleName(self._xp.__name__)
         return state
+
+    def __copy__(self) -> _Norm:
+        """A shallow copy, as :func:`copy.copy` makes of a torch module: the same
+        parameters; the last call's saved arrays shared, never written by either layer's
+        later calls (each keeps its own gradients)."""
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        if self._saved is not None:
+            x, weight, *stats = self._saved
+            new._saved = self._saved = (x.shared(), weight.shared(), *stats)
+        return new
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
