@@ -276,6 +276,22 @@ def test_bench_rejects_bad_arguments(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_bench_refuses_an_output_it_could_not_write_before_measuring(flag, tmp_path, capsys,
+                                                                     monkeypatch):
+    # Checked before the run, not after minutes of measurements.
+    monkeypatch.setattr(run, "run", lambda *a, **k: pytest.fail("measured anyway"))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for path, message in ((a_file / "out.json", "does not exist or is not a directory"),
+                          (tmp_path, "must name a file, not a directory")):
+        with pytest.raises(SystemExit) as info:
+            cli.main(["bench", "--quick", "--no-progress", flag, str(path)])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert flag in err and message in err
+
+
 def test_parse_shape():
     assert settings.parse_shape("3,7") == (3, 7)
     assert settings.parse_shape("3x7") == (3, 7)

@@ -7,6 +7,7 @@ argparse's own errors (exit status 2).
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -95,9 +96,35 @@ def parse_shape(text: str) -> tuple[int, int]:
     return n, d
 
 
+def check_output_path(path: str | None, flag: str) -> None:
+    """A file ``flag`` will write after the measurements: its directory must exist, and
+    it must not be a directory itself, so that a long run's results are not lost at the
+    end.
+
+    Examples
+    --------
+    >>> check_output_path("results.json", "--json")
+    >>> check_output_path(".", "--json")
+    Traceback (most recent call last):
+    ...
+    layernorm.bench.settings.UsageError: --json must name a file, not a directory; got '.'
+    """
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} must name a file, not a directory; got {path!r}")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UsageError(f"{flag}: the directory {directory!r} of {path!r} does not exist "
+                         "or is not a directory")
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Validate the command line into :class:`Settings`."""
     import numba
+
+    for flag in ("json", "plot"):
+        check_output_path(getattr(args, flag, None), f"--{flag}")
 
     shapes = tuple(parse_shape(s) for s in args.shape or ()) or (
         QUICK_SHAPES if args.quick else FULL_SHAPES)
