@@ -1058,3 +1058,72 @@ def test_cuda_tensors_quantize_and_add_grad_residual_in_the_cupy_kernels(dtype):
                                   grad_residual=cupy.from_dlpack(gr))
     for t, c in zip(got, want, strict=True):
         np.testing.assert_array_equal(t.cpu().numpy(), cupy.asnumpy(c))
+
+
+def _block(x, r, w, b):
+    """A small pre-norm block through every torch entry point of the library."""
+    import layernorm.torch as lnt
+
+    torch.manual_seed(0)
+    module = lnt.RMSNorm(x.shape[-1]).to(x.dtype)
+    y = ln.layer_norm(x, x.shape[-1], w, b) * 2 + ln.rms_norm(x, x.shape[-1], w)
+    y2, h = ln.add_rms_norm(x, r, x.shape[-1], w, weight_offset=1.0)
+    return y + y2 + module(h)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_torch_compile_runs_the_calls_eagerly_with_the_same_results(grad):
+    # Dynamo's fake tensors have no data for the kernels: compiling raised
+    # ("Cannot access data pointer of Tensor"). The calls now break the graph and run
+    # on the real tensors.
+    x = _randn(4, 16, seed=60, dtype=torch.float32)
+    r = _randn(4, 16, seed=61, dtype=torch.float32)
+    w = _randn(16, seed=62, dtype=torch.float32).requires_grad_(grad)
+    b = _randn(16, seed=63, dtype=torch.float32)
+    compiled = torch.compile(_block, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = compiled(x, r, w, b)
+    # no warning about our code from Dynamo (it ignored a functools.cache wrapper)
+    assert not [w for w in caught if "layernorm" in str(w.message)], caught
+    want = _block(x, r, w, b)
+    assert torch.equal(got, want)
+    if grad:
+        (gw_got,) = torch.autograd.grad(got.sum(), w)
+        (gw_want,) = torch.autograd.grad(want.sum(), w)
+        assert torch.equal(gw_got, gw_want)
+
+
+@pytest.mark.parametrize("fn", ["layer_norm", "rms_norm", "add_rms_norm"])
+def test_batched_gradients_as_torch_computes_them(fn):
+    # is_grads_batched=True (jacobian(vectorize=True)) hands a node's backward batched
+    # gradients, which the kernels cannot read ("Batching rule not implemented for
+    # aten::detach").
+    x = _randn(2, 4, seed=64).requires_grad_()
+    call = {"layer_norm": lambda t: ln.layer_norm(t, 4),
+            "rms_norm": lambda t: ln.rms_norm(t, 4),
+            "add_rms_norm": lambda t: ln.add_rms_norm(t, t.cos(), 4, t[0] * 0.5,
+                                                      weight_offset=1.0)[0]}[fn]
+    vectorized = torch.autograd.functional.jacobian(call, x, vectorize=True)
+    looped = torch.autograd.functional.jacobian(call, x)
+    torch.testing.assert_close(vectorized, looped, rtol=0, atol=1e-14)
+    # and against torch's own function where it has one
+    if fn != "add_rms_norm":
+        torch_fn = {"layer_norm": lambda t: torch.nn.functional.layer_norm(t, (4,)),
+                    "rms_norm": lambda t: torch.nn.functional.rms_norm(t, (4,))}[fn]
+        torch.testing.assert_close(
+            vectorized, torch.autograd.functional.jacobian(torch_fn, x, vectorize=True),
+            rtol=1e-12, atol=1e-12)
+
+
+def test_jit_trace_records_the_computation_not_its_result():
+    # The kernels write through NumPy views, which a trace records as constants: a trace
+    # made without its check returned the traced input's output for every input.
+    example = _randn(3, 8, seed=65, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's tracer warnings about Python values
+        traced = torch.jit.trace(lambda a: ln.layer_norm(a, 8) + ln.rms_norm(a, 8), (example,),
+                                 check_trace=False)
+    other = _randn(3, 8, seed=66, dtype=torch.float32) * 5 + 2
+    torch.testing.assert_close(traced(other), ln.layer_norm(other, 8) + ln.rms_norm(other, 8),
+                               rtol=1e-6, atol=1e-6)

@@ -10,7 +10,6 @@ path first (:mod:`._fast` forward, :mod:`._fast_add` the fused residual add,
 
 from __future__ import annotations
 
-import functools
 import importlib
 from typing import Any
 
@@ -28,10 +27,17 @@ _NO_OFFSET = 0.0
 _TORCH_TENSORS: set[type] = set()
 
 
-@functools.cache
+#: The adapters imported so far, by library.
+_LOADED: dict[str, Any] = {}
+
+
 def _adapter(library: str) -> Any:
-    module = importlib.import_module(_ADAPTERS[library], __package__)
-    _TORCH_TENSORS.update(getattr(module, "SHORT_PATH_TYPES", ()))
+    # A dict, not functools.cache: torch.compile traces this function, and warns about
+    # cache wrappers (whose cache it ignores).
+    module = _LOADED.get(library)
+    if module is None:
+        module = _LOADED[library] = importlib.import_module(_ADAPTERS[library], __package__)
+        _TORCH_TENSORS.update(getattr(module, "SHORT_PATH_TYPES", ()))
     return module
 
 

@@ -113,17 +113,38 @@ _IS_WRAPPED = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapp
                       None)
 
 
+#: ``torch._C._functorch.is_legacy_batchedtensor``: the batched gradients autograd hands
+#: a node's backward under ``is_grads_batched=True`` (``jacobian(..., vectorize=True)``).
+_IS_BATCHED = getattr(getattr(torch._C, "_functorch", None), "is_legacy_batchedtensor", None)
+#: ``torch.compiler.is_compiling`` (False where this torch has none).
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+
 def _transformed(*tensors: Any) -> bool:
     """Whether one of ``tensors`` is wrapped by a ``torch.func`` transform (``grad``,
-    ``vmap``, ``jvp``, ...): such a wrapper has no data of its own to hand to a kernel."""
-    return _IS_WRAPPED is not None and any(t is not None and _IS_WRAPPED(t) for t in tensors)
+    ``vmap``, ``jvp``, ...) or batched by autograd (``is_grads_batched``): such a wrapper
+    has no data of its own to hand to a kernel."""
+    for t in tensors:
+        if t is not None and ((_IS_WRAPPED is not None and _IS_WRAPPED(t))
+                              or (_IS_BATCHED is not None and _IS_BATCHED(t))):
+            return True
+    return False
+
+
+def _tracing() -> bool:
+    """Whether ``torch.jit.trace`` records this call: it would record the outputs that
+    the kernels write through NumPy as constants (the trace then returns them for any
+    input); torch's own operations on the generic path it records."""
+    return torch._C._get_tracing_state() is not None
 
 
 def _differentiable_route(route: Route, *tensors: Any) -> Route:
-    """``route``, or the generic route where forward-mode AD needs tangents or a
-    ``torch.func`` transform wraps an input: the kernels have no forward derivative and
-    cannot read a wrapper, torch's own operations on the generic path can."""
-    if route.backend != "array_api" and (_has_tangent(*tensors) or _transformed(*tensors)):
+    """``route``, or the generic route where forward-mode AD needs tangents, a
+    ``torch.func`` transform wraps an input or ``torch.jit.trace`` records the call: the
+    kernels have no forward derivative, cannot read a wrapper and are invisible to a
+    trace; torch's own operations on the generic path are not."""
+    if route.backend != "array_api" and (_has_tangent(*tensors) or _transformed(*tensors)
+                                         or _tracing()):
         return Route(route.library, "array_api")
     return route
 
@@ -408,7 +429,9 @@ def _backward_plus(route: Route, rms: bool, req: Any, gy: Any, x: Any, mean: Any
     the backend fuses it (as the engine does for NumPy/CuPy arrays), else composed
     (:func:`layernorm._engine.with_grad_residual`). ``bias_dtype``: as for
     :func:`backward_with`."""
-    if grad_residual is not None and _engine.fuses_grad_residual(req):
+    route = _differentiable_route(route, gy, grad_residual)  # batched gradients
+    if (grad_residual is not None and route.backend != "array_api"
+            and _engine.fuses_grad_residual(req)):
         return _backward(route, rms, gy, x, mean, rstd, weight, ns, axis, grad_residual,
                          bias_dtype)
 
@@ -484,8 +507,8 @@ class _NormFunction(torch.autograd.Function):
             return (*_graph_grads(norm, (x, weight, bias), need[:3], grad_y), None)
         # grad_bias in the bias's own dtype: rounded to the weight's (or x's) first, a
         # float32 bias beside a 16-bit weight or x would get a 16-bit (or inf) gradient.
-        grads = _backward(route, rms, grad_y, x, mean, rstd, weight, ns, axis,
-                          bias_dtype=None if bias is None else bias.dtype)
+        grads = _backward(_differentiable_route(route, grad_y), rms, grad_y, x, mean, rstd,
+                          weight, ns, axis, bias_dtype=None if bias is None else bias.dtype)
         gx = grads[0] if need[0] else None
         gw = grads[1] if need[1] else None
         gb = grads[2] if (not rms and need[2]) else None
@@ -505,8 +528,9 @@ def _numpy_views(*tensors: Any) -> list[Any] | None:
     """Zero-copy NumPy views of CPU tensors (None stays None) for the NumPy short path,
     or None where the call needs this adapter's general route: autograd recording it,
     forward-mode AD or a ``torch.func`` transform, another device, dtype, layout or
-    tensor subclass, the lazy negation bit."""
-    if getattr(fwad, "_current_level", 0) >= 0:
+    tensor subclass, the lazy negation bit; ``torch.compile`` (fake tensors) or
+    ``torch.jit.trace`` recording the call."""
+    if getattr(fwad, "_current_level", 0) >= 0 or _compiling() or _tracing():
         return None
     grad = torch.is_grad_enabled()
     views = []
@@ -906,6 +930,21 @@ def add_norm(x: Any, residual: Any, route: Route, normalized_shape: Any, weight:
                                            residual_out)
     return _engine.results(y, h, s, _detached(mean), _detached(rstd), quantize, return_stats,
                            rms, add=True)
+
+
+def _eager(fn: Any) -> Any:
+    """``fn``, run eagerly under ``torch.compile``/``torch.export``: Dynamo's fake
+    tensors have no data to hand to a kernel, so it stops its graph at the call (a graph
+    break; ``fullgraph=True`` raises) and runs it on the real tensors."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return fn if disable is None else disable(fn)
+
+
+layer_norm = _eager(layer_norm)
+rms_norm = _eager(rms_norm)
+layer_norm_backward = _eager(layer_norm_backward)
+rms_norm_backward = _eager(rms_norm_backward)
+add_norm = _eager(add_norm)
 
 
 __all__ = ["CPU_BRIDGE", "SHORT_PATH_TYPES", "Bridge", "add_norm", "backward_with",
