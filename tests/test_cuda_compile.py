@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import layernorm as ln
 from layernorm._backends._cupy import launch
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -945,10 +946,11 @@ def emulator(tmp_path_factory):
     return _Emulator(lib, names)
 
 
-def _emu_forward(x3, dtype, rms, w, b, eps=1e-5):
+def _emu_forward(x3, dtype, rms, w, b, eps=1e-5, y3=None):
     acc = "float64" if dtype == "float64" else "float32"
     rows = x3.shape[0] * x3.shape[2]
-    y3 = np.full(x3.shape, np.nan, dtype=x3.dtype)  # poisoned: every element is written
+    if y3 is None:  # poisoned: every element is written
+        y3 = np.full(x3.shape, np.nan, dtype=x3.dtype)
     mean, rstd = np.full(rows, np.nan, acc), np.full(rows, np.nan, acc)
     launch.forward(_FakeArray(x3), None if w is None else _FakeArray(w),
                    None if b is None else _FakeArray(b), eps, _FakeArray(y3),
@@ -1063,6 +1065,25 @@ def _check_emulated(reference, dtype, n, rows, layouts):
     yc, _, _ = _emu_forward(constant.reshape(3, n, 1), dtype, False, w, b)
     _same_bits(yc[:, :, 0], np.broadcast_to(b.astype(_NP[dtype]), (3, n)),
                f"{dtype} n={n} constant rows give exactly bias")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_emulation_means_of_rows_with_infinities(emulator, monkeypatch, dtype):
+    """A row holding +inf has mean +inf (-inf: -inf; both: NaN), as the CPU kernels give
+    it, wherever the infinity lies: Chan's merge gave inf - inf = NaN when the left side
+    held it (so the mean depended on the row's length and the lane of the infinity)."""
+    emulator.install(monkeypatch)
+    emulator.cap = 1
+    for n in (8, 40, 1000):
+        x = np.random.default_rng(n).standard_normal((4, n)).astype(_NP[dtype])
+        x[0, 3] = np.inf
+        x[1, 5] = -np.inf
+        x[2, 1], x[2, 2] = np.inf, -np.inf
+        x[3, n - 1] = np.inf
+        _, mean, rstd = _emu_forward(x.reshape(4, n, 1).copy(), dtype, False, None, None)
+        _, want_mean, want_rstd = ln.layer_norm(x, return_stats=True)
+        np.testing.assert_array_equal(mean, want_mean.ravel(), err_msg=f"{dtype} n={n}")
+        np.testing.assert_array_equal(np.isnan(rstd), np.isnan(want_rstd.ravel()))
 
 
 def _tree_model(parts):
@@ -1263,6 +1284,12 @@ def test_emulation_rows_whose_squares_overflow(emulator, monkeypatch, dtype, mag
                 alone, _, _ = _emu_forward(x3[:1] if name != "cols" else x3[:, :, :1],
                                            dtype, rms, w, None if rms else b, eps)
                 _same_bits(back(alone)[0], y[0], f"{what} ordinary row alone")
+                # In place (out=x), the same bits: the threads of a rescaled row each
+                # read the whole row, and wrote their elements while others still read.
+                inplace = x3.copy()
+                got, _, _ = _emu_forward(inplace, dtype, rms, w, None if rms else b, eps,
+                                         y3=inplace)
+                _same_bits(back(got), y, f"{what} in place")
                 # The rescaled rows are a function of the row alone: the same bits in
                 # every layout (a single sequential loop, whichever threads run it).
                 if first is None:
