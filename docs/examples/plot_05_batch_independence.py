@@ -30,17 +30,31 @@ assert np.array_equal(alone, inside)
 
 # %%
 # The batch above is large enough (3 million elements) to be split over all CPU
-# threads, while the single token runs on one thread; the answer is the same bits.
-# Changing the thread count changes nothing either:
-import numba
+# threads. By default the library runs a size's first calls on one thread and moves to
+# the parallel kernels once it has measured that they pay, so the calls above may all
+# have been serial; ``LAYERNORM_PARALLEL=always`` (read at import) forces the parallel
+# kernels, ``never`` the serial ones. Two fresh processes, one forced each way, give
+# the same bits as this one:
+import os
+import subprocess
+import sys
+import tempfile
 
-before = numba.get_num_threads()
-numba.set_num_threads(1)
-one_thread = ln.layer_norm(batch)
-numba.set_num_threads(before)
-same = np.array_equal(one_thread, ln.layer_norm(batch))
-print(f"1 thread vs {before} threads, bitwise equal:", same)
-assert same
+with tempfile.TemporaryDirectory() as tmp:
+    np.save(os.path.join(tmp, "batch.npy"), batch)
+    script = ("import sys, numpy as np, layernorm as ln; "
+              "np.save(sys.argv[2], ln.layer_norm(np.load(sys.argv[1])))")
+    results = {}
+    for policy in ("always", "never"):
+        path = os.path.join(tmp, f"{policy}.npy")
+        subprocess.run([sys.executable, "-c", script, os.path.join(tmp, "batch.npy"), path],
+                       check=True, env=dict(os.environ, LAYERNORM_PARALLEL=policy))
+        results[policy] = np.load(path)
+here = ln.layer_norm(batch)
+for policy, y in results.items():
+    print(f"LAYERNORM_PARALLEL={policy} vs this process, bitwise equal:",
+          np.array_equal(y, here))
+    assert np.array_equal(y, here)
 
 # %%
 # A small BatchNorm in NumPy
