@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p_bench.add_argument("--quick", action="store_true",
-                         help="a small grid and few repeats (well under a minute)")
+                         help="a small grid and few repeats (about a minute on a quiet "
+                              "2-core machine)")
     p_bench.add_argument("--backward", action="store_true",
                          help="also time the backward passes")
     p_bench.add_argument("--shape", nargs="+", metavar="N,D",
