@@ -1127,3 +1127,16 @@ def test_jit_trace_records_the_computation_not_its_result():
     other = _randn(3, 8, seed=66, dtype=torch.float32) * 5 + 2
     torch.testing.assert_close(traced(other), ln.layer_norm(other, 8) + ln.rms_norm(other, 8),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_torch_calls_do_not_import_dynamo():
+    # torch.compiler.disable imports torch._dynamo, about a second of a first call: the
+    # adapter calls it only where Dynamo already traces the call.
+    code = ("import sys, torch, layernorm as ln; x = torch.randn(2, 8); "
+            "ln.layer_norm(x); ln.rms_norm(x); ln.add_rms_norm(x, x); "
+            "ln.layer_norm(x.requires_grad_()).sum().backward(); "
+            "print('torch._dynamo' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"

@@ -934,10 +934,18 @@ def add_norm(x: Any, residual: Any, route: Route, normalized_shape: Any, weight:
 
 def _eager(fn: Any) -> Any:
     """``fn``, run eagerly under ``torch.compile``/``torch.export``: Dynamo's fake
-    tensors have no data to hand to a kernel, so it stops its graph at the call (a graph
-    break; ``fullgraph=True`` raises) and runs it on the real tensors."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return fn if disable is None else disable(fn)
+    tensors have no data to hand to a kernel, so there the call goes through
+    ``torch.compiler.disable`` (Dynamo stops its graph at it and runs it on the real
+    tensors). Outside Dynamo, ``fn`` itself: wrapping it at import would import
+    ``torch._dynamo``, a second of a first call."""
+
+    @functools.wraps(fn)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        if _compiling():
+            return torch.compiler.disable(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return entry
 
 
 layer_norm = _eager(layer_norm)
