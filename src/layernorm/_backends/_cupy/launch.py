@@ -589,14 +589,45 @@ def _launch(kind: str, dtype: str, rms: bool, n: int, rows: int, device_id: int,
                (*args, np.int32(cfg.g), np.int32(cfg.maxc), np.int64(tiles)))
 
 
+def _byte_span(arr: Any) -> tuple[int, int]:
+    """The first and one-past-last byte addresses an array's elements occupy."""
+    start = end = int(arr.data.ptr)
+    for size, stride in zip(arr.shape, arr.strides, strict=True):
+        reach = (int(size) - 1) * int(stride)
+        if reach < 0:
+            start += reach
+        else:
+            end += reach
+    return start, end + int(arr.itemsize)
+
+
+def overlaps(a: Any, b: Any) -> bool:
+    """Whether two device arrays' byte spans intersect (a conservative may-overlap)."""
+    a0, a1 = _byte_span(a)
+    b0, b1 = _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
 def forward(x3: Any, weight: Any, bias: Any, eps: float, y3: Any, mean: Any, rstd: Any,
             dtype: str, rms: bool) -> None:
-    """Launch the forward kernel for ``x3`` (``(outer, n, inner)``) into ``y3``."""
+    """Launch the forward kernel for ``x3`` (``(outer, n, inner)``) into ``y3``.
+
+    An output over the input (``out=x``) goes through a separate array, copied into it
+    after the kernel: a row whose squares overflow or underflow is read whole by each of
+    its threads (the kernels' rare rescaled path) while the others store their elements,
+    which in place raced (found by the host emulation; a barrier there made the fast
+    path's register budget spill, so the copy is the fix until it is measured on a GPU).
+    """
     import cupy
 
     outer, n, inner = x3.shape
     rows = outer * inner
     if rows == 0 or n == 0:
+        return
+    if overlaps(x3, y3):
+        separate = cupy.empty(y3.shape, y3.dtype)
+        forward(x3, weight, bias, eps, separate, mean, rstd, dtype, rms)
+        cupy.copyto(y3, separate)
         return
     device_id = x3.device.id
     with cupy.cuda.Device(device_id):

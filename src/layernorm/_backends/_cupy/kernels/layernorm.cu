@@ -246,10 +246,7 @@ template <typename A> struct Mom {
   u64 n;
 };
 
-// Chan et al.'s pairwise merge; an empty side returns the other side unchanged. Where
-// the means differ by an infinity (a side holds an infinite element), the merged mean is
-// their sum, as a sum over the row gives it (inf; NaN for inf and -inf), whichever side
-// holds it: a.mean + delta * fb would be inf - inf = NaN when a does.
+// Chan et al.'s pairwise merge; an empty side returns the other side unchanged.
 template <typename A>
 __device__ __forceinline__ Mom<A> chan(const Mom<A>& a, const Mom<A>& b) {
   if (b.n == 0) return a;
@@ -258,7 +255,7 @@ __device__ __forceinline__ Mom<A> chan(const Mom<A>& a, const Mom<A>& b) {
   r.n = a.n + b.n;
   const A fb = ratio(A(b.n), r.n);
   const A delta = b.mean - a.mean;
-  r.mean = delta - delta == A(0) ? a.mean + delta * fb : a.mean + b.mean;  // finite delta
+  r.mean = a.mean + delta * fb;
   r.m2 = (a.m2 + b.m2) + (delta * delta) * (A(a.n) * fb);
   return r;
 }
@@ -628,10 +625,7 @@ struct MaxBitsOp {
 // is normalized as if scaled by a power of two first, as on the CPU backend
 // (_numba/rescale.py). The forward kernels check each row's rstd (usable_rstd: one
 // comparison; rows that pass keep their bits) and every thread of a failing row
-// calls rescaled_row (rescaled_stats, then rescaled_store; where y may be x, the plain
-// forward in place, the row's threads wait between the two, so that no thread stores
-// into the row while another still reads it), which is a scalar loop over the whole row
-// (a rare path: each of
+// calls rescaled_row, which is a scalar loop over the whole row (a rare path: each of
 // the row's threads computes the same statistics, in the same order, so no collective
 // is needed and the result depends on the row alone) and
 //  * returns false, writing nothing, if the row holds a NaN or an infinity: the fast
@@ -655,23 +649,20 @@ __device__ __forceinline__ double pow2(int k) {
                     : __longlong_as_double(1LL << (k + 1074));
 }
 
-// The scaled row's statistics (rescaled_stats, every thread of the row alike), kept for
-// its output (rescaled_store); ok is false for a row holding a NaN or an infinity.
-struct Rescaled {
-  double s, first, mean, rstd;
-  int e;
-  bool ok;
-};
-
-template <typename T, typename A, bool RMS>
-__device__ __noinline__ Rescaled rescaled_stats(const T* xr, i64 xs1, i64 n, A eps) {
-  Rescaled r = {1.0, 0.0, 0.0, 0.0, 0, false};
+// Quantized (QUANT, float accumulation): every thread of the row computes the row's y32
+// amax itself (dynamic scale: another scalar pass, no collective) and its elements'
+// codes (qz; yr unused).
+template <typename T, typename A, bool RMS, typename TY, bool QUANT = false>
+__device__ __noinline__ bool rescaled_row(const T* xr, i64 xs1, TY* yr, i64 ys1, i64 n, A eps,
+                                          const A* w, const A* b, A* mean_out, A* rstd_out,
+                                          i64 row, int part, int parts,
+                                          QuantOut<A> qz = QuantOut<A>()) {
   // The largest |x| (LayerNorm: |x - x[0]|), measured on halves: it cannot overflow.
   const double half_first = RMS ? 0.0 : (double)to_acc(xr[0]) * 0.5;
   double half_max = 0.0;
   for (i64 i = 0; i < n; ++i) {
     const double v = (double)to_acc(xr[i * xs1]);
-    if (!(fabs(v) <= 1.7976931348623157e308)) return r;  // NaN or infinity
+    if (!(fabs(v) <= 1.7976931348623157e308)) return false;  // NaN or infinity
     const double a = fabs(v * 0.5 - half_first);
     half_max = a > half_max ? a : half_max;
   }
@@ -705,27 +696,7 @@ __device__ __noinline__ Rescaled rescaled_stats(const T* xr, i64 xs1, i64 n, A e
     const double d = ((double)to_acc(xr[i * xs1]) * s - first) - mean;
     m2 = m2 + d * d;
   }
-  r.s = s;
-  r.first = first;
-  r.mean = mean;
-  r.rstd = inv_sqrt(ratio(m2, (u64)n) + (double)eps * s * s);
-  r.e = e;
-  r.ok = true;
-  return r;
-}
-
-// Quantized (QUANT, float accumulation): every thread of the row computes the row's y32
-// amax itself (dynamic scale: another scalar pass, no collective) and its elements'
-// codes (qz; yr unused). Reads only its own elements of x (part, part + parts, ...)
-// unless QUANT with a dynamic scale, whose output is not y: so y may be x (in place) if
-// every thread of the row has finished rescaled_stats first.
-template <typename T, typename A, bool RMS, typename TY, bool QUANT = false>
-__device__ __noinline__ void rescaled_store(const T* xr, i64 xs1, TY* yr, i64 ys1, i64 n,
-                                            const A* w, const A* b, A* mean_out, A* rstd_out,
-                                            i64 row, int part, int parts, const Rescaled& r,
-                                            QuantOut<A> qz = QuantOut<A>()) {
-  const double s = r.s, first = r.first, mean = r.mean, rstd = r.rstd;
-  const int e = r.e;
+  const double rstd = inv_sqrt(ratio(m2, (u64)n) + (double)eps * s * s);
   auto value = [&](i64 i) -> A {
     const double d = ((double)to_acc(xr[i * xs1]) * s - first) - mean;
     A v = A(d * rstd);
@@ -756,19 +727,6 @@ __device__ __noinline__ void rescaled_store(const T* xr, i64 xs1, TY* yr, i64 ys
     if constexpr (!RMS) mean_out[row] = A((first + mean) * pow2(e / 2) * pow2(e - e / 2));
     rstd_out[row] = A(rstd * s);
   }
-}
-
-// rescaled_stats, then (if the row has no NaN or infinity) rescaled_store: for a row
-// whose output is not its input (every thread of the row reads the whole row first).
-template <typename T, typename A, bool RMS, typename TY, bool QUANT = false>
-__device__ __forceinline__ bool rescaled_row(const T* xr, i64 xs1, TY* yr, i64 ys1, i64 n,
-                                             A eps, const A* w, const A* b, A* mean_out,
-                                             A* rstd_out, i64 row, int part, int parts,
-                                             QuantOut<A> qz = QuantOut<A>()) {
-  const Rescaled r = rescaled_stats<T, A, RMS>(xr, xs1, n, eps);
-  if (!r.ok) return false;
-  rescaled_store<T, A, RMS, TY, QUANT>(xr, xs1, yr, ys1, n, w, b, mean_out, rstd_out, row,
-                                       part, parts, r, qz);
   return true;
 }
 
@@ -1009,24 +967,16 @@ __device__ __forceinline__ void forward_rows(
             }
           }
         }
-      } else if (group_any<G>(rescale)) {
-        // y may be x (in place): every lane of the row reads the whole row before any
-        // lane stores, so the group waits between the statistics and the stores.
-        Rescaled r = {1.0, 0.0, 0.0, 0.0, 0, false};
-        if (rescale) r = rescaled_stats<TX, A, RMS>(xr, xs1, n, eps);
-        group_sync<G>();
-        if (rescale) {
-          if (r.ok) {
-            rescaled_store<TX, A, RMS, TX, QUANT>(xr, xs1, yr, ys1, n, w, b, mean_out,
-                                                  rstd_out, row, lane, G, r, qz);
-            if constexpr (QUANT) {
-              done = true;
-            } else {
-              continue;
-            }
+      } else if (rescale) {
+        if (rescaled_row<TX, A, RMS, TX, QUANT>(xr, xs1, yr, ys1, n, eps, w, b, mean_out,
+                                                rstd_out, row, lane, G, qz)) {
+          if constexpr (QUANT) {
+            done = true;
           } else {
-            reload = true;  // the packs are not kept across the call: load them again
+            continue;
           }
+        } else {
+          reload = true;  // the packs are not kept across the call: load them again
         }
       }
     }
@@ -1262,16 +1212,9 @@ fwd_cols(const T* x, T* y, const A* w, const A* b, A eps, A inv_n, A* mean_out,
     }
     bool done = false;  // not `continue`: every thread must reach the __syncthreads below
     if constexpr (Elem<T>::can_overflow) {
-      // squares overflow or underflow, or NaN / inf
-      const bool rescale = active && !usable_rstd(rstd);
-      Rescaled r = {1.0, 0.0, 0.0, 0.0, 0, false};
-      if (rescale) r = rescaled_stats<T, A, RMS>(xr, xs1, n, eps);
-      // y may be x (in place): the row's threads (ty) all read it before any stores
-      __syncthreads();
-      if (rescale && r.ok) {
-        rescaled_store<T, A, RMS>(xr, xs1, yr, ys1, n, w, b, mean_out, rstd_out, row, ty,
-                                  (int)blockDim.y, r);
-        done = true;
+      if (active && !usable_rstd(rstd)) {  // squares overflow or underflow, or NaN / inf
+        done = rescaled_row<T, A, RMS>(xr, xs1, yr, ys1, n, eps, w, b, mean_out, rstd_out,
+                                       row, ty, (int)blockDim.y);
       }
     }
     if (active && !done) {
