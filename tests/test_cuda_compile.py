@@ -299,6 +299,7 @@ def _fake_cupy() -> types.ModuleType:
     mod.cuda = types.SimpleNamespace(Device=Device)
     mod.empty = lambda shape, dtype: _FakeArray(np.empty(shape, dtype))
     mod.copyto = lambda dst, src: np.copyto(dst.arr, src.arr)
+    mod.may_share_memory = lambda a, b: np.may_share_memory(a.arr, b.arr)
     mod.zeros = lambda shape, dtype: _FakeArray(np.zeros(shape, dtype))
     return mod
 

@@ -589,25 +589,6 @@ def _launch(kind: str, dtype: str, rms: bool, n: int, rows: int, device_id: int,
                (*args, np.int32(cfg.g), np.int32(cfg.maxc), np.int64(tiles)))
 
 
-def _byte_span(arr: Any) -> tuple[int, int]:
-    """The first and one-past-last byte addresses an array's elements occupy."""
-    start = end = int(arr.data.ptr)
-    for size, stride in zip(arr.shape, arr.strides, strict=True):
-        reach = (int(size) - 1) * int(stride)
-        if reach < 0:
-            start += reach
-        else:
-            end += reach
-    return start, end + int(arr.itemsize)
-
-
-def overlaps(a: Any, b: Any) -> bool:
-    """Whether two device arrays' byte spans intersect (a conservative may-overlap)."""
-    a0, a1 = _byte_span(a)
-    b0, b1 = _byte_span(b)
-    return a0 < b1 and b0 < a1
-
-
 def forward(x3: Any, weight: Any, bias: Any, eps: float, y3: Any, mean: Any, rstd: Any,
             dtype: str, rms: bool) -> None:
     """Launch the forward kernel for ``x3`` (``(outer, n, inner)``) into ``y3``.
@@ -624,7 +605,7 @@ def forward(x3: Any, weight: Any, bias: Any, eps: float, y3: Any, mean: Any, rst
     rows = outer * inner
     if rows == 0 or n == 0:
         return
-    if overlaps(x3, y3):
+    if cupy.may_share_memory(x3, y3):
         separate = cupy.empty(y3.shape, y3.dtype)
         forward(x3, weight, bias, eps, separate, mean, rstd, dtype, rms)
         cupy.copyto(y3, separate)
