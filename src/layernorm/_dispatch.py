@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ._dtypes import array_library
 from ._validate import check_backend_name
 
 #: The library names :func:`library_of` answers.
@@ -62,7 +63,7 @@ def _classify(x: Any, name: str = "x") -> str:
                 f"semantics; pass np.asarray({name})"
             )
         return "numpy"
-    root = type(x).__module__.split(".", 1)[0]
+    root = array_library(x)
     if root in ("cupy", "torch", "dask"):
         return root
     # Subclasses defined elsewhere (a tensor subclass of a user's module) belong to the

@@ -33,6 +33,7 @@ from ._dtypes import (
     MACHINE_EPS,
     SUPPORTED,
     accumulation_name,
+    array_library,
     bit_view,
     dtype_name,
 )
@@ -676,12 +677,12 @@ def _known(flag: Any) -> bool | None:
     when the compiled function runs, so a traced ``scale`` is checked for its shape and
     dtype only and used as given; a Dask ``scale`` likewise, its values checked in each
     block when the result is computed (computing them here would run its graph)."""
-    if type(flag).__module__.split(".", 1)[0] == "dask":
+    if array_library(flag) == "dask":
         return None
     try:
         return bool(flag)
     except Exception as exc:  # jax's ConcretizationTypeError family, without importing jax
-        if type(exc).__module__.split(".", 1)[0] == "jax":
+        if array_library(exc) == "jax":
             return None
         raise
 

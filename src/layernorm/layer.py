@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ._api import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
-from ._dtypes import SUPPORTED, dtype_name
+from ._dtypes import SUPPORTED, array_library, dtype_name
 from ._validate import as_int_tuple, check_eps, check_weight_offset
 
 
@@ -144,7 +144,7 @@ def _same_ndarray_kind(value: Any, previous: _Kept | None) -> bool:
 
 def _is_immutable(value: Any) -> bool:
     """Arrays of libraries that never change an array in place (JAX, Dask)."""
-    return type(value).__module__.split(".", 1)[0] in ("jax", "jaxlib", "dask")
+    return array_library(value) in ("jax", "dask")
 
 
 class _ModuleName(str):
