@@ -116,6 +116,26 @@ def test_half_precision_rows_take_the_short_path(general_calls, dtype, shape, rm
     _assert_same(fast, _add(rms, x, r, w, b, return_stats=True, backend="numba"))
 
 
+@pytest.mark.parametrize("param_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(2, 768), (3, 4096)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("rms", [False, True])
+def test_half_precision_parameters_take_the_short_path(general_calls, param_dtype, x_dtype,
+                                                       shape, rms):
+    """16-bit weight and bias are widened exactly (a NumPy cast at 768, the backend's
+    small kernel at 4096): the bits of the general path, and of float32 parameters
+    holding the same values."""
+    rng = np.random.default_rng(11 + rms)
+    x, r, w, b = _inputs(rng, shape, x_dtype, "both")
+    w16, b16 = w.astype(param_dtype), b.astype(param_dtype)
+    for _ in range(2):
+        fast = _add(rms, x, r, w16, b16, return_stats=True)
+    assert not general_calls
+    _assert_same(fast, _add(rms, x, r, w16, b16, return_stats=True, backend="numba"))
+    _assert_same(fast, _add(rms, x, r, w16.astype(np.float32), b16.astype(np.float32),
+                            return_stats=True))
+
+
 ALIASES = ["out=x", "out=residual", "residual_out=x", "residual_out=residual",
            "out=x,residual_out=residual", "out=residual,residual_out=x", "out=new",
            "residual_out=new", "out=new,residual_out=new"]
@@ -233,7 +253,7 @@ def _fallbacks():
         "float64 stream": dict(residual_dtype="float64"),
         "columns": dict(axis=0, w=None, b=None),
         "offset of a NumPy type": dict(weight_offset=np.float32(1.0)),
-        "float16 weight": dict(w=w.astype(np.float16)),
+        "float64 weight": dict(w=w.astype(np.float64)),
         "overlapping residual_out": dict(r=buf[:6], residual_out=buf[1:]),
         "out a view of x": dict(out_view_of_x=True),
         "numpy eps": dict(eps=np.float32(1e-5)),
@@ -489,7 +509,7 @@ def _quantized_fallbacks():
         "int scale": dict(scale=2),
         "scale of too many dimensions": dict(scale=np.full((1, 1, 1), 0.25, np.float32)),
         "offset of a NumPy type": dict(weight_offset=np.float64(1.0)),
-        "float16 weight": dict(w=w.astype(np.float16)),
+        "float64 weight": dict(w=w.astype(np.float64)),
         "strided out": dict(out=np.empty((6, 64), np.int8)[:, ::2]),
         "out a view of h": dict(out_in_h=True),
     }, (x, r, w, b)

@@ -841,6 +841,75 @@ def test_a_new_parameter_dtype_compiles_no_row_kernel():
     assert [len(kernel.overloads) for kernel in row_kernels] == before
 
 
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+def test_parameter_kernels_convert_as_numpy_casts(dtype):
+    """The small kernels that widen long 16-bit parameters and round their gradients
+    give NumPy's casts' bits: widening every one of the 65536 bit patterns, rounding
+    float32 values of every kind (random bits, ties, overflow, subnormals, the body and
+    the scalar tail of the loops)."""
+    every = np.arange(1 << 16, dtype=np.uint16).view(dtype)
+    assert every.size >= backend.PARAM_KERNEL_MIN
+    reversed_ = every[::-1].copy()
+    pair = backend.widened_params(every, reversed_, np.float32)
+    for got, source in ((backend.widened_param(every, np.float32), every),
+                        (pair[0], every), (pair[1], reversed_)):
+        want = source.astype(np.float32)
+        assert got.dtype == np.float32 and got.shape == want.shape
+        # NaN payloads may differ (the hardware quiets a signalling NaN).
+        finite = ~np.isnan(want)
+        _same_bits(got[finite], want[finite])
+        assert np.isnan(got[~finite]).all()
+    rng = np.random.default_rng(3)
+    n = 5 * backend.PARAM_KERNEL_MIN + 7  # a scalar tail after the vectors
+    values = rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    top = 16 if dtype == ml_dtypes.bfloat16 else 13  # bits dropped by the rounding
+    ties = rng.integers(0, 1 << 20, 500).astype(np.uint32) << np.uint32(top)
+    values[:500] = (ties | np.uint32(1 << (top - 1))).view(np.float32)  # exact ties
+    values[500:600] = np.float32(65520.0) * rng.choice([-1, 1], 100)  # float16 overflow
+    values[600:700] = rng.standard_normal(100).astype(np.float32) * np.float32(2.0**-20)
+    values[-3:] = [np.inf, -np.inf, np.nan]
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = values.astype(dtype)
+    got = backend.narrowed_param(values, np.dtype(dtype))
+    assert got.dtype == np.dtype(dtype) and got.shape == values.shape
+    finite = ~np.isnan(values)
+    _same_bits(got[finite], want[finite])
+    assert np.isnan(got[~finite].astype(np.float32)).all()
+    small = values[:700]  # below PARAM_KERNEL_MIN: NumPy's cast itself, no warning
+    _same_bits(backend.narrowed_param(small, np.dtype(dtype)), want[:700])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("n", [768, 4096])
+def test_half_precision_parameters_give_the_widened_parameters_bits(dtype, n):
+    """16-bit weight and bias (widened by a NumPy cast at 768, by a kernel at 4096) give
+    the bits of float32 parameters of the same values, forward (short and general
+    paths) and backward, whose float32 parameter gradients are then rounded as NumPy
+    rounds them."""
+    rng = np.random.default_rng(n)
+    x = _rows(3, n, n)
+    gy = rng.standard_normal((3, n)).astype(np.float32)
+    w16 = (1 + 0.5 * rng.standard_normal(n)).astype(dtype)
+    b16 = (0.3 * rng.standard_normal(n)).astype(dtype)
+    w32, b32 = w16.astype(np.float32), b16.astype(np.float32)
+    for backend_name in (None, "numba"):
+        y, mean, rstd = ln.layer_norm(x, n, w16, b16, return_stats=True,
+                                      backend=backend_name)
+        want = ln.layer_norm(x, n, w32, b32, return_stats=True)
+        for got, expected in zip((y, mean, rstd), want, strict=True):
+            _same_bits(got, expected)
+        _same_bits(ln.rms_norm(x, n, w16, backend=backend_name), ln.rms_norm(x, n, w32))
+        gx, gw, gb = ln.layer_norm_backward(gy, x, mean, rstd, w16, backend=backend_name)
+        wx, ww, wb = ln.layer_norm_backward(gy, x, mean, rstd, w32)
+        _same_bits(gx, wx)
+        _same_bits(gw, ww.astype(dtype))
+        _same_bits(gb, wb.astype(dtype))
+        rgx, rgw = ln.rms_norm_backward(gy, x, rstd, w16, backend=backend_name)
+        wrx, wrw = ln.rms_norm_backward(gy, x, rstd, w32)
+        _same_bits(rgx, wrx)
+        _same_bits(rgw, wrw.astype(dtype))
+
+
 def test_only_calls_that_stream_load_the_streaming_kernels():
     """Streaming stores have entry kernels of their own: a fresh process whose calls
     never stream (small outputs) loads or compiles only the plain ones, and a call that

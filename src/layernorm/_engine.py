@@ -487,8 +487,11 @@ def gradients(grad_y: Any, x: Any, route: Route, mean: Any, rstd: Any, weight: A
     else:
         grads = with_grad_residual(xp, grad_y, x, req, run, grad_residual)
     dtype = (weight if weight is not None else x).dtype
-    return (grads[0], *(xp.astype(g, dtype) if route.backend == "array_api"
-                        else g.astype(dtype, copy=False) for g in grads[1:]))
+    if route.backend == "array_api":
+        return (grads[0], *(xp.astype(g, dtype) for g in grads[1:]))
+    if route.backend == "numba":
+        return (grads[0], *(native("numba").narrowed_param(g, dtype) for g in grads[1:]))
+    return (grads[0], *(g.astype(dtype, copy=False) for g in grads[1:]))
 
 
 # --------------------------------------------------------------------------- fusions

@@ -272,6 +272,10 @@ def _prepare(plan: Plan, x: Any, weight: Any, bias: Any, out: Any) -> tuple[Any,
         x2 = x2.view(plan.bits)
         y2 = y2.view(plan.bits)
     bias_bits = plan.param_bits[1] if len(plan.param_bits) > 1 else None
+    if bias_bits is not None and plan.param_bits[0] is not None:
+        # Both 16-bit (LayerNorm): widened together, one kernel call for long ones.
+        w, b = _numba.widened_params(weight.reshape(-1), bias.reshape(-1), plan.acc)
+        return y, x2, y2, w, b
     return y, x2, y2, _flat(weight, plan, plan.param_bits[0]), _flat(bias, plan, bias_bits)
 
 

@@ -38,7 +38,7 @@ from . import _engine, _fast
 from ._backends import _numba
 from ._backends._numba import entry as kernel_entry
 from ._dispatch import Route
-from ._dtypes import MACHINE_EPS, dtype_name
+from ._dtypes import HALF_DTYPES, MACHINE_EPS, dtype_name
 from ._plans import accumulation_eps, kernel_ready, params_key, remember_by_shapes
 from ._validate import plain_axes
 
@@ -82,6 +82,7 @@ class AddPlan:
         "dtypes",
         "eps_scalars",
         "large",
+        "n",
         "negative_zeros",
         "no_stats",
         "ones",
@@ -93,11 +94,14 @@ class AddPlan:
         "stats_shape",
         "streams",
         "tab",
+        "widen",
     )
 
     def __init__(self, shape: tuple[int, ...], rows: int, n: int, dtype: str, acc: str,
                  stats_shape: tuple[int, ...], kernels: Any, rms: bool) -> None:
-        self.rows, self.stats_shape, self.dtype_name = rows, stats_shape, dtype
+        self.rows, self.n, self.stats_shape, self.dtype_name = rows, n, stats_shape, dtype
+        #: Some parameter is float16/bfloat16 (set by :func:`_plan`): widened per call.
+        self.widen = False
         #: The dtype objects of x, weight and bias (None if absent) of the call that made
         #: the plan (set by :func:`_plan`), which a call found by its shapes alone must
         #: have.
@@ -149,12 +153,14 @@ def _plan(x: Any, normalized_shape: Any, axis: Any, weight: Any, bias: Any,
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
     req = _engine.request(x, _NUMPY_ROUTE, normalized_shape, axis, **params)
     layout = req.layout
+    names = [dtype_name(p.dtype) for p in params.values() if p is not None]
     if (layout.perm is not None or layout.inner != 1 or layout.n == 0 or layout.rows == 0
-            or any(p is not None and dtype_name(p.dtype) != req.acc
-                   for p in params.values())):
+            or any(name != req.acc and not (req.acc == "float32" and name in HALF_DTYPES)
+                   for name in names)):
         return None
     plan = AddPlan(layout.shape, layout.rows, layout.n, req.dtype, req.acc,
                    layout.stats_shape, _numba.load_kernels(), rms)
+    plan.widen = any(name in HALF_DTYPES for name in names)
     plan.dtypes = (x.dtype, *(None if p is None else p.dtype for p in (weight, bias)))
     return plan
 
@@ -308,10 +314,16 @@ out, residual_out
         if plan.bits is not None:
             bits = plan.bits
             x2, r2, h2, y2 = x2.view(bits), r2.view(bits), h2.view(bits), y2.view(bits)
-    if weight is None:
-        w = plan.ones
+    if plan.widen:
+        # float16/bfloat16 parameters: widened exactly, as the general path does.
+        w, b = _numba.kernel_params(None if weight is None else weight.reshape(-1),
+                                    None if bias is None else bias.reshape(-1), plan.n,
+                                    plan.acc)
     else:
-        w = weight if weight.ndim == 1 else weight.reshape(-1)
+        w = (plan.ones if weight is None
+             else weight if weight.ndim == 1 else weight.reshape(-1))
+        b = (plan.negative_zeros if bias is None
+             else bias if bias.ndim == 1 else bias.reshape(-1))
     nt = (plan.streams and not np.may_share_memory(x2, y2)
           and not np.may_share_memory(r2, y2))
     run = plan.run_streamed if nt else plan.run
@@ -325,10 +337,6 @@ out, residual_out
         if stopped is not None and (type(stopped) is not int or stopped):
             _numba.complete_add_rms_norm_rows(stopped, args)
         return (y, h, rstd) if return_stats else (y, h)
-    if bias is None:
-        b = plan.negative_zeros
-    else:
-        b = bias if bias.ndim == 1 else bias.reshape(-1)
     if return_stats:
         mean = np.empty(plan.stats_shape, plan.acc)
         rstd = np.empty(plan.stats_shape, plan.acc)

@@ -235,4 +235,4 @@ def _param_grad(row: Any, plan: BackwardPlan) -> Any:
         row = row.reshape(plan.param_shape)
     # The kernel returns a view of the partials it summed in place: a copy (or the cast)
     # keeps the gradient from holding them alive.
-    return row.astype(plan.grad_dtype) if plan.cast_grads else row.copy()
+    return _numba.narrowed_param(row, plan.grad_dtype) if plan.cast_grads else row.copy()

@@ -34,10 +34,10 @@ updates per row.
 The kernels see a 2-D ``(rows, n)`` array, or the columns of a 3-D ``(outer, n, inner)``
 one, and nothing else. Modules, by job:
 
-* :mod:`.rowmath`: the row arithmetic every path shares (constants, widening of 16-bit
-  parameters, affine step, lane sums, moments, the cancellation check and redo, finish,
-  tree sums), and the host-side table of its ``n``-dependent constants
-  (:func:`.rowmath.merge_table`, passed to the LayerNorm kernels as ``tab``);
+* :mod:`.rowmath`: the row arithmetic every path shares (constants, affine step, lane
+  sums, moments, the cancellation check and redo, finish, tree sums), and the host-side
+  table of its ``n``-dependent constants (:func:`.rowmath.merge_table`, passed to the
+  LayerNorm kernels as ``tab``);
 * :mod:`.forward_rows`: LayerNorm/RMSNorm forward of rows (row, short-row and gather
   paths, each its own entry kernel, serial and parallel);
 * :mod:`.forward_cols`: the channels-first forward (column path);
@@ -48,6 +48,8 @@ one, and nothing else. Modules, by job:
 * :mod:`.quantized`: the same with int8/float8 output (each row's codes from its output
   pass, through a float32 row in cache for a per-row scale);
 * :mod:`.passes`: the forward's two passes alone, for the roofline tool;
+* :mod:`.params`: 16-bit parameters widened, and parameter gradients rounded to them,
+  a vector at a time (long parameters only);
 * :mod:`._simd`, :mod:`._scalars`: the SIMD vectors and 16-bit conversions they are
   written with (:mod:`.python_simd`: their NumPy stand-ins under
   ``NUMBA_DISABLE_JIT=1``);
@@ -192,6 +194,11 @@ _HOMES = {
         "rms_quant_rescued_serial",
         "rms_tiled_quant_forward_parallel",
         "rms_tiled_quant_forward_serial",
+    ),
+    "params": (
+        "narrow_param",
+        "widen_param",
+        "widen_params",
     ),
     "rowmath": (
         "LANES",
