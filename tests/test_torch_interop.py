@@ -675,7 +675,7 @@ def short_path_inputs(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 def test_small_cpu_calls_take_the_numpy_short_path(short_path_inputs, dtype):
     seen = short_path_inputs
     tdt = TORCH_DTYPES[dtype]
@@ -704,8 +704,17 @@ def test_short_path_leaves_what_it_cannot_take_to_the_general_route(monkeypatch)
     assert y.grad_fn is not None
     with torch.no_grad():
         assert torch.equal(ln.layer_norm(x, 16, w), y.detach())
+    negated = ln.layer_norm(-x)
     monkeypatch.setattr(_fast, "layer_norm", lambda *a: pytest.fail("short path"))
-    ln.layer_norm(x.to(torch.bfloat16))
+    # Tensor.numpy() refuses these (the short path relies on it): the lazy negation bit,
+    # in any dtype, a sparse layout, a vmap wrapper.
+    assert torch.equal(ln.layer_norm(x._neg_view()), negated)
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(ln.layer_norm(xb._neg_view()), ln.layer_norm(-xb, backend="numba"))
+    with pytest.raises((TypeError, ValueError, RuntimeError)):
+        ln.layer_norm(x.to_sparse())
+    rows = torch.func.vmap(lambda r: ln.layer_norm(r))(x)
+    assert torch.allclose(rows, negated.neg(), rtol=0, atol=1e-6)
     ln.layer_norm(x, out=torch.empty_like(x))
     ln.layer_norm(x.requires_grad_())
     ln.layer_norm(torch.empty(2, 3, device="meta"))

@@ -130,8 +130,9 @@ def layer_norm(
                 return result
     elif (type(x) in _TORCH_TENSORS and backend is None and out is None and quantize is None
             and scale is None):
-        result = _adapter("torch").short_layer_norm(x, normalized_shape, weight, bias, eps,
-                                                    axis, return_stats, weight_offset)
+        result = _adapter("torch").short_layer_norm(
+            x, normalized_shape, weight, bias, eps, axis, return_stats,
+            None if weight_offset is _NO_OFFSET else weight_offset)
         if result is not None:
             return result
     where = route(x, backend)
@@ -222,8 +223,9 @@ def rms_norm(
                 return result
     elif (type(x) in _TORCH_TENSORS and backend is None and out is None and quantize is None
             and scale is None):
-        result = _adapter("torch").short_rms_norm(x, normalized_shape, weight, eps, axis,
-                                                  return_stats, weight_offset)
+        result = _adapter("torch").short_rms_norm(
+            x, normalized_shape, weight, eps, axis, return_stats,
+            None if weight_offset is _NO_OFFSET else weight_offset)
         if result is not None:
             return result
     where = route(x, backend)

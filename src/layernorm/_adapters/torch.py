@@ -520,8 +520,9 @@ class _NormFunction(torch.autograd.Function):
 #: Tensor types whose forward calls try :func:`short_layer_norm` / :func:`short_rms_norm`
 #: (module parameters are often the weights).
 SHORT_PATH_TYPES = (torch.Tensor, torch.nn.Parameter)
-#: Dtypes whose CPU tensors ``Tensor.numpy()`` views (bfloat16 has no NumPy view).
-_NUMPY_VIEWABLE = (torch.float32, torch.float64, torch.float16)
+#: Dtypes whose CPU tensors ``Tensor.numpy()`` views, and bfloat16, whose int16 bits it
+#: views as ``ml_dtypes.bfloat16`` (as :func:`to_numpy` does).
+_NUMPY_VIEWABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def _numpy_views(*tensors: Any) -> list[Any] | None:
@@ -538,39 +539,60 @@ def _numpy_views(*tensors: Any) -> list[Any] | None:
         if t is None:
             views.append(None)
             continue
-        if (type(t) not in SHORT_PATH_TYPES or not t.is_cpu or t.dtype not in _NUMPY_VIEWABLE
-                or t.layout is not torch.strided or t.is_neg() or _transformed(t)):
+        dtype = t.dtype
+        if type(t) not in SHORT_PATH_TYPES or dtype not in _NUMPY_VIEWABLE:
             return None
         if t.requires_grad:
-            if grad:
+            if grad or _transformed(t):
                 return None
             t = t.detach()
+        # ``Tensor.numpy()`` itself refuses what the kernels cannot read (checking first
+        # cost a one-row call more than the kernel): another device, a sparse layout,
+        # the negation bit, a ``vmap``/``jvp`` wrapper or autograd's batched gradient
+        # (no storage of its own).
         try:
-            views.append(t.numpy())
-        except (RuntimeError, TypeError):  # a tensor NumPy cannot view after all
+            if dtype is torch.bfloat16:
+                views.append(t.view(torch.int16).numpy().view(_bfloat16()))
+            else:
+                views.append(t.numpy())
+        except (RuntimeError, TypeError):
             return None
     return views
+
+
+@functools.cache
+def _bfloat16() -> Any:
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _gain_view(views: list[Any], weight_offset: Any) -> Any:
+    # The weight's view, or the offset gain (None: no offset given).
+    if weight_offset is None:
+        return views[1]
+    return _fast.offset_weight(views[0], views[1], weight_offset)
 
 
 def _tensors(result: Any) -> Any:
     if result is None:
         return None
     if type(result) is tuple:
-        return tuple(torch.from_numpy(a) for a in result)
-    return torch.from_numpy(result)
+        return tuple(from_numpy(a) for a in result)
+    return from_numpy(result)
 
 
 def short_layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
-                     axis: Any, return_stats: bool, weight_offset: Any = 0.0) -> Any:
+                     axis: Any, return_stats: bool, weight_offset: Any = None) -> Any:
     """:func:`layernorm.layer_norm` of CPU tensors through the NumPy short path
     (:mod:`layernorm._fast`) on zero-copy views: the same kernels and bits as the general
     route, without its per-call conversions (an offset gain formed as that route forms
-    it, :func:`layernorm._fast.offset_weight`). None where that path does not take the
-    call (then the caller goes the general way)."""
+    it, :func:`layernorm._fast.offset_weight`; None: not given). None where that path
+    does not take the call (then the caller goes the general way)."""
     views = _numpy_views(x, weight, bias)
     if views is None:
         return None
-    w = _fast.offset_weight(views[0], views[1], weight_offset)
+    w = _gain_view(views, weight_offset)
     if w is _fast.GENERAL:
         return None
     return _tensors(_fast.layer_norm(views[0], normalized_shape, w, views[2], eps,
@@ -578,12 +600,12 @@ def short_layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps:
 
 
 def short_rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: Any,
-                   return_stats: bool, weight_offset: Any = 0.0) -> Any:
+                   return_stats: bool, weight_offset: Any = None) -> Any:
     """:func:`short_layer_norm` for :func:`layernorm.rms_norm`."""
     views = _numpy_views(x, weight)
     if views is None:
         return None
-    w = _fast.offset_weight(views[0], views[1], weight_offset)
+    w = _gain_view(views, weight_offset)
     if w is _fast.GENERAL:
         return None
     return _tensors(_fast.rms_norm(views[0], normalized_shape, w, eps, axis,
