@@ -89,6 +89,60 @@ def test_strided_rows_match_contiguous(n):
             _same_bits(g, e)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float64],
+                         ids=["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("n", [4, 37, 300])
+def test_transposed_rows_take_the_column_path_with_the_rows_bits(monkeypatch, dtype, n):
+    """Rows that are the columns of a C-ordered array (a transposed or Fortran-ordered
+    x) run the column kernels on the transposed view: the bits of contiguous rows, for
+    y and the statistics, with plain, rescued (squares overflowing) and cancelling
+    (outlying first element) rows, into a new, a Fortran or a strided ``out``, serial
+    and parallel."""
+    kernels = backend.load_kernels()
+    called = []
+    for name in ("ln_forward_cols_serial", "ln_forward_cols_parallel",
+                 "rms_forward_cols_serial", "rms_forward_cols_parallel"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name,
+                            lambda *a, _real=real, _name=name: (called.append(_name),
+                                                                _real(*a))[1])
+    rows = 70
+    x = _rows(rows, n, 3 * n, dtype=np.float64)
+    x[5] *= 1e30  # squares overflow float32: the rescaled rows
+    x[6, 0] += 1e6  # an outlying first element: the row is redone
+    x = x.astype(dtype)
+    w, b = _params(n, n)
+    dense = np.ascontiguousarray(x)
+    want = ln.layer_norm(dense, n, w, b, return_stats=True)
+    want_rms = ln.rms_norm(dense, n, w, return_stats=True)
+    for view in (np.asfortranarray(x), np.ascontiguousarray(x.T).T):
+        called.clear()
+        got = ln.layer_norm(view, n, w, b, return_stats=True)
+        got_rms = ln.rms_norm(view, n, w, return_stats=True)
+        assert called == ["ln_forward_cols_serial", "rms_forward_cols_serial"]
+        for g, e in zip((*got, *got_rms), (*want, *want_rms), strict=True):
+            _same_bits(g, e)
+        assert got[0].flags.c_contiguous
+        for out in (np.empty_like(view, order="F"), np.empty((rows, 2 * n), x.dtype)[:, ::2]):
+            ln.layer_norm(view, n, w, b, out=out)
+            _same_bits(out, want[0])
+    # The parallel kernel on the same transposed view (the driver runs it for larger x).
+    monkeypatch.undo()
+    bits = backend.KERNEL_BITS.get(np.dtype(dtype).name)
+    xv = x.T.copy().T if bits is None else x.T.copy().T.view(bits)
+    y = np.empty_like(xv)
+    acc = np.float64 if dtype == np.float64 else np.float32
+    mean, rstd = np.empty(rows, acc), np.empty(rows, acc)
+    wa, ba = w.astype(acc), b.astype(acc)
+    backend.entry.call(kernels.ln_forward_cols_parallel, backend.LN_FORWARD_WRITES,
+                       xv[:, :, None].transpose(2, 1, 0), wa, ba, acc(1e-5),
+                       y[:, :, None].transpose(2, 1, 0), mean, rstd,
+                       kernels.merge_table(n, np.dtype(acc)))
+    _same_bits(y if bits is None else y.view(dtype), want[0])
+    _same_bits(mean, want[1].reshape(-1))
+    _same_bits(rstd, want[2].reshape(-1))
+
+
 @pytest.mark.parametrize("inner", [3, 16, 37])
 @pytest.mark.parametrize("n", [7, 64, 150])
 def test_channels_first_matches_rows(n, inner):

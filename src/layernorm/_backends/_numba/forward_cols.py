@@ -177,6 +177,12 @@ def _load_tile(x2, xt, c0, valid, unit):
     Rows are far apart in memory and a sequential walk is what the hardware prefetchers
     follow. Columns past ``valid`` in the last block repeat the last valid column.
     """
+    if not unit and _column_major(x2):
+        # A transposed x (each column contiguous): one column after the other.
+        for k in range(xt.shape[1]):
+            for i in range(x2.shape[0]):
+                xt[i, k] = x2[i, c0 + imin(k, valid - 1)]
+        return
     full = valid // WIDTH if unit else 0
     for i in range(x2.shape[0]):
         for s in range(full):
@@ -186,7 +192,21 @@ def _load_tile(x2, xt, c0, valid, unit):
 
 
 @njit(inline="always", error_model="numpy")
+def _column_major(a2):
+    # Elements of a column lie closer together than those of a row.
+    return abs(a2.strides[0]) < abs(a2.strides[1])
+
+
+@njit(inline="always", error_model="numpy")
 def _store_tile(yt, y2, c0, valid, unit):
+    if not unit and _column_major(y2):
+        # The columns of a transposed x written as y's rows, each in one sweep: row by
+        # row, the tile's columns went to as many rows of y at once, a power-of-two
+        # apart in the cases that matter, and thrashed one set of the L1 cache.
+        for k in range(valid):
+            for i in range(y2.shape[0]):
+                y2[i, c0 + k] = yt[i, k]
+        return
     full = valid // WIDTH if unit else 0
     for i in range(y2.shape[0]):
         for s in range(full):
@@ -205,12 +225,11 @@ def _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item)
     o = item // per
     c0 = (item % per) * tw
     valid = imin(tw, inner - c0)
-    unit = x.strides[2] == x.itemsize and y.strides[2] == y.itemsize
-    _load_tile(x[o], xt, c0, valid, unit)
+    _load_tile(x[o], xt, c0, valid, x.strides[2] == x.itemsize)
     for s in range(0, valid, WIDTH):
         _ln_cols(xt, yt, s, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out,
                  o * inner + c0 + s, imin(WIDTH, valid - s))
-    _store_tile(yt, y[o], c0, valid, unit)
+    _store_tile(yt, y[o], c0, valid, y.strides[2] == y.itemsize)
 
 
 @njit(inline="always", error_model="numpy")
@@ -334,12 +353,11 @@ def _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item):
     o = item // per
     c0 = (item % per) * tw
     valid = imin(tw, inner - c0)
-    unit = x.strides[2] == x.itemsize and y.strides[2] == y.itemsize
-    _load_tile(x[o], xt, c0, valid, unit)
+    _load_tile(x[o], xt, c0, valid, x.strides[2] == x.itemsize)
     for s in range(0, valid, WIDTH):
         _rms_cols(xt, yt, s, w, eps, lanes, totals, cs, rstd_out, o * inner + c0 + s,
                   imin(WIDTH, valid - s))
-    _store_tile(yt, y[o], c0, valid, unit)
+    _store_tile(yt, y[o], c0, valid, y.strides[2] == y.itemsize)
 
 
 @cached_njit(error_model="numpy")

@@ -15,7 +15,9 @@ of threads, so each row's result is bitwise reproducible. Three code paths perfo
   chunk with the output pass of row ``r``;
 * **gather path** (any other 2-D row): rows are copied into contiguous scratch rows,
   run through the row path, and the results copied out;
-* **column path** (3-D, ``inner > 1``, the channels-first case): ``WIDTH`` neighbouring
+* **column path** (3-D, ``inner > 1``, the channels-first case; and in the forward, rows
+  that are the columns of a C-ordered array, a transposed or Fortran-ordered x, as the
+  columns of its ``(1, n, rows)`` view): ``WIDTH`` neighbouring
   columns are processed at once, one column per SIMD lane, and the row arithmetic's
   lanes become a loop over lane-state vectors (a column that step 4 redoes is copied
   into a scratch row and redone by the row path's code). A work item copies a tile of up to
