@@ -716,9 +716,49 @@ def test_short_path_leaves_what_it_cannot_take_to_the_general_route(monkeypatch)
     rows = torch.func.vmap(lambda r: ln.layer_norm(r))(x)
     assert torch.allclose(rows, negated.neg(), rtol=0, atol=1e-6)
     ln.layer_norm(x, out=torch.empty_like(x))
-    ln.layer_norm(x.requires_grad_())
     ln.layer_norm(torch.empty(2, 3, device="meta"))
     ln.layer_norm(x.detach(), weight_offset=np.float32(1.0), weight=w.detach())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rms", [False, True])
+def test_the_autograd_node_runs_the_numpy_short_paths(monkeypatch, short_path_inputs, dtype,
+                                                      rms):
+    """A call that autograd records runs our node, whose forward and backward take the
+    NumPy short paths (grad mode is off inside them): the general route's bits, for
+    y and every gradient."""
+    from layernorm import _fast_backward
+    from layernorm._adapters import torch as adapter
+
+    backward_calls = []
+    real_gradients = _fast_backward.gradients
+    monkeypatch.setattr(_fast_backward, "gradients",
+                        lambda *a: (backward_calls.append(1), real_gradients(*a))[1])
+    tdt = TORCH_DTYPES[dtype]
+    n = 96
+
+    def run():
+        x = _randn(5, n, seed=70, dtype=tdt, loc=2.0).requires_grad_()
+        w = _randn(n, seed=71, dtype=tdt).requires_grad_()
+        b = _randn(n, seed=72, dtype=tdt).requires_grad_()
+        gy = _randn(5, n, seed=73, dtype=tdt)
+        y = ln.rms_norm(x, n, w) if rms else ln.layer_norm(x, n, w, b)
+        y.backward(gy)
+        return y.detach(), x.grad, w.grad, None if rms else b.grad
+
+    fast = run()
+    assert set(short_path_inputs) == {np.ndarray} and backward_calls
+    monkeypatch.setattr(adapter, "_short_forward", lambda *a: None)
+    monkeypatch.setattr(adapter, "_short_backward", lambda *a: None)
+    short_path_inputs.clear()
+    backward_calls.clear()
+    general = run()
+    assert not short_path_inputs and not backward_calls
+    for got, want in zip(fast, general, strict=True):
+        if want is None:
+            assert got is None
+            continue
+        assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])

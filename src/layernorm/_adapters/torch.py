@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.autograd.forward_ad as fwad
 
-from .. import _engine, _fast
+from .. import _engine, _fast, _fast_backward
 from .._dispatch import Route, check_companions, given_array
 from .._dtypes import accumulation_name, dtype_name
 from .._validate import check_float_dtype, check_no_internal_overlap, check_out
@@ -488,7 +488,9 @@ class _NormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Any, weight: Any, bias: Any, spec: tuple[Any, ...]) -> Any:
         route, rms, ns, eps, axis = spec
-        y, mean, rstd = _forward(route, rms, x, ns, weight, bias, eps, axis, None)
+        short = _short_forward(route, rms, x, ns, weight, bias, eps, axis)
+        y, mean, rstd = (short if short is not None
+                         else _forward(route, rms, x, ns, weight, bias, eps, axis, None))
         ctx.spec = spec
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         if rms:
@@ -505,10 +507,14 @@ class _NormFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True
             norm = _generic_norm(route, rms, ns, eps, axis)
             return (*_graph_grads(norm, (x, weight, bias), need[:3], grad_y), None)
-        # grad_bias in the bias's own dtype: rounded to the weight's (or x's) first, a
-        # float32 bias beside a 16-bit weight or x would get a 16-bit (or inf) gradient.
-        grads = _backward(_differentiable_route(route, grad_y), rms, grad_y, x, mean, rstd,
-                          weight, ns, axis, bias_dtype=None if bias is None else bias.dtype)
+        grads = _short_backward(route, rms, grad_y, x, mean, rstd, weight, bias, ns, axis)
+        if grads is None:
+            # grad_bias in the bias's own dtype: rounded to the weight's (or x's) first, a
+            # float32 bias beside a 16-bit weight or x would get a 16-bit (or inf)
+            # gradient.
+            grads = _backward(_differentiable_route(route, grad_y), rms, grad_y, x, mean,
+                              rstd, weight, ns, axis,
+                              bias_dtype=None if bias is None else bias.dtype)
         gx = grads[0] if need[0] else None
         gw = grads[1] if need[1] else None
         gb = grads[2] if (not rms and need[2]) else None
@@ -610,6 +616,36 @@ def short_rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: A
         return None
     return _tensors(_fast.rms_norm(views[0], normalized_shape, w, eps, axis,
                                    return_stats, None))
+
+
+def _short_forward(route: Route, rms: bool, x: Any, ns: Any, weight: Any, bias: Any,
+                   eps: Any, axis: Any) -> tuple[Any, Any, Any] | None:
+    """``(y, mean, rstd)`` (``mean`` None for RMSNorm) of the autograd node's forward
+    (grad mode off) through the NumPy short path, or None: the general route's bits
+    without its per-call conversions (a one-row call spent about 60 us in them)."""
+    if route.backend != "numba":
+        return None
+    if rms:
+        result = short_rms_norm(x, ns, weight, eps, axis, True)
+        return None if result is None else (result[0], None, result[1])
+    return short_layer_norm(x, ns, weight, bias, eps, axis, True)
+
+
+def _short_backward(route: Route, rms: bool, grad_y: Any, x: Any, mean: Any, rstd: Any,
+                    weight: Any, bias: Any, ns: Any, axis: Any) -> tuple[Any, ...] | None:
+    """The autograd node's gradients (grad mode off) through the NumPy backward short
+    path (:mod:`layernorm._fast_backward`), or None where it does not take the call, or
+    where ``grad_bias`` would have another dtype than the bias (that path rounds it to
+    the weight's, or x's, dtype)."""
+    if route.backend != "numba" or (
+            bias is not None and bias.dtype != (x if weight is None else weight).dtype):
+        return None
+    views = _numpy_views(grad_y, x, mean, rstd, weight)
+    if views is None:
+        return None
+    grads = _fast_backward.gradients(views[0], views[1], views[2], views[3], views[4], ns,
+                                     axis, None, rms)
+    return None if grads is None else tuple(from_numpy(g) for g in grads)
 
 
 # --------------------------------------------------------------------------- entry points
