@@ -143,6 +143,35 @@ def test_transposed_rows_take_the_column_path_with_the_rows_bits(monkeypatch, dt
     _same_bits(rstd, want[2].reshape(-1))
 
 
+@pytest.mark.parametrize("n", [37, 300, 2100])  # 2100: rows go in pairs (PAIR_MIN_N)
+def test_backward_of_transposed_rows_gives_the_rows_bits(n):
+    """The any-stride backward gathers rows that are the columns of a C-ordered array
+    (transposed x, grad_y or grad_residual) a column at a time: the bits of contiguous
+    rows, grad_x and the parameter gradients (blocks of 64 rows, an odd last one)."""
+    rows = 77
+    x = _rows(rows, n, n + 7)
+    x[3] *= 1e30  # squares overflow float32 (rescaled rows)
+    gy = _rows(rows, n, n + 8, offset=0.5)
+    gres = _rows(rows, n, n + 9, offset=-1.0)
+    w, b = _params(n, n)
+    _, mean, rstd = ln.layer_norm(x, n, w, b, return_stats=True)
+    _, rms_rstd = ln.rms_norm(x, n, w, return_stats=True)
+    want = ln.layer_norm_backward(gy, x, mean, rstd, w, grad_residual=gres)
+    want_rms = ln.rms_norm_backward(gy, x, rms_rstd, w, grad_residual=gres)
+
+    def transposed(a):
+        return np.ascontiguousarray(a.T).T
+
+    for tx, tg, tr in ((True, False, False), (False, True, False), (True, True, True)):
+        xv = transposed(x) if tx else x
+        gv = transposed(gy) if tg else gy
+        rv = transposed(gres) if tr else gres
+        got = ln.layer_norm_backward(gv, xv, mean, rstd, w, grad_residual=rv)
+        got_rms = ln.rms_norm_backward(gv, xv, rms_rstd, w, grad_residual=rv)
+        for g, e in zip((*got, *got_rms), (*want, *want_rms), strict=True):
+            _same_bits(g, e)
+
+
 @pytest.mark.parametrize("inner", [3, 16, 37])
 @pytest.mark.parametrize("n", [7, 64, 150])
 def test_channels_first_matches_rows(n, inner):
