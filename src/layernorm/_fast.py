@@ -71,6 +71,7 @@ class Plan:
         "stats_shape",
         "streams",
         "tab",
+        "widen_pair",
     )
 
     def __init__(self, shape: tuple[int, ...], rows: int, n: int, dtype: str, acc: str,
@@ -98,6 +99,14 @@ class Plan:
             else None for p in params)
         self.cast_params = any(p is not None and bits is None and p.dtype != self.acc
                                for p, bits in zip(params, self.param_bits, strict=True))
+        #: Long 16-bit weight and bias: the backend's pair-widening kernel
+        #: (:func:`._backends._numba.widened_params`), its entry point resolved on first
+        #: use (a call's lookup cost a one-row call about 2 us); None otherwise.
+        self.widen_pair = None
+        if (len(params) == 2 and None not in self.param_bits
+                and 2 * n >= _numba.PARAM_KERNEL_MIN):
+            self.widen_pair = kernel_entry.resolving(self, "widen_pair",
+                                                     kernels.widen_params, ())
         #: x, y, weight and bias go to the kernel as they are (no view, reshape or cast).
         self.shape2 = (rows, n)
         self.same_shape = tuple(shape) == self.shape2
@@ -272,10 +281,11 @@ def _prepare(plan: Plan, x: Any, weight: Any, bias: Any, out: Any) -> tuple[Any,
         x2 = x2.view(plan.bits)
         y2 = y2.view(plan.bits)
     bias_bits = plan.param_bits[1] if len(plan.param_bits) > 1 else None
-    if bias_bits is not None and plan.param_bits[0] is not None:
-        # Both 16-bit (LayerNorm): widened together, one kernel call for long ones.
-        w, b = _numba.widened_params(weight.reshape(-1), bias.reshape(-1), plan.acc)
-        return y, x2, y2, w, b
+    if plan.widen_pair is not None:
+        # Both 16-bit and long (LayerNorm): widened together by one kernel call.
+        pair = plan.widen_pair(weight.reshape(-1).view(plan.param_bits[0]),
+                               bias.reshape(-1).view(bias_bits))
+        return y, x2, y2, pair[0], pair[1]
     return y, x2, y2, _flat(weight, plan, plan.param_bits[0]), _flat(bias, plan, bias_bits)
 
 
