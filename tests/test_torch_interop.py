@@ -715,6 +715,15 @@ def test_short_path_leaves_what_it_cannot_take_to_the_general_route(monkeypatch)
         ln.layer_norm(x.to_sparse())
     rows = torch.func.vmap(lambda r: ln.layer_norm(r))(x)
     assert torch.allclose(rows, negated.neg(), rtol=0, atol=1e-6)
+    # Tensor.numpy() hands these out as views of unrelated memory: a functionalize
+    # wrapper (not requiring grad) and a zero tensor (no storage at all).
+    wb = _randn(16, seed=65, dtype=torch.float32)
+    functional = torch.func.functionalize(lambda t: ln.layer_norm(t, 16, wb, wb))(x)
+    assert torch.allclose(functional, ln.layer_norm(x, 16, wb, wb, backend="numba"),
+                          rtol=0, atol=1e-6)
+    zero = torch._efficientzerotensor(4, 16)
+    assert torch.equal(ln.layer_norm(zero, 16, wb, wb), wb.expand(4, 16))
+    assert torch.equal(ln.rms_norm(zero), torch.zeros(4, 16))
     ln.layer_norm(x, out=torch.empty_like(x))
     ln.layer_norm(torch.empty(2, 3, device="meta"))
     ln.layer_norm(x.detach(), weight_offset=np.float32(1.0), weight=w.detach())

@@ -170,8 +170,12 @@ def _is_neg(t: Any) -> bool:
 
 def _plain(t: Any) -> Any:
     # DLPack exports the stored values: a tensor with the lazy negation or conjugation
-    # bit set (``c.conj().imag``) must have it applied first (a no-op when unset).
+    # bit set (``c.conj().imag``) must have it applied first (a no-op when unset), and
+    # a zero tensor (autograd's ``_efficientzerotensor``), which stores nothing, made
+    # real.
     t = t.detach()
+    if t._is_zerotensor():
+        return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
     return t.resolve_neg().resolve_conj()
 
 
@@ -546,16 +550,18 @@ def _numpy_views(*tensors: Any) -> list[Any] | None:
             views.append(None)
             continue
         dtype = t.dtype
-        if type(t) not in SHORT_PATH_TYPES or dtype not in _NUMPY_VIEWABLE:
+        if (type(t) not in SHORT_PATH_TYPES or dtype not in _NUMPY_VIEWABLE
+                or _transformed(t) or t._is_zerotensor()):
+            # (Tensor.numpy() hands out unrelated memory for a functionalize wrapper
+            # and for a zero tensor, which has no storage.)
             return None
         if t.requires_grad:
-            if grad or _transformed(t):
+            if grad:
                 return None
             t = t.detach()
-        # ``Tensor.numpy()`` itself refuses what the kernels cannot read (checking first
-        # cost a one-row call more than the kernel): another device, a sparse layout,
-        # the negation bit, a ``vmap``/``jvp`` wrapper or autograd's batched gradient
-        # (no storage of its own).
+        # ``Tensor.numpy()`` itself refuses the rest of what the kernels cannot read
+        # (checking first cost a one-row call more than the kernel): another device, a
+        # sparse layout, the negation bit.
         try:
             if dtype is torch.bfloat16:
                 views.append(t.view(torch.int16).numpy().view(_bfloat16()))

@@ -446,9 +446,10 @@ def narrowed_param(values: Any, dtype: Any) -> Any:
     """``values`` (a parameter gradient in the accumulation dtype, which it may
     return) as ``dtype``: float32 values rounded to float16/bfloat16 by one small kernel
     (:func:`.params.narrow_param`) when there are at least :data:`PARAM_KERNEL_MIN`,
-    by NumPy's cast otherwise (the same bits: IEEE round to nearest even). A value
-    beyond float16's range becomes an infinity either way, without NumPy's warning (as
-    torch rounds gradients)."""
+    by NumPy's cast otherwise (the same bits for every number: IEEE round to nearest
+    even; a NaN stays a NaN, its payload may differ). A value beyond float16's range
+    becomes an infinity either way, without NumPy's warning (as torch rounds
+    gradients)."""
     dtype = np.dtype(dtype)
     bits = KERNEL_BITS.get(dtype_name(dtype))
     if bits is None:
@@ -641,15 +642,25 @@ def complete_rms_norm_rows(result: Any, args: tuple[Any, ...]) -> None:
               RMS_FORWARD_ROWS, args)
 
 
+#: Transposed rows (:func:`_transposed_rows`) longer than this many bytes keep the
+#: gather path: the column kernels' tiles hold ``LANES`` whole rows of x and of y.
+TRANSPOSED_ROW_MAX_BYTES = 256 << 10
+
+
 def _transposed_rows(x3: Any) -> bool:
     """Whether the rows of the ``(rows, n, 1)`` view ``x3`` are the columns of a
-    C-ordered array (a transposed or Fortran-ordered x): unit stride across rows, not
-    along them. The column path reads such rows as the columns of the ``(1, n, rows)``
-    view (:func:`_columns_view`), with the same bits as the row path: gathered row by
-    row they took 3-4x as long (float32, 1 thread: (2048, 1024) 8.5 -> 2.7 ms, (1024,
-    4096) 33 -> 8.4 ms, (4096, 64) 0.95 -> 0.24 ms; even at n = 4 and 8)."""
-    return (x3.shape[0] > 1 and x3.shape[1] > 1 and x3.strides[0] == x3.itemsize
-            and x3.strides[1] != x3.itemsize)
+    C-ordered array (a transposed or Fortran-ordered x: unit stride across rows, not
+    along them), at least ``LANES`` of them, of at most
+    :data:`TRANSPOSED_ROW_MAX_BYTES`. The column path reads such rows as the columns
+    of the ``(1, n, rows)`` view (:func:`_columns_view`), with the same bits as the row
+    path: gathered row by row they took 3-4x as long (float32, 1 thread, kernel alone:
+    (2048, 1024) 8.5 -> 2.7 ms, (1024, 4096) 33 -> 8.4 ms, (4096, 64) 0.95 -> 0.24 ms;
+    even at n = 4 and 8). Fewer rows would fill the column tiles with padding (the
+    column kernels compute ``LANES`` columns at a time): (8, 65536) took 4x, (2, 2**20)
+    8x the gather path's time."""
+    return (x3.shape[0] >= load_kernels().LANES and x3.shape[1] > 1
+            and x3.strides[0] == x3.itemsize and x3.strides[1] != x3.itemsize
+            and x3.shape[1] * x3.itemsize <= TRANSPOSED_ROW_MAX_BYTES)
 
 
 def _columns_view(x3: Any, y3: Any) -> tuple[Any, Any]:

@@ -9,10 +9,13 @@ norm itself: a (1, 65536) float16 LayerNorm with float16 weight and bias took 10
 torch's time, all of it in the two casts. These small kernels convert a vector at a
 time with the same IEEE rounding (widening is exact; narrowing rounds to nearest even,
 subnormals and overflow included, as :func:`._simd.vstore` does for every 16-bit
-output). The backend calls them only for parameters of at least its
-``PARAM_KERNEL_MIN`` elements, where a kernel call's fixed cost (about 2 us: an entry
-point lookup, a dispatcher call, an allocation) is below the cast's; a first call of
-each bits dtype compiles them (a fraction of a second).
+output): NumPy's bits for every number. A NaN stays a NaN, with another payload at
+times (the hardware quiets a signalling float16 NaN; ml_dtypes' bfloat16 cast makes
+every NaN the canonical one, these kernels keep its payload). The backend calls them
+only for parameters of at least its ``PARAM_KERNEL_MIN`` elements, where a kernel
+call's fixed cost (about 2 us: an entry point lookup, a dispatcher call, an
+allocation) is below the cast's; a first call of each bits dtype compiles them (a
+fraction of a second).
 """
 
 from __future__ import annotations
