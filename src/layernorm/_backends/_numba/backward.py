@@ -317,16 +317,40 @@ def _scatter_block(dst, src, s0, s1, by_columns):
 
 
 @njit(inline="always", error_model="numpy")
-def _gathered_rows(gy, x, gx, gres, has_res, block_rows):
-    """Rows per gather of the any-stride backward (when an array is column-major, as
-    many even rows of a block as :data:`GATHER_BYTES` hold, else 2) and which arrays
-    are column-major."""
-    cx, cg, cgx = _column_major(x), _column_major(gy), _column_major(gx)
-    cr = has_res and _column_major(gres)
-    if not (cx or cg or cgx or cr):
-        return 2, cx, cg, cgx, cr
-    fit = GATHER_BYTES // imax(1, x.shape[1] * x.itemsize)
-    return imax(2, imin(block_rows, fit) // 2 * 2), cx, cg, cgx, cr
+def _gathered_scratches(gy, x, gx, gres, has_res, rows):
+    """The any-stride backward's scratch for a block of ``rows`` rows: ``(count,
+    columns, xs, gys, gxs, grs)``, the rows per gather (when an array is column-major,
+    as many even rows as :data:`GATHER_BYTES` hold, else 2), which of x, grad_y,
+    grad_x and grad_residual are column-major, and their scratch rows."""
+    n = x.shape[1]
+    columns = (_column_major(x), _column_major(gy), _column_major(gx),
+               has_res and _column_major(gres))
+    count = 2
+    if columns[0] or columns[1] or columns[2] or columns[3]:
+        count = imax(2, imin(rows, GATHER_BYTES // imax(1, n * x.itemsize)) // 2 * 2)
+    return (count, columns, _gathered_scratch(count, n, x), _gathered_scratch(count, n, gy),
+            _gathered_scratch(count, n, gx), _gathered_scratch(count, n if has_res else 0,
+                                                               gres))
+
+
+@njit(inline="always", error_model="numpy")
+def _pair_rows(r, s0, s1, n):
+    """``(two, ra, rb)``: whether row ``r`` of a gather ``s0 .. s1`` goes with ``r + 1``
+    (rows of at least ``PAIR_MIN_N``, the pairs of a whole block) and their scratch
+    rows (``rb = ra`` alone)."""
+    two = n >= PAIR_MIN_N and r + 1 < s1
+    ra = r - s0
+    return two, ra, ra + 1 if two else ra
+
+
+@njit(inline="always", error_model="numpy")
+def _gather_inputs(xs, gys, grs, x, gy, gres, s0, s1, columns, has_res):
+    """Rows ``s0 .. s1`` of x, grad_y and (``has_res``) grad_residual into their scratch
+    (:func:`_gathered_scratches`)."""
+    _gather_block(xs, x, s0, s1, columns[0])
+    _gather_block(gys, gy, s0, s1, columns[1])
+    if has_res:
+        _gather_block(grs, gres, s0, s1, columns[3])
 
 
 @njit(inline="always", error_model="numpy")
@@ -668,32 +692,23 @@ def _ln_bwd_gathered(gy, x, mean_in, rstd_in, w, gx, partials, blk, r0, r1, gres
     """Rows ``r0 .. r1`` of any stride: copied (in pairs for long rows) into contiguous
     scratch rows, computed as :func:`_ln_bwd_rows` computes them, copied back."""
     n = x.shape[1]
-    count, cx, cg, cgx, cr = _gathered_rows(gy, x, gx, gres, has_res, r1 - r0)
-    xs = _gathered_scratch(count, n, x)
-    gys = _gathered_scratch(count, n, gy)
-    gxs = _gathered_scratch(count, n, gx)
-    grs = _gathered_scratch(count, n if has_res else 0, gres)
+    count, columns, xs, gys, gxs, grs = _gathered_scratches(gy, x, gx, gres, has_res,
+                                                            r1 - r0)
     a, b, c, d, wv = raw(gys), raw(xs), raw(gxs), raw(grs), raw(w)
     dw = raw(partials[0, blk])
     db = raw(partials[1, blk])
-    step = 2 if n >= PAIR_MIN_N else 1
     for s0 in range(r0, r1, count):
         s1 = imin(r1, s0 + count)
-        _gather_block(xs, x, s0, s1, cx)
-        _gather_block(gys, gy, s0, s1, cg)
-        if has_res:
-            _gather_block(grs, gres, s0, s1, cr)
-        for r in range(s0, s1, step):
-            two = step == 2 and r + 1 < s1
-            ra = r - s0
-            rb = ra + 1 if two else ra
+        _gather_inputs(xs, gys, grs, x, gy, gres, s0, s1, columns, has_res)
+        for r in range(s0, s1, 2 if n >= PAIR_MIN_N else 1):
+            two, ra, rb = _pair_rows(r, s0, s1, n)
             ma, sa_ = mean_in[r], rstd_in[r]
             mb, sb_ = mean_in[r - ra + rb], rstd_in[r - ra + rb]
             ga, gxa = _ln_bwd_means(a, b, ra, n, ma, sa_, wv)
             gb, gxb = _ln_bwd_means(a, b, rb, n, mb, sb_, wv) if two else (ga, gxa)
             _ln_bwd_rows_out(a, b, c, ra, rb, two, 0, n, (ma, sa_, ga, gxa),
                              (mb, sb_, gb, gxb), wv, dw, db, d, has_res)
-        _scatter_block(gx, gxs, s0, s1, cgx)
+        _scatter_block(gx, gxs, s0, s1, columns[2])
     alive(xs)
     alive(gys)
     alive(gxs)
@@ -1067,30 +1082,21 @@ def _rms_bwd_skewed(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res,
 def _rms_bwd_gathered(gy, x, rstd_in, w, gx, partials, blk, r0, r1, gres, has_res):
     """Rows of any stride through scratch rows, as :func:`_ln_bwd_gathered`."""
     n = x.shape[1]
-    count, cx, cg, cgx, cr = _gathered_rows(gy, x, gx, gres, has_res, r1 - r0)
-    xs = _gathered_scratch(count, n, x)
-    gys = _gathered_scratch(count, n, gy)
-    gxs = _gathered_scratch(count, n, gx)
-    grs = _gathered_scratch(count, n if has_res else 0, gres)
+    count, columns, xs, gys, gxs, grs = _gathered_scratches(gy, x, gx, gres, has_res,
+                                                            r1 - r0)
     a, b, c, d, wv = raw(gys), raw(xs), raw(gxs), raw(grs), raw(w)
     dw = raw(partials[0, blk])
-    step = 2 if n >= PAIR_MIN_N else 1
     for s0 in range(r0, r1, count):
         s1 = imin(r1, s0 + count)
-        _gather_block(xs, x, s0, s1, cx)
-        _gather_block(gys, gy, s0, s1, cg)
-        if has_res:
-            _gather_block(grs, gres, s0, s1, cr)
-        for r in range(s0, s1, step):
-            two = step == 2 and r + 1 < s1
-            ra = r - s0
-            rb = ra + 1 if two else ra
+        _gather_inputs(xs, gys, grs, x, gy, gres, s0, s1, columns, has_res)
+        for r in range(s0, s1, 2 if n >= PAIR_MIN_N else 1):
+            two, ra, rb = _pair_rows(r, s0, s1, n)
             sa_, sb_ = rstd_in[r], rstd_in[r - ra + rb]
             ma = _rms_bwd_mean(a, b, ra, n, sa_, wv)
             mb = _rms_bwd_mean(a, b, rb, n, sb_, wv) if two else ma
             _rms_bwd_rows_out(a, b, c, ra, rb, two, 0, n, (sa_, ma), (sb_, mb), wv, dw, d,
                               has_res)
-        _scatter_block(gx, gxs, s0, s1, cgx)
+        _scatter_block(gx, gxs, s0, s1, columns[2])
     alive(xs)
     alive(gys)
     alive(gxs)
