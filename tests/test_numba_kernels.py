@@ -176,6 +176,19 @@ def test_backward_of_transposed_rows_gives_the_rows_bits(n):
             _same_bits(g, e)
 
 
+@pytest.mark.parametrize(("rows", "n"), [(3, 300_000), (40, 20_000)])
+def test_long_strided_rows_gathered_in_fewer_scratch_rows(rows, n):
+    """The gather path holds at most GATHER_BYTES of rows at a time (one 1.2 MB row,
+    13 rows of 80 KB): the bits of contiguous rows."""
+    base = _rows(rows, 2 * n, n)
+    w, b = _params(n, n)
+    view = base[:, ::2]
+    dense = np.ascontiguousarray(view)
+    for got, want in zip(ln.layer_norm(view, n, w, b, return_stats=True),
+                         ln.layer_norm(dense, n, w, b, return_stats=True), strict=True):
+        _same_bits(got, want)
+
+
 @pytest.mark.parametrize("inner", [3, 16, 37])
 @pytest.mark.parametrize("n", [7, 64, 150])
 def test_channels_first_matches_rows(n, inner):

@@ -219,6 +219,11 @@ PREFETCH_MIN_BYTES = 4 << 20
 #: 0.45-0.49, n = 48 0.63-0.82 / 0.52-0.58, n = 64 0.49-0.93 / 0.53-0.57, n = 100
 #: 0.56-0.85 / 0.51-0.60, n = 128 0.58-0.89 / 0.48-0.55 (n = 16: 0.38-0.41 either way).
 SHORT_ROW_PREFETCH = prefetch_pays()
+#: The LayerNorm gather path's scratch holds at most this many bytes of rows of x (and
+#: as many of y), at least one row (no effect on results). ``LANES`` rows of 2**20
+#: float32 elements were 128 MiB allocated and paged in per call: two such rows of a
+#: transposed x took 17 ms, 6x the RMSNorm gather path (one scratch row).
+GATHER_BYTES = 1 << 20
 #: Rows of the short-row path's scratch block: per-row lane sums of ``v`` and of
 #: ``v * v`` (LANES rows each), then one row each of shifts, shifted means, rstd and
 #: means (row ``i`` of the block in lane ``i``).
@@ -723,14 +728,16 @@ def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
 
 @callee_njit
 def _ln_gathered(x, w, b, eps, y, mean_out, rstd_out, tab, r0, r1):
-    """Strided rows ``r0 .. r1``: ``LANES`` at a time through contiguous scratch rows,
-    computed by :func:`ln_raw_rows`."""
+    """Strided rows ``r0 .. r1``: up to ``LANES`` at a time (as many as
+    :data:`GATHER_BYTES` hold, at least one) through contiguous scratch rows, computed
+    by :func:`ln_raw_rows`."""
     n = x.shape[1]
-    xs = np.empty((LANES, n), dtype=x.dtype)
-    ys = np.empty((LANES, n), dtype=y.dtype)
+    per = imax(1, imin(imin(LANES, r1 - r0), GATHER_BYTES // imax(1, n * x.itemsize)))
+    xs = np.empty((per, n), dtype=x.dtype)
+    ys = np.empty((per, n), dtype=y.dtype)
     xv, yv, wv, bv, tv = raw(xs), raw(ys), raw(w), raw(b), raw(tab)
-    for first in range(r0, r1, LANES):
-        count = imin(LANES, r1 - first)
+    for first in range(r0, r1, per):
+        count = imin(per, r1 - first)
         for i in range(count):
             copy_row(xs, i, x, first + i)
         ln_raw_rows(xv, yv, wv, bv, tv, eps, n, PLAIN, mean_out, rstd_out,
