@@ -91,7 +91,16 @@ from ._simd import (
 )
 from .callee import callee_njit
 from .diskcache import cached_njit
-from .rowmath import ALIAS_BYTES, LANES, PLAIN, STREAM, aligned_head, copy_row, tree_sum
+from .rowmath import (
+    ALIAS_BYTES,
+    LANES,
+    PLAIN,
+    STREAM,
+    aligned_head,
+    column_major,
+    copy_row,
+    tree_sum,
+)
 
 #: Rows at least this long run the backward two rows per pass in the any-stride path
 #: (no effect on results; measured: it pays once the partial sums no longer fit in L1).
@@ -278,12 +287,6 @@ GATHER_BYTES = 256 << 10
 
 
 @njit(inline="always", error_model="numpy")
-def _column_major(a):
-    # The elements of a column lie closer together than those of a row.
-    return a.shape[0] > 1 and abs(a.strides[0]) < abs(a.strides[1])
-
-
-@njit(inline="always", error_model="numpy")
 def _gathered_scratch(rows, n, like):
     # Scratch rows padded by a vector: rows a multiple of 4 KiB apart, written a column
     # at a time, would all fall in one set of the L1 cache.
@@ -323,8 +326,8 @@ def _gathered_scratches(gy, x, gx, gres, has_res, rows):
     as many even rows as :data:`GATHER_BYTES` hold, else 2), which of x, grad_y,
     grad_x and grad_residual are column-major, and their scratch rows."""
     n = x.shape[1]
-    columns = (_column_major(x), _column_major(gy), _column_major(gx),
-               has_res and _column_major(gres))
+    columns = (column_major(x), column_major(gy), column_major(gx),
+               has_res and column_major(gres))
     count = 2
     if columns[0] or columns[1] or columns[2] or columns[3]:
         count = imax(2, imin(rows, GATHER_BYTES // imax(1, n * x.itemsize)) // 2 * 2)

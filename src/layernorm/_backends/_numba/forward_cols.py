@@ -28,6 +28,7 @@ from .rowmath import (
     block_end,
     blocked,
     chunk_sums,
+    column_major,
     finish,
     redo,
     square_tree,
@@ -177,7 +178,7 @@ def _load_tile(x2, xt, c0, valid, unit):
     Rows are far apart in memory and a sequential walk is what the hardware prefetchers
     follow. Columns past ``valid`` in the last block repeat the last valid column.
     """
-    if not unit and _column_major(x2):
+    if not unit and column_major(x2):
         # A transposed x (each column contiguous): one column after the other.
         for k in range(xt.shape[1]):
             for i in range(x2.shape[0]):
@@ -192,14 +193,8 @@ def _load_tile(x2, xt, c0, valid, unit):
 
 
 @njit(inline="always", error_model="numpy")
-def _column_major(a2):
-    # Elements of a column lie closer together than those of a row.
-    return abs(a2.strides[0]) < abs(a2.strides[1])
-
-
-@njit(inline="always", error_model="numpy")
 def _store_tile(yt, y2, c0, valid, unit):
-    if not unit and _column_major(y2):
+    if not unit and column_major(y2):
         # The columns of a transposed x written as y's rows, each in one sweep: row by
         # row, the tile's columns went to as many rows of y at once, a power-of-two
         # apart in the cases that matter, and thrashed one set of the L1 cache.

@@ -575,6 +575,14 @@ def checked_moments(xr, r, n, shift, a, q, ta, tq, tab):
 
 
 @njit(inline="always", error_model="numpy")
+def column_major(a):
+    """Whether the elements of a column of the 2-D ``a`` lie closer together than those
+    of a row (a transposed or Fortran-ordered array of more than one row): such arrays
+    are copied a column at a time."""
+    return a.shape[0] > 1 and abs(a.strides[0]) < abs(a.strides[1])
+
+
+@njit(inline="always", error_model="numpy")
 def row_moments(xr, r, n, tab):
     """(shift, shifted mean, M2) of a unit-stride row: steps 1-4 of the row arithmetic
     (the mean and ``M2`` in float64)."""
