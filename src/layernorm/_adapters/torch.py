@@ -116,6 +116,10 @@ _IS_WRAPPED = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapp
 #: ``torch._C._functorch.is_legacy_batchedtensor``: the batched gradients autograd hands
 #: a node's backward under ``is_grads_batched=True`` (``jacobian(..., vectorize=True)``).
 _IS_BATCHED = getattr(getattr(torch._C, "_functorch", None), "is_legacy_batchedtensor", None)
+#: ``torch._C._functorch.maybe_current_level``: the innermost active ``torch.func``
+#: transform's level, None outside every transform (and where this torch has none).
+_transform_level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level",
+                           lambda: None)
 #: ``torch.compiler.is_compiling`` (False where this torch has none).
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
@@ -541,9 +545,16 @@ def _numpy_views(*tensors: Any) -> list[Any] | None:
     forward-mode AD or a ``torch.func`` transform, another device, dtype, layout or
     tensor subclass, the lazy negation bit; ``torch.compile`` (fake tensors) or
     ``torch.jit.trace`` recording the call."""
-    if getattr(fwad, "_current_level", 0) >= 0 or _compiling() or _tracing():
+    if (getattr(fwad, "_current_level", 0) >= 0 or _compiling() or _tracing()
+            or _transform_level() is not None):
+        # (A torch.func transform wraps its inputs; Tensor.numpy() hands out unrelated
+        # memory for a functionalize wrapper.)
         return None
-    grad = torch.is_grad_enabled()
+    if torch.is_grad_enabled():
+        # Checked for every tensor before any view is made: autograd records the call.
+        for t in tensors:
+            if type(t) in SHORT_PATH_TYPES and t.requires_grad:
+                return None
     views = []
     for t in tensors:
         if t is None:
@@ -551,13 +562,11 @@ def _numpy_views(*tensors: Any) -> list[Any] | None:
             continue
         dtype = t.dtype
         if (type(t) not in SHORT_PATH_TYPES or dtype not in _NUMPY_VIEWABLE
-                or _transformed(t) or t._is_zerotensor()):
-            # (Tensor.numpy() hands out unrelated memory for a functionalize wrapper
-            # and for a zero tensor, which has no storage.)
+                or (_IS_BATCHED is not None and _IS_BATCHED(t)) or t._is_zerotensor()):
+            # (Tensor.numpy() hands out unrelated memory for a zero tensor, which has
+            # no storage.)
             return None
         if t.requires_grad:
-            if grad:
-                return None
             t = t.detach()
         # ``Tensor.numpy()`` itself refuses the rest of what the kernels cannot read
         # (checking first cost a one-row call more than the kernel): another device, a
