@@ -1911,3 +1911,124 @@ def test_quantize_row_path_y32_is_the_plain_forward(rms, pipelined, fmt):
         assert_bitwise(rstd[:5], stats_ref[-1].reshape(-1))
         if not rms:
             assert_bitwise(mean[:5], stats_ref[0].reshape(-1))
+
+
+# --------------------------------------------------------------------------- composed blocks
+
+
+def _blocked_and_whole(monkeypatch, call):
+    """``call()`` composed in blocks of a few samples and whole (one block)."""
+    from layernorm import _engine
+
+    calls = []
+    composed = _engine._composed
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)
+        return composed(*args, **kwargs)
+
+    monkeypatch.setattr(_engine, "_composed", counted)
+    monkeypatch.setattr(_engine, "COMPOSE_BLOCK_BYTES", 1 << 40)
+    whole = call()
+    assert len(calls) == 1  # the call is composed, in one block
+    monkeypatch.setattr(_engine, "COMPOSE_BLOCK_BYTES", 200)
+    blocked = call()
+    assert len(calls) > 3  # then in several
+    return blocked, whole
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", ["float64", "fortran", "channels_first", "per_row_scale",
+                                  "broadcast_scale", "out", "add_float16_h"])
+def test_composed_blocks_are_the_whole_composition(monkeypatch, case, fmt):
+    # A composed forward goes block of samples by block of samples (bounded memory);
+    # every result must be bit for bit the whole array's composition, and the codes
+    # the contract's formula of the float64 / float32 output.
+    wide = case in ("float64", "per_row_scale", "broadcast_scale")
+    x = data((7, 5, 24), "float64" if wide else "float32", 3, 2.0)
+    x[1, 2] = 0.0  # an all-zero row: scale 1
+    w = data((24,), "float32", 4)
+    kw = {"return_stats": True}
+    if case in ("fortran", "out", "add_float16_h"):
+        x = np.asfortranarray(x.reshape(35, 24))  # rows the kernels do not take
+    if case == "channels_first":
+        x = np.ascontiguousarray(np.moveaxis(x, 2, 1))  # (7, 24, 5), normalized axis 1
+
+        def call():
+            return ln.layer_norm(x, axis=1, weight=w, quantize=fmt, **kw)
+    elif case in ("per_row_scale", "broadcast_scale"):
+        # a static scale per row, sliced with the blocks, or one broadcast over them
+        shape = (7, 5, 1) if case == "per_row_scale" else (5, 1)
+        scale = data(shape, "float32", 5, 1.0) ** 2 + 0.01
+
+        def call():
+            return ln.rms_norm(x, weight=w, quantize=fmt, scale=scale, **kw)
+    elif case == "out":
+        target = {"int8": np.int8, **FP8}[fmt]
+
+        def call():
+            out = np.full(x.shape, 3, dtype=target)
+            res = ln.layer_norm(x, weight=w, quantize=fmt, out=out, **kw)
+            assert res[0] is out
+            return res
+    elif case == "add_float16_h":
+        r = np.asfortranarray(data(x.shape, "float32", 6))
+
+        def call():
+            # h in float16: x's float32 output is composed from it (another dtype)
+            return ln.add_layer_norm(x, r, 24, w, residual_dtype="float16", **kw)
+    else:
+        def call():
+            return ln.layer_norm(x, weight=w, quantize=fmt, **kw)
+    blocked, whole = _blocked_and_whole(monkeypatch, call)
+    assert len(blocked) == len(whole)
+    for got, want in zip(blocked, whole, strict=True):
+        if isinstance(want, np.ndarray):
+            assert got.flags.c_contiguous
+            assert_bitwise(got, want)
+        else:
+            assert got is want  # a static scale, returned as passed
+    if case in ("float64", "fortran"):
+        q, s = blocked[0], blocked[1]
+        q_ref, s_ref = qref(ln.layer_norm(np.ascontiguousarray(x), weight=w), fmt)
+        assert_bitwise(s, s_ref)
+        assert_bitwise(q, q_ref)
+
+
+def test_composed_blocks_torch(monkeypatch):
+    torch = pytest.importorskip("torch")
+    x = torch.from_numpy(data((9, 40), "float64", 7, 2.0)).T  # transposed: composed
+    w = torch.from_numpy(data((9,), "float64", 8))
+    blocked, whole = _blocked_and_whole(
+        monkeypatch, lambda: ln.rms_norm(x, 9, w, quantize="int8", return_stats=True))
+    for got, want in zip(blocked, whole, strict=True):
+        assert got.is_contiguous()
+        assert torch.equal(got, want)
+
+
+def test_composed_quantize_memory_is_bounded(monkeypatch):
+    # A float64 x quantized whole held five arrays of x's size; in blocks its peak is
+    # the int8 output (an eighth of x) plus a few blocks.
+    import tracemalloc
+
+    from layernorm import _engine
+
+    x = data((2048, 1024), "float64", 9)  # 16 MiB, four blocks
+    ln.layer_norm(x[:64], quantize="int8")  # compile outside the measurement
+
+    def peak_of_call():
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            q, _ = ln.layer_norm(x, quantize="int8")
+            return tracemalloc.get_traced_memory()[1] - base, q
+        finally:
+            tracemalloc.stop()
+
+    blocked, q = peak_of_call()
+    monkeypatch.setattr(_engine, "COMPOSE_BLOCK_BYTES", 1 << 40)
+    whole, q_whole = peak_of_call()
+    assert_bitwise(q, q_whole)
+    assert blocked < x.nbytes / 8 + 8 * (4 << 20), (blocked, x.nbytes)
+    assert blocked < whole / 2, (blocked, whole)

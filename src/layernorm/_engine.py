@@ -560,6 +560,12 @@ def sum_dtypes(x_name: str, residual_name: str, residual_dtype: Any) -> tuple[st
 
 def residual_sum(xp: Any, x: Any, residual: Any, add: str, h_name: str) -> Any:
     """``h = x + residual`` computed in ``add`` and rounded once to ``h_name``."""
+    if _is_native_namespace(xp):
+        # Into a C-ordered array, the inputs widened inside the ufunc's loop: no copy of
+        # either input, and no reordering copy of a transposed or Fortran-ordered sum.
+        h = xp.empty(tuple(x.shape), dtype=dtype_of(xp, add))
+        xp.add(x, residual, out=h, dtype=h.dtype)
+        return astype(xp, h, h_name)
     return c_contiguous(astype(xp, astype(xp, x, add) + astype(xp, residual, add), h_name))
 
 
@@ -748,26 +754,108 @@ def _into(out: Any, value: Any) -> Any:
     return out
 
 
+#: A composed forward that needs intermediate arrays (a quantized output, or an output of
+#: another dtype than its input) computes them for blocks of samples holding about this
+#: many bytes of accumulation-dtype values (no effect on results: every step is per
+#: sample), so that its peak memory is the output's plus a few such blocks instead of
+#: several arrays of the input's size (a float64 ``x`` quantized whole took 5 times its
+#: own size). NumPy, CuPy and torch only: other namespaces (JAX, ...) compose whole.
+COMPOSE_BLOCK_BYTES = 4 << 20
+
+
+def _sample_blocks(xp: Any, shape: tuple[int, ...], axes: tuple[int, ...],
+                   acc: str) -> tuple[int, list[slice]] | None:
+    """``(axis, slices)`` cutting ``shape`` along one sample axis (not in ``axes``) into
+    blocks of about :data:`COMPOSE_BLOCK_BYTES` of ``acc`` values, or None: one block
+    will do, or ``xp`` cannot write an array in parts."""
+    if not (_is_native_namespace(xp) or "torch" in getattr(xp, "__name__", "")):
+        return None
+    total = math.prod(shape) * np.dtype(acc).itemsize
+    if total <= COMPOSE_BLOCK_BYTES:
+        return None
+    # The outermost sample axis that has several samples: the largest steps in memory.
+    axis = next((i for i, d in enumerate(shape) if i not in axes and d > 1), None)
+    if axis is None:
+        return None
+    step = max(1, COMPOSE_BLOCK_BYTES // (total // shape[axis]))
+    return axis, [slice(i, min(i + step, shape[axis])) for i in range(0, shape[axis], step)]
+
+
+def _scale_part(scale: Any, axis: int, ndim: int, part: slice) -> Any:
+    """The part of a static ``scale`` (broadcastable to the statistics' shape, ``ndim``
+    dimensions) that the samples ``part`` of ``axis`` use."""
+    if scale is None or not hasattr(scale, "shape"):
+        return scale
+    at = axis - (ndim - len(scale.shape))
+    if at < 0 or scale.shape[at] == 1:
+        return scale
+    return scale[(slice(None),) * at + (part,)]
+
+
+def _composed(xp: Any, h: Any, req: Request, norm: Any, y_name: str, quantize: Any,
+              scale: Any) -> tuple[Any, Any, Any, Any]:
+    """:func:`compose`'s ``(y, scale, mean, rstd)`` of ``h`` (all or part of the call's
+    samples), ``y`` a new array."""
+    if quantize is None:
+        yh, mean, rstd = norm(h, None)
+        return astype(xp, yh, y_name), None, mean, rstd
+    wide = h if req.dtype == req.acc else astype(xp, h, req.acc)
+    y32, mean, rstd = norm(wide, None)
+    q, s = quantize_rows(xp, y32, req.layout.axes, quantize, scale, req.acc)
+    return q, s, mean, rstd
+
+
+def _concat(xp: Any, parts: list[Any], axis: int) -> Any:
+    if parts[0] is None:
+        return None
+    if xp is np or _is_native_namespace(xp):
+        return xp.concatenate(parts, axis=axis)
+    return xp.concat(parts, axis=axis)
+
+
+def _write_part(target: Any, index: tuple[Any, ...], value: Any) -> None:
+    if hasattr(target, "copy_"):  # torch
+        target[index].copy_(value)
+    else:
+        target[index] = value
+
+
 def compose(xp: Any, h: Any, req: Request, norm: Any, y_name: str, out: Any, quantize: Any,
             scale: Any) -> tuple[Any, Any, Any, Any]:
     """The output of a (fused) forward from its normalization: ``(y, scale, mean, rstd)``.
 
-    ``norm(a, out) -> (y, mean, rstd)`` normalizes ``a`` (``h`` itself, or ``h`` widened
-    exactly to the accumulation dtype) with the call's gain, bias and eps. ``y`` is that
-    of ``h`` cast to ``y_name``, or with ``quantize`` the quantized ``y32`` (the output of
-    the widened ``h``, which the kernels compute in the same float32 arithmetic as for
-    ``h`` itself, before its rounding); ``scale`` is None without ``quantize``.
+    ``norm(a, out) -> (y, mean, rstd)`` normalizes ``a`` (``h`` itself, part of its
+    samples, or either widened exactly to the accumulation dtype) with the call's gain,
+    bias and eps. ``y`` is that of ``h`` cast to ``y_name``, or with ``quantize`` the
+    quantized ``y32`` (the output of the widened ``h``, which the kernels compute in the
+    same float32 arithmetic as for ``h`` itself, before its rounding); ``scale`` is None
+    without ``quantize``. Where intermediate arrays are needed, large calls go block of
+    samples by block of samples (:data:`COMPOSE_BLOCK_BYTES`), with the same results.
     """
-    if quantize is None:
-        if y_name == req.dtype:
-            y, mean, rstd = norm(h, out)
-            return y, None, mean, rstd
-        yh, mean, rstd = norm(h, None)
-        return _into(out, astype(xp, yh, y_name)), None, mean, rstd
-    wide = h if req.dtype == req.acc else astype(xp, h, req.acc)
-    y32, mean, rstd = norm(wide, None)
-    q, s = quantize_rows(xp, y32, req.layout.axes, quantize, scale, req.acc)
-    return _into(out, q), s, mean, rstd
+    if quantize is None and y_name == req.dtype:
+        y, mean, rstd = norm(h, out)
+        return y, None, mean, rstd
+    blocks = _sample_blocks(xp, tuple(h.shape), req.layout.axes, req.acc)
+    if blocks is None:
+        y, s, mean, rstd = _composed(xp, h, req, norm, y_name, quantize, scale)
+        return _into(out, y), s, mean, rstd
+    axis, parts = blocks
+    ndim = len(h.shape)
+    y = out
+    results: list[tuple[Any, Any, Any]] = []
+    for part in parts:
+        index = (slice(None),) * axis + (part,)
+        yb, sb, mean, rstd = _composed(xp, h[index], req, norm, y_name, quantize,
+                                       _scale_part(scale, axis, ndim, part))
+        if y is None:
+            y = xp.empty(tuple(h.shape), dtype=yb.dtype, device=getattr(yb, "device", None)) \
+                if not _is_native_namespace(xp) else xp.empty(tuple(h.shape), dtype=yb.dtype)
+        _write_part(y, index, yb)
+        results.append((sb, mean, rstd))
+    s = scale if quantize is None or scale is not None else _concat(
+        xp, [r[0] for r in results], axis)
+    return (y, s, _concat(xp, [r[1] for r in results], axis),
+            _concat(xp, [r[2] for r in results], axis))
 
 
 def check_extras(xp: Any, req: Request, weight: Any, weight_offset: Any, quantize: Any,
