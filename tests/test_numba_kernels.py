@@ -100,8 +100,10 @@ def test_transposed_rows_take_the_column_path_with_the_rows_bits(monkeypatch, dt
     and parallel."""
     kernels = backend.load_kernels()
     called = []
-    for name in ("ln_forward_cols_serial", "ln_forward_cols_parallel",
-                 "rms_forward_cols_serial", "rms_forward_cols_parallel"):
+    short = n <= kernels.SHORT_COLUMN_MAX  # columns of few elements: kernels of their own
+    kind = "short_cols" if short else "cols"
+    for name in (f"ln_forward_{kind}_serial", f"ln_forward_{kind}_parallel",
+                 f"rms_forward_{kind}_serial", f"rms_forward_{kind}_parallel"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name,
                             lambda *a, _real=real, _name=name: (called.append(_name),
@@ -119,7 +121,7 @@ def test_transposed_rows_take_the_column_path_with_the_rows_bits(monkeypatch, dt
         called.clear()
         got = ln.layer_norm(view, n, w, b, return_stats=True)
         got_rms = ln.rms_norm(view, n, w, return_stats=True)
-        assert called == ["ln_forward_cols_serial", "rms_forward_cols_serial"]
+        assert called == [f"ln_forward_{kind}_serial", f"rms_forward_{kind}_serial"]
         for g, e in zip((*got, *got_rms), (*want, *want_rms), strict=True):
             _same_bits(g, e)
         assert got[0].flags.c_contiguous
@@ -138,13 +140,16 @@ def test_transposed_rows_take_the_column_path_with_the_rows_bits(monkeypatch, dt
     acc = np.float64 if dtype == np.float64 else np.float32
     mean, rstd = np.empty(rows, acc), np.empty(rows, acc)
     wa, ba = w.astype(acc), b.astype(acc)
-    backend.entry.call(kernels.ln_forward_cols_parallel, backend.LN_FORWARD_WRITES,
-                       xv[:, :, None].transpose(2, 1, 0), wa, ba, acc(1e-5),
-                       y[:, :, None].transpose(2, 1, 0), mean, rstd,
-                       kernels.merge_table(n, np.dtype(acc)))
-    _same_bits(y if bits is None else y.view(dtype), want[0])
-    _same_bits(mean, want[1].reshape(-1))
-    _same_bits(rstd, want[2].reshape(-1))
+    for kernel in ((kernels.ln_forward_cols_parallel, kernels.ln_forward_short_cols_parallel)
+                   if short else (kernels.ln_forward_cols_parallel,)):
+        y[...] = 0
+        backend.entry.call(kernel, backend.LN_FORWARD_WRITES,
+                           xv[:, :, None].transpose(2, 1, 0), wa, ba, acc(1e-5),
+                           y[:, :, None].transpose(2, 1, 0), mean, rstd,
+                           kernels.merge_table(n, np.dtype(acc)))
+        _same_bits(y if bits is None else y.view(dtype), want[0])
+        _same_bits(mean, want[1].reshape(-1))
+        _same_bits(rstd, want[2].reshape(-1))
 
 
 @pytest.mark.parametrize("n", [37, 300, 2100])  # 2100: rows go in pairs (PAIR_MIN_N)
@@ -222,6 +227,66 @@ def test_channels_first_matches_rows(n, inner):
     hxr, hwr = ln.rms_norm_backward(gyr, as_rows, sr, w, n)
     _same_bits(np.moveaxis(hx, 1, -1).reshape(-1, n), hxr)
     np.testing.assert_allclose(hw, hwr, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 9, 15, 16])
+def test_columns_of_fewer_than_lanes_rows_match_the_row_path(dtype, n):
+    """Channels of fewer than LANES (16) elements take kernels of their own (the lane
+    sums from registers, the cancelled columns redone in the block, overflowing and
+    non-finite ones rescaled): every column must still get the row path's bits, its
+    statistics too, in blocks with and without such columns, serial and parallel."""
+    npdt = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
+            "bfloat16": ml_dtypes.bfloat16}[dtype]
+    kernels = backend.load_kernels()
+    rng = np.random.default_rng(100 + n)
+    inner = 16 * 9 + 5  # a partial column block and a partial tile
+    x = (2.0 + rng.standard_normal((3, n, inner)) * 3).astype(npdt)
+    big = 3e4 if dtype == "float16" else 1e30  # (float16 squares never overflow float32)
+    if n > 1:
+        x[0, 0, ::7] = (50.0 if dtype in ("float16", "bfloat16") else 1e4)  # outlying first
+        x[0, :, 5] = 7.0  # a constant column
+        x[1, n - 1, 20] = np.nan
+        x[1, 0, 40] = np.inf
+        steps = 1.0 + np.arange(n) / n
+        x[2, :, 60] = big * steps  # squares overflow: rescaled
+        x[2, :, 61] = big  # constant and large
+        tiny = 1e-7 if dtype == "float16" else 1e-30
+        x[2, :, 62] = tiny * steps  # squares underflow: with eps = 0, rescaled
+    w, b = (p.astype(npdt) for p in _params(n, n))
+    rows = np.ascontiguousarray(np.moveaxis(x, 1, -1)).reshape(-1, n)
+    for eps in (1e-5, 0.0):
+        y, mean, rstd = ln.layer_norm(x, weight=w, bias=b, eps=eps, axis=1,
+                                      return_stats=True)
+        yr, mr, rr = ln.layer_norm(rows, n, w, b, eps=eps, return_stats=True)
+        _same_bits(np.moveaxis(y, 1, -1).reshape(-1, n), yr)
+        _same_bits(mean.reshape(-1), mr.reshape(-1))
+        _same_bits(rstd.reshape(-1), rr.reshape(-1))
+        z, s = ln.rms_norm(x, weight=w, eps=eps, axis=1, return_stats=True)
+        zr, sr = ln.rms_norm(rows, n, w, eps=eps, return_stats=True)
+        _same_bits(np.moveaxis(z, 1, -1).reshape(-1, n), zr)
+        _same_bits(s.reshape(-1), sr.reshape(-1))
+        if dtype == "float32" and n <= kernels.SHORT_COLUMN_MAX:
+            # the parallel kernels, called directly: the same bits
+            yp, mp, rp = np.zeros_like(x), np.zeros(mean.size, np.float32), np.zeros(
+                mean.size, np.float32)
+            backend.entry.call(kernels.ln_forward_short_cols_parallel,
+                               backend.LN_FORWARD_WRITES, x, w, b, np.float32(eps), yp, mp,
+                               rp, kernels.merge_table(n, np.dtype(np.float32)))
+            _same_bits(yp, y)
+            _same_bits(mp, mean.reshape(-1))
+            _same_bits(rp, rstd.reshape(-1))
+            zp, sp = np.zeros_like(x), np.zeros(mean.size, np.float32)
+            backend.entry.call(kernels.rms_forward_short_cols_parallel,
+                               backend.RMS_FORWARD_WRITES, x, w, np.float32(eps), zp, sp)
+            _same_bits(zp, z)
+            _same_bits(sp, s.reshape(-1))
+        if n > 2 and dtype == "float32" and eps > 0:
+            # the redone columns are accurate, not only the row path's bits
+            top = np.abs(rows).max(axis=1)
+            usual = np.isfinite(rows).all(axis=1) & (top < 1e20) & (top > 1e-20)
+            ref = reference.layer_norm(rows[usual], (1,), w, b, eps)[0]
+            np.testing.assert_allclose(yr[usual], ref, atol=2e-5 * max(1, np.abs(ref).max()))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])

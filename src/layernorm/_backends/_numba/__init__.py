@@ -689,8 +689,10 @@ def layer_norm_forward(x3, weight, bias, eps, y3, mean, rstd, dtype) -> None:
                                  args)
     else:
         x, y = _columns_view(x, y)
-        _run(k.ln_forward_cols_serial, k.ln_forward_cols_parallel, x.size,
-             LN_FORWARD_WRITES, x, w, b, e, y, mean, rstd, tab)
+        short = x.shape[1] <= k.SHORT_COLUMN_MAX
+        _run(k.ln_forward_short_cols_serial if short else k.ln_forward_cols_serial,
+             k.ln_forward_short_cols_parallel if short else k.ln_forward_cols_parallel,
+             x.size, LN_FORWARD_WRITES, x, w, b, e, y, mean, rstd, tab)
 
 
 def rms_norm_forward(x3, weight, eps, y3, rstd, dtype) -> None:
@@ -710,8 +712,10 @@ def rms_norm_forward(x3, weight, eps, y3, rstd, dtype) -> None:
                                args)
     else:
         x, y = _columns_view(x, y)
-        _run(k.rms_forward_cols_serial, k.rms_forward_cols_parallel, x.size,
-             RMS_FORWARD_WRITES, x, w, e, y, rstd)
+        short = x.shape[1] <= k.SHORT_COLUMN_MAX
+        _run(k.rms_forward_short_cols_serial if short else k.rms_forward_cols_serial,
+             k.rms_forward_short_cols_parallel if short else k.rms_forward_cols_parallel,
+             x.size, RMS_FORWARD_WRITES, x, w, e, y, rstd)
 
 
 def _col_blocks(x3: Any) -> int:

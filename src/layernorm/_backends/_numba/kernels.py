@@ -111,10 +111,15 @@ _HOMES = {
         "rms_stream_backward_serial",
     ),
     "forward_cols": (
+        "SHORT_COLUMN_MAX",
         "ln_forward_cols_parallel",
         "ln_forward_cols_serial",
+        "ln_forward_short_cols_parallel",
+        "ln_forward_short_cols_serial",
         "rms_forward_cols_parallel",
         "rms_forward_cols_serial",
+        "rms_forward_short_cols_parallel",
+        "rms_forward_short_cols_serial",
     ),
     "forward_rows": (
         "RMS_STREAM_TILED_MIN_BYTES",
