@@ -194,8 +194,8 @@ def test_long_strided_rows_gathered_in_fewer_scratch_rows(rows, n):
         _same_bits(got, want)
 
 
-@pytest.mark.parametrize("inner", [3, 16, 37])
-@pytest.mark.parametrize("n", [7, 64, 150])
+@pytest.mark.parametrize("inner", [3, 16, 37, 150])
+@pytest.mark.parametrize("n", [7, 64, 150, 700])
 def test_channels_first_matches_rows(n, inner):
     outer = 3
     rng = np.random.default_rng(n * inner)
@@ -221,6 +221,12 @@ def test_channels_first_matches_rows(n, inner):
     gx, gw, gb = ln.layer_norm_backward(gy, x, mean, rstd, w, axis=1)
     gxr, gwr, gbr = ln.layer_norm_backward(gyr, as_rows, mr, rr, w, n)
     _same_bits(np.moveaxis(gx, 1, -1).reshape(-1, n), gxr)
+    # Columns of another stride (copied by indexing, not through raw views): the same
+    # bits, the parameter gradients' too (the same blocks, in the same order).
+    wide_gy = np.repeat(gy, 2, axis=2)[:, :, ::2]
+    for got, want in zip(ln.layer_norm_backward(wide_gy, wide, mean, rstd, w, axis=1),
+                         (gx, gw, gb), strict=True):
+        _same_bits(got, want)
     np.testing.assert_allclose(gw, gwr, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(gb, gbr, rtol=1e-5, atol=1e-4)
     hx, hw = ln.rms_norm_backward(gy, x, s, w, axis=1)

@@ -894,6 +894,20 @@ def rms_backward_kernels(k: Any, gy: Any, x: Any, gx: Any, grad_residual: Any = 
     return serial, parallel
 
 
+def _unit_columns(gy: Any, x: Any, gres: Any, has_res: bool,
+                  gx: Any) -> tuple[Any, Any, Any, Any]:
+    """The column backward's ``(gy, x, gres, gx)`` with unit-stride last axes (the
+    kernel reads and writes them through raw views): copies of inputs of another
+    stride, a new array for such a ``gx`` (the caller copies it back)."""
+    def unit(a: Any) -> Any:
+        return a if a.strides[2] == a.itemsize else np.ascontiguousarray(a)
+
+    x = unit(x)
+    gres = unit(gres) if has_res else x
+    gxk = gx if gx.strides[2] == gx.itemsize else np.empty(gx.shape, gx.dtype)
+    return unit(gy), x, gres, gxk
+
+
 def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype, grad_residual=None):
     """LayerNorm backward into ``gx3`` (plus ``grad_residual``, a view like ``x3``, when
     given); returns ``(grad_weight, grad_bias)``."""
@@ -912,9 +926,12 @@ def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype, grad_residual=N
                     gx2, partials, GRAD_ROW_BLOCK, gres2, has_res)
     else:
         partials = _grad_partials(_col_blocks(x3), n, mean.dtype, 2)
+        gy, x, gres, gxk = _unit_columns(gy, x, gres, has_res, gx)
         sums = _run(k.backward_cols_serial, k.backward_cols_parallel, x.size,
-                    LN_BACKWARD_WRITES, gy, x, mean, rstd, w, gx, partials, False, gres,
+                    LN_BACKWARD_WRITES, gy, x, mean, rstd, w, gxk, partials, False, gres,
                     has_res)
+        if gxk is not gx:
+            gx[...] = gxk
     # The kernels sum the partials in place and return a view of them: copy the sums
     # out so that the gradients do not keep the (blocks x n) partials alive.
     return sums[0].copy(), sums[1].copy()
@@ -938,9 +955,12 @@ def rms_norm_backward(gy3, x3, rstd, weight, gx3, dtype, grad_residual=None):
                     partials, GRAD_ROW_BLOCK, gres2, has_res)
     else:
         partials = _grad_partials(_col_blocks(x3), n, rstd.dtype, 1)
+        gy, x, gres, gxk = _unit_columns(gy, x, gres, has_res, gx)
         sums = _run(k.backward_cols_serial, k.backward_cols_parallel, x.size,
-                    LN_BACKWARD_WRITES, gy, x, rstd, rstd, w, gx, partials, True, gres,
+                    LN_BACKWARD_WRITES, gy, x, rstd, rstd, w, gxk, partials, True, gres,
                     has_res)
+        if gxk is not gx:
+            gx[...] = gxk
     return sums[0].copy()  # out of the partials, as above
 
 

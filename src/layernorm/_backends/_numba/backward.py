@@ -1246,43 +1246,65 @@ def _bwd_col_item(gy, x, mean_in, rstd_in, w, gx, partials, item, rms, cols, gre
     per = (inner + COL_BLOCK - 1) // COL_BLOCK
     o = item // per
     c0 = (item % per) * COL_BLOCK
+    c1 = imin(inner, c0 + COL_BLOCK)
     xs, gys, gxs, grs = cols
     xsv, gysv, gxsv, grsv = raw(xs), raw(gys), raw(gxs), raw(grs)
     wv = raw(w)
     dw = raw(partials[0, item])
     db = raw(partials[partials.shape[0] - 1, item])
-    for c in range(c0, imin(inner, c0 + COL_BLOCK)):
-        r = o * inner + c
+    group = xs.shape[0]
+    # (The arrays' columns have unit stride: the driver copies any other.)
+    xo, gyo, gxo, gro = raw(x[o]), raw(gy[o]), raw(gx[o]), raw(gres[o])
+    for g0 in range(c0, c1, group):
+        count = imin(group, c1 - g0)
+        # The group's columns into scratch rows, a row of the array at a time (its
+        # columns are neighbours in memory); each column then in order, as one row.
         for i in range(n):
-            xs[0, i] = x[o, i, c]
-            gys[0, i] = gy[o, i, c]
-        if has_res:
-            for i in range(n):
-                grs[0, i] = gres[o, i, c]
-        if rms:
-            sd = rstd_in[r]
-            mgx = _rms_bwd_mean(gysv, xsv, 0, n, sd, wv)
-            _rms_bwd_rows_out(gysv, xsv, gxsv, 0, 0, False, 0, n, (sd, mgx), (sd, mgx), wv,
-                              dw, grsv, has_res)
-        else:
-            m, sd = mean_in[r], rstd_in[r]
-            mg, mgx = _ln_bwd_means(gysv, xsv, 0, n, m, sd, wv)
-            _ln_bwd_rows_out(gysv, xsv, gxsv, 0, 0, False, 0, n, (m, sd, mg, mgx),
-                             (m, sd, mg, mgx), wv, dw, db, grsv, has_res)
+            for j in range(count):
+                put(xsv, j, i, get(xo, i, g0 + j))
+                put(gysv, j, i, get(gyo, i, g0 + j))
+            if has_res:
+                for j in range(count):
+                    put(grsv, j, i, get(gro, i, g0 + j))
+        for j in range(count):
+            r = o * inner + g0 + j
+            if rms:
+                sd = rstd_in[r]
+                mgx = _rms_bwd_mean(gysv, xsv, j, n, sd, wv)
+                _rms_bwd_rows_out(gysv, xsv, gxsv, j, j, False, 0, n, (sd, mgx), (sd, mgx),
+                                  wv, dw, grsv, has_res)
+            else:
+                m, sd = mean_in[r], rstd_in[r]
+                mg, mgx = _ln_bwd_means(gysv, xsv, j, n, m, sd, wv)
+                _ln_bwd_rows_out(gysv, xsv, gxsv, j, j, False, 0, n, (m, sd, mg, mgx),
+                                 (m, sd, mg, mgx), wv, dw, db, grsv, has_res)
         for i in range(n):
-            gx[o, i, c] = gxs[0, i]
+            for j in range(count):
+                put(gxo, i, g0 + j, get(gxsv, j, i))
+
+
+#: Bytes of one scratch array of the channels-first backward's column groups (a group
+#: of columns is copied into scratch rows a row of the array at a time).
+COL_GROUP_BYTES = 16 << 10
 
 
 @njit(inline="always", error_model="numpy")
 def _bwd_col_scratch(gy, x, gx, has_res):
+    # Scratch rows padded by a vector: rows a power of two apart, written a column at
+    # a time, would share a few sets of the L1 cache.
     n = x.shape[1]
-    return (np.empty((1, n), dtype=x.dtype), np.empty((1, n), dtype=gy.dtype),
-            np.empty((1, n), dtype=gx.dtype), np.empty((1, n if has_res else 0), dtype=x.dtype))
+    group = imax(1, imin(COL_BLOCK, COL_GROUP_BYTES // imax(1, n * x.itemsize)))
+    wide_n = n + LANES
+    return (np.empty((group, wide_n), dtype=x.dtype)[:, :n],
+            np.empty((group, wide_n), dtype=gy.dtype)[:, :n],
+            np.empty((group, wide_n), dtype=gx.dtype)[:, :n],
+            np.empty((group, wide_n if has_res else 0), dtype=x.dtype)[:, :n])
 
 
 @cached_njit(error_model="numpy")
 def backward_cols_serial(gy, x, mean_in, rstd_in, w, gx, partials, rms, gres, has_res):
-    """Backward over axis 1 of 3-D arrays; one partial per (outer, COL_BLOCK columns).
+    """Backward over axis 1 of 3-D arrays whose last axis has unit stride; one partial
+    per (outer, COL_BLOCK columns).
 
     ``rms`` selects RMSNorm (``mean_in`` is then ignored and ``partials`` has one row);
     ``gres``/``has_res``: as for :func:`ln_backward_serial`.
