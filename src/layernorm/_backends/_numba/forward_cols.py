@@ -219,6 +219,20 @@ def _load_tile(x2, xt, c0, valid, unit):
 
 
 @njit(inline="always", error_model="numpy")
+def _loaded_tile(x, xt, item):
+    """Work item ``item``'s columns of ``x`` copied into the tile ``xt``
+    (:func:`_load_tile`); returns ``(outer index, first column, columns)``."""
+    inner = x.shape[2]
+    tw = xt.shape[1]
+    per = (inner + tw - 1) // tw
+    o = item // per
+    c0 = (item % per) * tw
+    valid = imin(tw, inner - c0)
+    _load_tile(x[o], xt, c0, valid, x.strides[2] == x.itemsize)
+    return o, c0, valid
+
+
+@njit(inline="always", error_model="numpy")
 def _store_tile(yt, y2, c0, valid, unit):
     if not unit and column_major(y2):
         # The columns of a transposed x written as y's rows, each in one sweep: row by
@@ -241,12 +255,7 @@ def _ln_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles, item)
     lm, lm2, lt, cs = scratch
     xt, yt = tiles
     inner = x.shape[2]
-    tw = xt.shape[1]
-    per = (inner + tw - 1) // tw
-    o = item // per
-    c0 = (item % per) * tw
-    valid = imin(tw, inner - c0)
-    _load_tile(x[o], xt, c0, valid, x.strides[2] == x.itemsize)
+    o, c0, valid = _loaded_tile(x, xt, item)
     for s in range(0, valid, WIDTH):
         _ln_cols(xt, yt, s, w, b, eps, tab, lm, lm2, lt, cs, mean_out, rstd_out,
                  o * inner + c0 + s, imin(WIDTH, valid - s))
@@ -367,12 +376,7 @@ def _rms_col_item(x, w, eps, y, rstd_out, scratch, tiles, item):
     totals, _, lanes, cs = scratch
     xt, yt = tiles
     inner = x.shape[2]
-    tw = xt.shape[1]
-    per = (inner + tw - 1) // tw
-    o = item // per
-    c0 = (item % per) * tw
-    valid = imin(tw, inner - c0)
-    _load_tile(x[o], xt, c0, valid, x.strides[2] == x.itemsize)
+    o, c0, valid = _loaded_tile(x, xt, item)
     for s in range(0, valid, WIDTH):
         _rms_cols(xt, yt, s, w, eps, lanes, totals, cs, rstd_out, o * inner + c0 + s,
                   imin(WIDTH, valid - s))
@@ -510,12 +514,7 @@ def _ln_short_col_item(x, w, b, eps, y, mean_out, rstd_out, tab, scratch, tiles,
     xt, yt = tiles
     n = x.shape[1]
     inner = x.shape[2]
-    tw = xt.shape[1]
-    per = (inner + tw - 1) // tw
-    o = item // per
-    c0 = (item % per) * tw
-    valid = imin(tw, inner - c0)
-    _load_tile(x[o], xt, c0, valid, x.strides[2] == x.itemsize)
+    o, c0, valid = _loaded_tile(x, xt, item)
     xr, yr, cr, sr, tr = raw(xt), raw(yt), raw(cs), raw(lm), raw(lm2)
     wv, bv, mo, ro = raw(w), raw(b), raw(mean_out), raw(rstd_out)
     cancel = np.float64(tab[0, TAB_CANCEL])
@@ -578,12 +577,7 @@ def _rms_short_col_item(x, w, eps, y, rstd_out, scratch, tiles, item):
     xt, yt = tiles
     n = x.shape[1]
     inner = x.shape[2]
-    tw = xt.shape[1]
-    per = (inner + tw - 1) // tw
-    o = item // per
-    c0 = (item % per) * tw
-    valid = imin(tw, inner - c0)
-    _load_tile(x[o], xt, c0, valid, x.strides[2] == x.itemsize)
+    o, c0, valid = _loaded_tile(x, xt, item)
     xr, yr, cr, tr, wv, ro = raw(xt), raw(yt), raw(cs), raw(lanes), raw(w), raw(rstd_out)
     for s in range(0, valid, WIDTH):
         r0 = o * inner + c0 + s
