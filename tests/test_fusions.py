@@ -1995,15 +1995,31 @@ def test_composed_blocks_are_the_whole_composition(monkeypatch, case, fmt):
         assert_bitwise(q, q_ref)
 
 
-def test_composed_blocks_torch(monkeypatch):
+def test_composed_torch_calls_are_not_blocked(monkeypatch):
+    # torch compositions run whole: under torch.func.vmap a batched block cannot be
+    # copied into an unbatched output (a blocked composition raised there), and blocks
+    # would be separate autograd nodes.
     torch = pytest.importorskip("torch")
-    x = torch.from_numpy(data((9, 40), "float64", 7, 2.0)).T  # transposed: composed
-    w = torch.from_numpy(data((9,), "float64", 8))
-    blocked, whole = _blocked_and_whole(
-        monkeypatch, lambda: ln.rms_norm(x, 9, w, quantize="int8", return_stats=True))
-    for got, want in zip(blocked, whole, strict=True):
-        assert got.is_contiguous()
-        assert torch.equal(got, want)
+    from layernorm import _engine
+
+    monkeypatch.setattr(_engine, "COMPOSE_BLOCK_BYTES", 100)
+    x = torch.from_numpy(data((3, 9, 40), "float64", 7, 2.0))
+    got = torch.func.vmap(lambda a: ln.layer_norm(a, (40,), quantize="int8")[0])(x)
+    want = torch.stack([ln.layer_norm(a, (40,), quantize="int8")[0] for a in x])
+    assert torch.equal(got, want)
+    h = torch.from_numpy(data((3, 9, 40), "float32", 8)).to(torch.bfloat16)
+    r = torch.from_numpy(data((3, 9, 40), "float32", 9))
+    got = torch.func.vmap(lambda a, c: ln.add_layer_norm(a, c, (40,),
+                                                         residual_dtype="float32")[0])(h, r)
+    want = torch.stack([ln.add_layer_norm(a, c, (40,), residual_dtype="float32")[0]
+                        for a, c in zip(h, r, strict=True)])
+    assert torch.equal(got, want)
+    # transposed: composed, whole, the same bits as NumPy's blocked composition
+    xt = torch.from_numpy(data((9, 40), "float64", 10)).T
+    q, s = ln.rms_norm(xt, 9, quantize="int8")
+    qn, sn = ln.rms_norm(xt.numpy(), 9, quantize="int8")
+    np.testing.assert_array_equal(q.numpy(), qn)
+    np.testing.assert_array_equal(s.numpy(), sn)
 
 
 def test_composed_quantize_memory_is_bounded(monkeypatch):

@@ -759,7 +759,9 @@ def _into(out: Any, value: Any) -> Any:
 #: many bytes of accumulation-dtype values (no effect on results: every step is per
 #: sample), so that its peak memory is the output's plus a few such blocks instead of
 #: several arrays of the input's size (a float64 ``x`` quantized whole took 5 times its
-#: own size). NumPy, CuPy and torch only: other namespaces (JAX, ...) compose whole.
+#: own size). NumPy and CuPy only: other namespaces compose whole (JAX has no writes
+#: into parts of an array; torch's blocks would be separate autograd nodes, and under
+#: ``torch.func.vmap`` a batched block cannot be copied into an unbatched output).
 COMPOSE_BLOCK_BYTES = 4 << 20
 
 
@@ -768,7 +770,7 @@ def _sample_blocks(xp: Any, shape: tuple[int, ...], axes: tuple[int, ...],
     """``(axis, slices)`` cutting ``shape`` along one sample axis (not in ``axes``) into
     blocks of about :data:`COMPOSE_BLOCK_BYTES` of ``acc`` values, or None: one block
     will do, or ``xp`` cannot write an array in parts."""
-    if not (_is_native_namespace(xp) or "torch" in getattr(xp, "__name__", "")):
+    if not _is_native_namespace(xp):
         return None
     total = math.prod(shape) * np.dtype(acc).itemsize
     if total <= COMPOSE_BLOCK_BYTES:
@@ -808,16 +810,7 @@ def _composed(xp: Any, h: Any, req: Request, norm: Any, y_name: str, quantize: A
 def _concat(xp: Any, parts: list[Any], axis: int) -> Any:
     if parts[0] is None:
         return None
-    if xp is np or _is_native_namespace(xp):
-        return xp.concatenate(parts, axis=axis)
-    return xp.concat(parts, axis=axis)
-
-
-def _write_part(target: Any, index: tuple[Any, ...], value: Any) -> None:
-    if hasattr(target, "copy_"):  # torch
-        target[index].copy_(value)
-    else:
-        target[index] = value
+    return xp.concatenate(parts, axis=axis)
 
 
 def compose(xp: Any, h: Any, req: Request, norm: Any, y_name: str, out: Any, quantize: Any,
@@ -829,8 +822,9 @@ def compose(xp: Any, h: Any, req: Request, norm: Any, y_name: str, out: Any, qua
     bias and eps. ``y`` is that of ``h`` cast to ``y_name``, or with ``quantize`` the
     quantized ``y32`` (the output of the widened ``h``, which the kernels compute in the
     same float32 arithmetic as for ``h`` itself, before its rounding); ``scale`` is None
-    without ``quantize``. Where intermediate arrays are needed, large calls go block of
-    samples by block of samples (:data:`COMPOSE_BLOCK_BYTES`), with the same results.
+    without ``quantize``. Where intermediate arrays are needed, large NumPy and CuPy calls
+    go block of samples by block of samples (:data:`COMPOSE_BLOCK_BYTES`), with the same
+    results.
     """
     if quantize is None and y_name == req.dtype:
         y, mean, rstd = norm(h, out)
@@ -848,9 +842,8 @@ def compose(xp: Any, h: Any, req: Request, norm: Any, y_name: str, out: Any, qua
         yb, sb, mean, rstd = _composed(xp, h[index], req, norm, y_name, quantize,
                                        _scale_part(scale, axis, ndim, part))
         if y is None:
-            y = xp.empty(tuple(h.shape), dtype=yb.dtype, device=getattr(yb, "device", None)) \
-                if not _is_native_namespace(xp) else xp.empty(tuple(h.shape), dtype=yb.dtype)
-        _write_part(y, index, yb)
+            y = xp.empty(tuple(h.shape), dtype=yb.dtype)
+        y[index] = yb
         results.append((sb, mean, rstd))
     s = scale if quantize is None or scale is not None else _concat(
         xp, [r[0] for r in results], axis)
