@@ -22,6 +22,13 @@ _ADAPTERS = {"torch": "._adapters.torch", "dask": "._adapters.dask"}
 
 #: The default ``weight_offset``: an identity test on it is the fast path's cheapest check.
 _NO_OFFSET = 0.0
+
+
+def _no_offset(weight_offset: Any) -> bool:
+    """Whether ``weight_offset`` adds nothing: the default, or any float zero (the gain is
+    then the weight itself, see :func:`._engine.gain`), as the layer classes pass it."""
+    return weight_offset is _NO_OFFSET or (type(weight_offset) is float
+                                           and weight_offset == 0.0)
 #: Types of the torch tensors whose forward calls try the torch adapter's short path
 #: (filled when that adapter is first imported: no torch import here).
 _TORCH_TENSORS: set[type] = set()
@@ -132,7 +139,7 @@ def layer_norm(
             and scale is None):
         result = _adapter("torch").short_layer_norm(
             x, normalized_shape, weight, bias, eps, axis, return_stats,
-            None if weight_offset is _NO_OFFSET else weight_offset)
+            None if _no_offset(weight_offset) else weight_offset)
         if result is not None:
             return result
     where = route(x, backend)
@@ -225,7 +232,7 @@ def rms_norm(
             and scale is None):
         result = _adapter("torch").short_rms_norm(
             x, normalized_shape, weight, eps, axis, return_stats,
-            None if weight_offset is _NO_OFFSET else weight_offset)
+            None if _no_offset(weight_offset) else weight_offset)
         if result is not None:
             return result
     where = route(x, backend)
@@ -307,8 +314,7 @@ def layer_norm_backward(
     array([1., 1., 1., 1.])
     """
     if (type(x) is np.ndarray and backend is None
-            and (weight_offset is _NO_OFFSET
-                 or (type(weight_offset) is float and weight_offset == 0.0))):
+            and _no_offset(weight_offset)):
         grads = _fast_backward.gradients(grad_y, x, mean, rstd, weight, normalized_shape, axis,
                                          grad_residual, False)
         if grads is not None:
@@ -381,8 +387,7 @@ def rms_norm_backward(
     (2,)
     """
     if (type(x) is np.ndarray and backend is None
-            and (weight_offset is _NO_OFFSET
-                 or (type(weight_offset) is float and weight_offset == 0.0))):
+            and _no_offset(weight_offset)):
         grads = _fast_backward.gradients(grad_y, x, None, rstd, weight, normalized_shape, axis,
                                          grad_residual, True)
         if grads is not None:

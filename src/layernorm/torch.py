@@ -101,8 +101,6 @@ class LayerNorm(_OffsetGain, torch.nn.LayerNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Normalize the trailing ``normalized_shape`` dimensions of ``input``."""
-        if self.weight_offset == 0.0:  # no offset: the call without one (a cheaper path)
-            return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps,
                           weight_offset=self.weight_offset)
 
@@ -152,7 +150,5 @@ class RMSNorm(_OffsetGain, torch.nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize the trailing ``normalized_shape`` dimensions of ``x``."""
-        if self.weight_offset == 0.0:  # as in LayerNorm.forward
-            return rms_norm(x, self.normalized_shape, self.weight, self.eps)
         return rms_norm(x, self.normalized_shape, self.weight, self.eps,
                         weight_offset=self.weight_offset)
