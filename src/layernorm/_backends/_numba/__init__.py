@@ -899,13 +899,15 @@ def _unit_columns(gy: Any, x: Any, gres: Any, has_res: bool,
     """The column backward's ``(gy, x, gres, gx)`` with unit-stride last axes (the
     kernel reads and writes them through raw views): copies of inputs of another
     stride, a new array for such a ``gx`` (the caller copies it back)."""
-    def unit(a: Any) -> Any:
-        return a if a.strides[2] == a.itemsize else np.ascontiguousarray(a)
+    def unit(a: Any) -> bool:
+        return a.strides[2] == a.itemsize
 
-    x = unit(x)
-    gres = unit(gres) if has_res else x
-    gxk = gx if gx.strides[2] == gx.itemsize else np.empty(gx.shape, gx.dtype)
-    return unit(gy), x, gres, gxk
+    def readable(a: Any) -> Any:
+        return a if unit(a) else np.ascontiguousarray(a)
+
+    x = readable(x)
+    gres = readable(gres) if has_res else x
+    return readable(gy), x, gres, gx if unit(gx) else np.empty(gx.shape, gx.dtype)
 
 
 def layer_norm_backward(gy3, x3, mean, rstd, weight, gx3, dtype, grad_residual=None):
