@@ -1777,6 +1777,33 @@ def test_quantize_kernel_int8_ties_saturation_and_nan():
     assert_bitwise(q[0], want.astype(np.int8))
 
 
+@pytest.mark.parametrize("gain", [1.0, 3e30, 1e-38, 2e-41, 1e-44, 0.0])
+@pytest.mark.parametrize("rms", [False, True])
+def test_quantize_kernel_int8_dynamic_scales_of_every_size(rms, gain):
+    # A row's int8 codes take a shorter store when its inverse scale is positive and
+    # finite (no NaN lane, none past qmax by more than rounding): gains that make the
+    # rows' scales normal, huge, subnormal (1e-38, 2e-41) and zero by underflow (1e-44:
+    # the inverse is infinite) must give the contract's codes, as must rows whose amax
+    # is NaN or infinite (an inverse of NaN or 0) and an all-zero row, on every row
+    # path (short, pipelined, one by one, tiled).
+    for rows, n in [(40, 64), (40, 300), (6, 2100), (6, 5000)]:
+        x = data((rows, n), "float32", 5, 2.0)
+        x[1, 3] = np.nan
+        x[2, 5] = np.inf
+        x[3] = 0.0
+        x[4, 0] = -1e4
+        w = np.abs(data((n,), "float32", 6)) * np.float32(gain) + np.float32(gain)
+        params = {"weight": w} if rms else {"weight": w, "bias": np.zeros(n, np.float32)}
+        norm = ln.rms_norm if rms else ln.layer_norm
+        with quantized_calls(strict=True):
+            q, s = norm(x, quantize="int8", **params)
+        y32 = norm(x, **params)
+        with np.errstate(all="ignore"):
+            q_ref, s_ref = qref(y32, "int8")
+        assert_bitwise(q, q_ref)
+        assert_bitwise(s, s_ref)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("count", [16, 5, 1])
 def test_group_scales_are_each_rows_own(fmt, count):

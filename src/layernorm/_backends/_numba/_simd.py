@@ -1051,7 +1051,7 @@ def _saturate(builder, v, low: float, high: float):
     return builder.select(builder.fcmp_ordered(">", v, _f32_splat(high)), _f32_splat(high), v)
 
 
-def _int8_codes_avx512(builder, v):
+def _int8_codes_avx512(builder, v, bounded=False):
     """:func:`store_int8`'s codes of ``v`` in four AVX-512 instructions.
 
     ``vcmpordps`` marks the lanes that are not NaN; ``vminps`` lowers the rest to at most
@@ -1066,8 +1066,12 @@ def _int8_codes_avx512(builder, v):
     i16 = ir.IntType(16)
     i32x = ir.VectorType(_I32, WIDTH)
     i8x = ir.VectorType(ir.IntType(8), WIDTH)
-    ordered = builder.bitcast(builder.fcmp_ordered("ord", v, v), i16)
-    v = builder.select(builder.fcmp_ordered(">", v, _f32_splat(127.0)), _f32_splat(127.0), v)
+    if bounded:  # no NaN lane, none past 2**31: the conversion and narrowing alone
+        ordered = ir.Constant(i16, -1)
+    else:
+        ordered = builder.bitcast(builder.fcmp_ordered("ord", v, v), i16)
+        v = builder.select(builder.fcmp_ordered(">", v, _f32_splat(127.0)),
+                           _f32_splat(127.0), v)
     cvt = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(i32x, [v.type, i32x, i16, _I32]),
         "llvm.x86.avx512.mask.cvtps2dq.512")
@@ -1099,6 +1103,32 @@ def store_int8(typingctx, view, vec, r, i):
         # v + 1.5 * 2**23 rounds v half to even to an integer k in [-128, 127] whose bit
         # pattern is 0x4B400000 + k: its low byte is k's two's-complement byte (no
         # subtraction, no conversion).
+        v = builder.fadd(_saturate(builder, v, -128.0, 127.0), _f32_splat(_ROUNDER))
+        return _store_bytes(context, builder, view, args, r, i, _bits_of(builder, v))
+
+    return types.none(view, vec, r, i), codegen
+
+
+@intrinsic
+def store_int8_bounded(typingctx, view, vec, r, i):
+    """:func:`store_int8` of a vector with no NaN lane and every lane below ``2**31`` in
+    magnitude (a dynamic scale's ``y32 * inv`` of a finite row with a positive finite
+    ``inv``: within about ``qmax``): the same codes without the NaN and upper bounds,
+    which such lanes never reach (the narrowing saturates, the conversion cannot
+    overflow). Measured, int8 with per-row scales into ``out=``, float32, 1 thread,
+    in cache, two alternating pairs of processes: LayerNorm (732, 256) 70.5-81.1 ->
+    66.6-70.9 us, (183, 1024) 53.1-60.7 -> 48.2-52.5 us; RMSNorm 48.4-55.5 -> 45.6-50.1
+    and 38.9-44.8 -> 34.6-38.4 us; from DRAM within the noise.
+    """
+    if not (isinstance(view, Raw) and view.dtype == types.uint8 and _is_f32_vec(vec)
+            and _int_ok(r, i)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[1]
+        if WIDTH == 16 and _has_feature("avx512f"):
+            return _store_bytes(context, builder, view, args, r, i,
+                                _int8_codes_avx512(builder, v, bounded=True), narrowed=True)
         v = builder.fadd(_saturate(builder, v, -128.0, 127.0), _f32_splat(_ROUNDER))
         return _store_bytes(context, builder, view, args, r, i, _bits_of(builder, v))
 

@@ -47,6 +47,7 @@ __all__ = [
     "store_float8_e4m3fn",
     "store_float8_e5m2",
     "store_int8",
+    "store_int8_bounded",
     "vabsmax",
     "vaddress",
     "vload",
@@ -218,6 +219,11 @@ def store_int8(view: np.ndarray, vec: np.ndarray, r: int, i: int) -> None:
     """int8 codes of ``vec`` (NaN -> 0, saturated, rounded half to even) as uint8."""
     v = _saturated(np.where(np.isnan(vec), np.float32(0), vec), -128.0, 127.0)
     view[r, i:i + WIDTH] = np.rint(v).astype(np.int8).view(np.uint8)
+
+
+def store_int8_bounded(view: np.ndarray, vec: np.ndarray, r: int, i: int) -> None:
+    """:func:`store_int8` of a vector without NaN lanes (the same codes)."""
+    store_int8(view, vec, r, i)
 
 
 def _float8(name: str, qmax: float) -> Any:

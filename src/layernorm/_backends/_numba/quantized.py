@@ -61,8 +61,11 @@ Quantization of one row (the contract's formula, in float32):
 The quantization runs on SIMD vectors (:func:`._simd.vabsmax`, :func:`._simd.store_int8`,
 :func:`._simd.store_float8_e4m3fn`, :func:`._simd.store_float8_e5m2`): integer operations
 on bit patterns, IEEE comparisons and one exact rounding step per lane, so every lane
-gets what the scalar formula gives. Codes are written to a ``uint8`` view of the
-output (int8 as its two's-complement byte). The format reaches the kernels as a tag
+gets what the scalar formula gives. An int8 row with its own dynamic scale whose
+inverse is positive and finite stores its codes without the NaN and saturation
+steps, which none of its lanes can reach (:func:`bounded_row`,
+:func:`._simd.store_int8_bounded`). Codes are written to a ``uint8`` view of the output
+(int8 as its two's-complement byte). The format reaches the kernels as a tag
 (:data:`FORMAT_TAGS`: an empty array whose dtype stands for it), so each format is a
 specialization of its own and a call compiles only the format it asks for. The
 accumulation precision must be float32 (float16, bfloat16 or float32 input); float64
@@ -104,6 +107,7 @@ from ._simd import (
     store_float8_e4m3fn,
     store_float8_e5m2,
     store_int8,
+    store_int8_bounded,
     times_w,
     vabsmax,
     vaddress,
@@ -289,6 +293,45 @@ def _store_codes_typed(fmt, view, vec, r, i):
     return lambda fmt, view, vec, r, i: store(view, vec, r, i)
 
 
+def has_bounded_store(fmt):
+    """Whether the format tagged ``fmt`` has a faster store for the vectors of a row
+    quantized with its own dynamic scale (:func:`._simd.store_int8_bounded`; int8
+    only): known when compiling, so the other formats compile no second loop."""
+    return fmt.dtype == np.int8
+
+
+@overload(has_bounded_store)
+def _has_bounded_store_typed(fmt):
+    flag = fmt.dtype == types.int8
+    return lambda fmt: flag
+
+
+def store_bounded_codes(fmt, view, vec, r, i):
+    """:func:`store_codes` of a vector of a row quantized with its own dynamic scale
+    whose inverse is positive and finite (see :func:`bounded_row`)."""
+    store_int8_bounded(view, vec, r, i)
+
+
+@overload(store_bounded_codes)
+def _store_bounded_codes_typed(fmt, view, vec, r, i):
+    store = store_int8_bounded if fmt.dtype == types.int8 else {
+        types.uint8: store_float8_e4m3fn, types.uint16: store_float8_e5m2}[fmt.dtype]
+    return lambda fmt, view, vec, r, i: store(view, vec, r, i)
+
+
+@njit(inline="always", error_model="numpy")
+def bounded_row(fmt, own, inv):
+    """Whether a row's codes may take :func:`store_bounded_codes`: ``own``, its
+    ``inv`` computed from the row's own ``amax`` (a dynamic scale), and ``inv``
+    positive and finite. Then ``amax`` is finite (a NaN or infinite ``amax`` makes
+    ``inv`` NaN or 0) and so is every ``y32``, and ``|y32 * inv| <= amax * inv``,
+    within a few units in the last place of ``qmax`` (``1 / inv`` is a normal float32
+    or, if subnormal, at least ``2**-128``: 21 bits of precision): no lane is NaN or
+    anywhere near ``2**31``."""
+    return (has_bounded_store(fmt) and own and inv > np.float32(0.0)
+            and inv < np.float32(np.inf))
+
+
 @njit(inline="always", error_model="numpy")
 def inverse_of(top, r, fmt, scale_out):
     """``1 / scale`` of row ``r`` from ``top``, the :func:`._simd.vabsmax` of its ``y32``
@@ -345,19 +388,26 @@ def prefetch_ahead(address, start, i, step):
 
 
 @njit(inline="always", error_model="numpy")
-def quantize_row(yv, qv, tv, k, r, n, fmt, inv, ahead, ahead_from, ahead_step):
+def quantize_row(yv, qv, tv, k, r, n, fmt, inv, ahead, ahead_from, ahead_step, own):
     """Row ``k`` of the float32 block view ``yv`` times ``inv``, quantized into row ``r``
     of ``qv``. A row's codes after its last whole vector are those of its last
     ``LANES`` elements (stored again, the same); in a row shorter than ``LANES`` they go
     through ``tv``, a one-vector uint8 scratch row (``yv``'s padding zeros are never
     stored). Unless ``ahead`` is None, each
-    vector prefetches (:func:`prefetch_ahead`) from byte ``ahead_from`` after ``ahead``."""
+    vector prefetches (:func:`prefetch_ahead`) from byte ``ahead_from`` after ``ahead``.
+    ``own``: ``inv`` is the row's dynamic scale's (:func:`bounded_row`)."""
     body = n // LANES * LANES
     iv = splat(inv)
-    for i in range(0, body, LANES):
-        if ahead is not None:
-            prefetch_ahead(ahead, ahead_from, i, ahead_step)
-        store_codes(fmt, qv, vload(yv, k, i) * iv, r, i)
+    if bounded_row(fmt, own, inv):
+        for i in range(0, body, LANES):
+            if ahead is not None:
+                prefetch_ahead(ahead, ahead_from, i, ahead_step)
+            store_bounded_codes(fmt, qv, vload(yv, k, i) * iv, r, i)
+    else:
+        for i in range(0, body, LANES):
+            if ahead is not None:
+                prefetch_ahead(ahead, ahead_from, i, ahead_step)
+            store_codes(fmt, qv, vload(yv, k, i) * iv, r, i)
     if body < n and n >= LANES:
         # the row's last LANES codes (those before the tail stored again, the same)
         store_codes(fmt, qv, vload(yv, k, n - LANES) * iv, r, n - LANES)
@@ -376,7 +426,7 @@ def quantize_rows_ahead(yv, qv, tv, xv, rows, stop, r0, n, fmt, invs):
     last = vaddress(xv, rows - 1, 0)
     for k in range(stop):
         quantize_row(yv, qv, tv, k, r0 + k, n, fmt, invs[k], last,
-                     (k + 1) * n * itemsize(xv), itemsize(xv))
+                     (k + 1) * n * itemsize(xv), itemsize(xv), True)
 
 
 @njit(inline="always", error_model="numpy")
@@ -599,7 +649,7 @@ def ln_rows_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, i
                 # (see PIPELINED_ROW_ELEMENTS).
                 top = ln_row_y32(xv, k, yv, 0, n, shift, mean, rstd, wv, bv, soon)
                 quantize_row(yv, qv, bv8, 0, r, n, fmt, inverse_of(top, r, fmt, scale_out),
-                             soon, 0, itemsize(xv))
+                             soon, 0, itemsize(xv), True)
             else:
                 top = ln_row_y32(xv, k, yv, k, n, shift, mean, rstd, wv, bv, soon)
                 invs[k] = inverse_of(top, r, fmt, scale_out)
@@ -641,7 +691,7 @@ def rms_rows_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_ou
             elif block_codes is None:  # as in ln_rows_quant
                 top = rms_row_y32(xv, k, yv, 0, n, rstd, wv, soon)
                 quantize_row(yv, qv, bv8, 0, r, n, fmt, inverse_of(top, r, fmt, scale_out),
-                             soon, 0, itemsize(xv))
+                             soon, 0, itemsize(xv), True)
             else:
                 top = rms_row_y32(xv, k, yv, k, n, rstd, wv, soon)
                 invs[k] = inverse_of(top, r, fmt, scale_out)
@@ -697,7 +747,8 @@ def ln_short_quant_rows(xv, qv, qbv, wv, bv, tv, eps, n, mean_out, rstd_out, fmt
         if dynamic is not None:
             group_inverses(topv, imin(LANES, stop - first), r0 + first, fmt, scale_out, invs)
             for i in range(imin(LANES, stop - first)):
-                quantize_row(yv, qv, bv8, i, r0 + first + i, n, fmt, invs[i], None, 0, 0)
+                quantize_row(yv, qv, bv8, i, r0 + first + i, n, fmt, invs[i], None, 0, 0,
+                             True)
     alive(y32)
     alive(fbuf)
     alive(bbuf)
@@ -761,7 +812,7 @@ def ln_tiled_quant(xv, wv, bv, tv, eps, n, mean_out, rstd_out, q, fmt, dynamic, 
                 top = ln_tail_y32(xv, k, yv, k, n, stats[0, k], stats[1, k], stats[2, k],
                                   wv, bv, top)
             quantize_row(yv, qv, bv8, k, r, n, fmt, inverse_of(top, r, fmt, scale_out),
-                         None, 0, 0)
+                         None, 0, 0, True)
     alive(y32)
     alive(fbuf)
     alive(bbuf)
@@ -811,7 +862,7 @@ def rms_tiled_quant(xv, wv, eps, n, rstd_out, q, fmt, dynamic, inv_rows, scale_o
             if body < n:
                 top = rms_tail_y32(xv, k, yv, k, n, stats[2, k], wv, top)
             quantize_row(yv, qv, bv8, k, r, n, fmt, inverse_of(top, r, fmt, scale_out),
-                         None, 0, 0)
+                         None, 0, 0, True)
     alive(y32)
     alive(fbuf)
     alive(bbuf)
@@ -948,7 +999,8 @@ def _quantize_block(y32, q, r0, r1, fmt, dynamic, inv_rows, scale_out):
     for k in range(r1 - r0):
         invs[k] = row_inverse(yv, k, r0 + k, n, fmt, dynamic, inv_rows, scale_out)
     for k in range(r1 - r0):
-        quantize_row(yv, qv, tv, k, r0 + k, n, fmt, invs[k], None, 0, 0)
+        quantize_row(yv, qv, tv, k, r0 + k, n, fmt, invs[k], None, 0, 0,
+                     dynamic is not None)
     alive(tail)
     alive(invs)
 
