@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -140,3 +141,31 @@ def test_cli_roofline_rejects_what_it_does_not_measure(flag, capsys):
         cli.main(["bench", "--roofline", "--no-progress", *flag])
     assert info.value.code == 2
     assert "--roofline" in capsys.readouterr().err
+
+
+def test_ceiling_kernels_compute_layer_norm(tmp_path):
+    """benchmarks/ceiling.py compares the library with hand-written C of the same row
+    arithmetic: that C must be a correct LayerNorm (a fast wrong kernel is no ceiling),
+    on both of its paths (rows of 64 and 128 sixteen at a time, longer rows pipelined)."""
+    import platform
+
+    from benchmarks import ceiling
+
+    if platform.machine().lower() not in ("x86_64", "amd64") or not (
+            shutil.which("gcc") or shutil.which("cc")):
+        pytest.skip("needs gcc on x86-64")
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    binary = tmp_path / "ceiling_kernels"
+    done = subprocess.run([compiler, "-O3", "-march=native", "-o", str(binary),
+                           str(ceiling.SOURCE), "-lm"], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip("no AVX-512 here: " + done.stderr.strip().splitlines()[-1][:200])
+    for n, rows in [(64, 40), (128, 20), (256, 9), (1024, 3)]:
+        out = subprocess.run([str(binary), str(n), str(rows), "16", "2064"],
+                             capture_output=True, text=True, check=True).stdout.split()
+        ran, kernel_us, copy_us, error = int(out[0]), *map(float, out[1:])
+        assert ran == (rows // 16 * 16 if n <= 128 else rows)
+        assert kernel_us > 0 and copy_us > 0
+        assert error < 5e-6, (n, error)  # outputs of magnitude ~2 against float64
+    bad = subprocess.run([str(binary), "100", "8", "0", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "N must be" in bad.stderr
