@@ -351,7 +351,8 @@ def ln_row_out_and_sums(xr, yr, r, n, shift, mean, rstd, w, b, rn, nshift, write
     if blocked(n):  # the other blocks, closing each (rare, and long: a call)
         a, q, ta, tq = lane_sums_from(xr, rn, n, nshift, a, q, ta, tq, first)
         return a, q, ta, tq, done
-    a, q = lane_sums_tail(xr, rn, n, nshift, a, q)
+    if n % CHUNK != 0:  # a partial chunk or remainder elements (a call: rare lengths)
+        a, q = lane_sums_tail(xr, rn, n, nshift, a, q)
     return a, q, ta, tq, done
 
 
