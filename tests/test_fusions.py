@@ -859,6 +859,10 @@ def test_add_errors():
         ln.add_rms_norm(x, x, residual_dtype="float99")
     with pytest.raises(TypeError, match=r"residual_dtype must be .* got <class 'numpy.int32'>"):
         ln.add_rms_norm(x, x, residual_dtype=np.int32)
+    # a dtype's name is a dtype too: the wrong kind of dtype is a TypeError either way
+    for name in ("int8", "complex64", "bool"):
+        with pytest.raises(TypeError, match=rf"residual_dtype must be .* got '{name}'"):
+            ln.add_layer_norm(x, x, residual_dtype=name)
     with pytest.raises(ValueError, match="residual_out must have the dtype of h"):
         ln.add_rms_norm(x, x, residual_out=np.ones((2, 4), np.float64))
     with pytest.raises(ValueError, match="out must have the dtype of x"):

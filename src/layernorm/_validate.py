@@ -354,6 +354,18 @@ def check_quantize(quantize: Any) -> str | None:
     )
 
 
+def _names_a_dtype(name: str) -> bool:
+    """Whether NumPy knows ``name`` as a dtype (``"int8"``, ``"complex64"``); asked
+    only on the way to an error."""
+    import numpy as np
+
+    try:
+        np.dtype(name)
+    except TypeError:
+        return False
+    return True
+
+
 def check_residual_dtype(residual_dtype: Any) -> str | None:
     """Canonical name of ``residual_dtype=`` (None stays None); a supported float only."""
     if residual_dtype is None:
@@ -361,8 +373,11 @@ def check_residual_dtype(residual_dtype: Any) -> str | None:
     if isinstance(residual_dtype, str):
         name = residual_dtype
         if name not in SUPPORTED:
-            raise ValueError(f"residual_dtype must be {_SUPPORTED_TEXT} (a dtype or its name), "
-                             f"got {residual_dtype!r}")
+            # The name of another kind of dtype ("int8") is the wrong type, as the dtype
+            # itself would be; a name that is no dtype ("float99") a wrong value.
+            error = TypeError if _names_a_dtype(name) else ValueError
+            raise error(f"residual_dtype must be {_SUPPORTED_TEXT} (a dtype or its name), "
+                        f"got {residual_dtype!r}")
         return name
     try:
         name = dtype_name(residual_dtype)
