@@ -1061,7 +1061,8 @@ def _int8_codes_avx512(builder, v, bounded=False):
     with signed saturation (everything below -128 becomes -128). The same integer as the
     portable path's saturate-then-round in every lane, in four instructions where that
     path compiles to six (NaN mask and zeroing, two clamps, the rounding addition, the
-    narrowing).
+    narrowing). ``bounded`` (no NaN lane, none beyond ``2**31``): the conversion and
+    the narrowing alone.
     """
     i16 = ir.IntType(16)
     i32x = ir.VectorType(_I32, WIDTH)
@@ -1083,56 +1084,49 @@ def _int8_codes_avx512(builder, v, bounded=False):
     return builder.call(narrow, [ints, ir.Constant(i8x, None), ir.Constant(i16, -1)])
 
 
-@intrinsic
-def store_int8(typingctx, view, vec, r, i):
-    """Store int8 codes of a float32 vector at ``[r, i]`` of a uint8 :class:`Raw`.
+def _int8_store(bounded: bool):
+    """An intrinsic storing int8 codes of a float32 vector at ``[r, i]`` of a uint8
+    :class:`Raw`: NaN becomes 0; the rest saturates to [-128, 127] and rounds half to
+    even (the bounds are integers, so saturating first gives the same integer).
 
-    NaN becomes 0; the rest saturates to [-128, 127] and rounds half to even (the bounds
-    are integers, so saturating first gives the same integer).
-    """
-    if not (isinstance(view, Raw) and view.dtype == types.uint8 and _is_f32_vec(vec)
-            and _int_ok(r, i)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = args[1]
-        if WIDTH == 16 and _has_feature("avx512f"):
-            return _store_bytes(context, builder, view, args, r, i,
-                                _int8_codes_avx512(builder, v), narrowed=True)
-        v = builder.select(builder.fcmp_unordered("uno", v, v), _f32_splat(0.0), v)
-        # v + 1.5 * 2**23 rounds v half to even to an integer k in [-128, 127] whose bit
-        # pattern is 0x4B400000 + k: its low byte is k's two's-complement byte (no
-        # subtraction, no conversion).
-        v = builder.fadd(_saturate(builder, v, -128.0, 127.0), _f32_splat(_ROUNDER))
-        return _store_bytes(context, builder, view, args, r, i, _bits_of(builder, v))
-
-    return types.none(view, vec, r, i), codegen
-
-
-@intrinsic
-def store_int8_bounded(typingctx, view, vec, r, i):
-    """:func:`store_int8` of a vector with no NaN lane and every lane below ``2**31`` in
+    ``bounded``: for vectors with no NaN lane and every lane below ``2**31`` in
     magnitude (a dynamic scale's ``y32 * inv`` of a finite row with a positive finite
-    ``inv``: within about ``qmax``): the same codes without the NaN and upper bounds,
+    ``inv``: within about ``qmax``), the same codes without the NaN and upper bounds,
     which such lanes never reach (the narrowing saturates, the conversion cannot
-    overflow). Measured, int8 with per-row scales into ``out=``, float32, 1 thread,
-    in cache, two alternating pairs of processes: LayerNorm (732, 256) 70.5-81.1 ->
+    overflow). Measured, int8 with per-row scales into ``out=``, float32, 1 thread, in
+    cache, two alternating pairs of processes: LayerNorm (732, 256) 70.5-81.1 ->
     66.6-70.9 us, (183, 1024) 53.1-60.7 -> 48.2-52.5 us; RMSNorm 48.4-55.5 -> 45.6-50.1
     and 38.9-44.8 -> 34.6-38.4 us; from DRAM within the noise.
     """
-    if not (isinstance(view, Raw) and view.dtype == types.uint8 and _is_f32_vec(vec)
-            and _int_ok(r, i)):
-        return None
 
-    def codegen(context, builder, sig, args):
-        v = args[1]
-        if WIDTH == 16 and _has_feature("avx512f"):
-            return _store_bytes(context, builder, view, args, r, i,
-                                _int8_codes_avx512(builder, v, bounded=True), narrowed=True)
-        v = builder.fadd(_saturate(builder, v, -128.0, 127.0), _f32_splat(_ROUNDER))
-        return _store_bytes(context, builder, view, args, r, i, _bits_of(builder, v))
+    def typer(typingctx, view, vec, r, i):
+        if not (isinstance(view, Raw) and view.dtype == types.uint8 and _is_f32_vec(vec)
+                and _int_ok(r, i)):
+            return None
 
-    return types.none(view, vec, r, i), codegen
+        def codegen(context, builder, sig, args):
+            v = args[1]
+            if WIDTH == 16 and _has_feature("avx512f"):
+                return _store_bytes(context, builder, view, args, r, i,
+                                    _int8_codes_avx512(builder, v, bounded), narrowed=True)
+            if not bounded:
+                v = builder.select(builder.fcmp_unordered("uno", v, v), _f32_splat(0.0), v)
+            # v + 1.5 * 2**23 rounds v half to even to an integer k in [-128, 127] whose
+            # bit pattern is 0x4B400000 + k: its low byte is k's two's-complement byte (no
+            # subtraction, no conversion).
+            v = builder.fadd(_saturate(builder, v, -128.0, 127.0), _f32_splat(_ROUNDER))
+            return _store_bytes(context, builder, view, args, r, i, _bits_of(builder, v))
+
+        return types.none(view, vec, r, i), codegen
+
+    return typer
+
+
+#: ``store_int8(view, vec, r, i)``: int8 codes of ``vec`` (:func:`_int8_store`).
+store_int8 = intrinsic(_int8_store(False))
+#: ``store_int8_bounded(view, vec, r, i)``: the same codes of a vector without NaN lanes
+#: and within ``2**31`` (:func:`_int8_store`).
+store_int8_bounded = intrinsic(_int8_store(True))
 
 
 def _float8_store(drop: int, min_normal: int, nan: int, qmax: float):
