@@ -191,10 +191,15 @@ static int compare(const void *p, const void *q) {
     return (d > 0) - (d < 0);
 }
 
-/* ROWS x N floats at OFFSET bytes past a 4 KiB boundary. */
-static float *placed(size_t count, int offset) {
-    char *base = aligned_alloc(4096, count * sizeof(float) + 8192);
-    return (float *)(base + offset);
+/* COUNT floats at OFFSET (< 4096) bytes past a 4 KiB boundary, in *BASE (to free). */
+static float *placed(size_t count, int offset, void **base) {
+    size_t bytes = (count * sizeof(float) + 8191) / 4096 * 4096;  /* a multiple of 4 KiB */
+    *base = aligned_alloc(4096, bytes);
+    if (*base == NULL) {
+        fprintf(stderr, "out of memory\n");
+        exit(1);
+    }
+    return (float *)((char *)*base + offset);
 }
 
 int main(int argc, char **argv) {
@@ -209,9 +214,16 @@ int main(int argc, char **argv) {
         return 2;
     }
     rows = short_rows ? rows / 16 * 16 : rows;
+    int x_offset = atoi(argv[3]), y_offset = atoi(argv[4]);
+    if (rows < 1 || x_offset < 0 || x_offset >= 4096 || y_offset < 0 || y_offset >= 4096) {
+        fprintf(stderr, "ROWS must be at least 1 (16 for N of 64 or 128) and the offsets "
+                        "0-4095\n");
+        return 2;
+    }
     size_t count = (size_t)rows * n;
-    float *x = placed(count, atoi(argv[3])), *y = placed(count, atoi(argv[4]));
-    float *w = placed(n, 0), *b = placed(n, 0);
+    void *blocks[4];
+    float *x = placed(count, x_offset, blocks), *y = placed(count, y_offset, blocks + 1);
+    float *w = placed(n, 0, blocks + 2), *b = placed(n, 0, blocks + 3);
     srand(0);
     for (size_t i = 0; i < count; i++) x[i] = (float)rand() / RAND_MAX;
     for (int i = 0; i < n; i++) {
@@ -260,5 +272,6 @@ int main(int argc, char **argv) {
         }
     }
     printf("%d %.3f %.3f %.3g\n", rows, tk[ROUNDS / 2] * 1e6, tc[ROUNDS / 2] * 1e6, worst);
+    for (int i = 0; i < 4; i++) free(blocks[i]);
     return 0;
 }

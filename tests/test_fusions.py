@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -859,10 +860,19 @@ def test_add_errors():
         ln.add_rms_norm(x, x, residual_dtype="float99")
     with pytest.raises(TypeError, match=r"residual_dtype must be .* got <class 'numpy.int32'>"):
         ln.add_rms_norm(x, x, residual_dtype=np.int32)
-    # a dtype's name is a dtype too: the wrong kind of dtype is a TypeError either way
-    for name in ("int8", "complex64", "bool"):
-        with pytest.raises(TypeError, match=rf"residual_dtype must be .* got '{name}'"):
+    # a dtype's name is a dtype too: the wrong kind of dtype is a TypeError either way,
+    # and NumPy's other names of a float dtype are that dtype, as the dtype objects are
+    for name in ("int8", "complex64", "bool", "i4,i4", "U"):
+        with pytest.raises(TypeError, match=r"residual_dtype must be .* got '"):
             ln.add_layer_norm(x, x, residual_dtype=name)
+    for name, want in (("f4", np.float32), ("<f4", np.float32), ("single", np.float32),
+                       ("float", np.float64), ("double", np.float64), ("half", np.float16)):
+        assert ln.add_layer_norm(x, x, residual_dtype=name)[1].dtype == want
+        assert ln.add_layer_norm(x, x, residual_dtype=np.dtype(name))[1].dtype == want
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # NumPy's deprecated codes warn: never ours to show
+        with pytest.raises(TypeError, match="residual_dtype must be"):
+            ln.add_layer_norm(x, x, residual_dtype="a")
     with pytest.raises(ValueError, match="residual_out must have the dtype of h"):
         ln.add_rms_norm(x, x, residual_out=np.ones((2, 4), np.float64))
     with pytest.raises(ValueError, match="out must have the dtype of x"):

@@ -169,3 +169,5 @@ def test_ceiling_kernels_compute_layer_norm(tmp_path):
         assert error < 5e-6, (n, error)  # outputs of magnitude ~2 against float64
     bad = subprocess.run([str(binary), "100", "8", "0", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "N must be" in bad.stderr
+    few = subprocess.run([str(binary), "64", "15", "0", "0"], capture_output=True, text=True)
+    assert few.returncode == 2 and "ROWS must be" in few.stderr

@@ -354,16 +354,20 @@ def check_quantize(quantize: Any) -> str | None:
     )
 
 
-def _names_a_dtype(name: str) -> bool:
-    """Whether NumPy knows ``name`` as a dtype (``"int8"``, ``"complex64"``); asked
-    only on the way to an error."""
+def _numpy_dtype_name(name: str) -> str | None:
+    """The canonical name of the dtype NumPy parses ``name`` as (``"f4"`` and
+    ``"single"`` name float32, ``"int8"`` int8), or None if it parses none; asked only
+    for names that are not canonical already."""
+    import warnings
+
     import numpy as np
 
-    try:
-        np.dtype(name)
-    except TypeError:
-        return False
-    return True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated codes such as "a" warn
+        try:
+            return dtype_name(np.dtype(name))
+        except TypeError:
+            return None
 
 
 def check_residual_dtype(residual_dtype: Any) -> str | None:
@@ -371,14 +375,17 @@ def check_residual_dtype(residual_dtype: Any) -> str | None:
     if residual_dtype is None:
         return None
     if isinstance(residual_dtype, str):
-        name = residual_dtype
-        if name not in SUPPORTED:
-            # The name of another kind of dtype ("int8") is the wrong type, as the dtype
-            # itself would be; a name that is no dtype ("float99") a wrong value.
-            error = TypeError if _names_a_dtype(name) else ValueError
-            raise error(f"residual_dtype must be {_SUPPORTED_TEXT} (a dtype or its name), "
-                        f"got {residual_dtype!r}")
-        return name
+        if residual_dtype in SUPPORTED:
+            return residual_dtype
+        # Another name NumPy knows is that dtype: a float ("f4", "single") as the dtype
+        # object is, another kind ("int8") the wrong type as the dtype itself would be;
+        # a name that is no dtype ("float99") is a wrong value.
+        name = _numpy_dtype_name(residual_dtype)
+        if name in SUPPORTED:
+            return name
+        error = ValueError if name is None else TypeError
+        raise error(f"residual_dtype must be {_SUPPORTED_TEXT} (a dtype or its name), "
+                    f"got {residual_dtype!r}")
     try:
         name = dtype_name(residual_dtype)
     except Exception:  # an object that is no dtype at all

@@ -1091,12 +1091,13 @@ def _int8_store(bounded: bool):
 
     ``bounded``: for vectors with no NaN lane and every lane below ``2**31`` in
     magnitude (a dynamic scale's ``y32 * inv`` of a finite row with a positive finite
-    ``inv``: within about ``qmax``), the same codes without the NaN and upper bounds,
-    which such lanes never reach (the narrowing saturates, the conversion cannot
-    overflow). Measured, int8 with per-row scales into ``out=``, float32, 1 thread, in
-    cache, two alternating pairs of processes: LayerNorm (732, 256) 70.5-81.1 ->
-    66.6-70.9 us, (183, 1024) 53.1-60.7 -> 48.2-52.5 us; RMSNorm 48.4-55.5 -> 45.6-50.1
-    and 38.9-44.8 -> 34.6-38.4 us; from DRAM within the noise.
+    ``inv``: within about ``qmax``), the same codes without the steps such lanes never
+    need: with AVX-512 the NaN mask and the upper clamp (the narrowing saturates, the
+    conversion cannot overflow), elsewhere the NaN select. Measured, int8 with per-row
+    scales into ``out=``, float32, 1 thread, in cache, two alternating pairs of
+    processes: LayerNorm (732, 256) 70.5-81.1 -> 66.6-70.9 us, (183, 1024) 53.1-60.7 ->
+    48.2-52.5 us; RMSNorm 48.4-55.5 -> 45.6-50.1 and 38.9-44.8 -> 34.6-38.4 us; from DRAM
+    within the noise.
     """
 
     def typer(typingctx, view, vec, r, i):

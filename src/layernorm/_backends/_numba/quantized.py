@@ -62,8 +62,8 @@ The quantization runs on SIMD vectors (:func:`._simd.vabsmax`, :func:`._simd.sto
 :func:`._simd.store_float8_e4m3fn`, :func:`._simd.store_float8_e5m2`): integer operations
 on bit patterns, IEEE comparisons and one exact rounding step per lane, so every lane
 gets what the scalar formula gives. An int8 row with its own dynamic scale whose
-inverse is positive and finite stores its codes without the NaN and saturation
-steps, which none of its lanes can reach (:func:`bounded_row`,
+inverse is positive and finite stores its codes without the NaN step and (with
+AVX-512) the upper clamp, which none of its lanes need (:func:`bounded_row`,
 :func:`._simd.store_int8_bounded`). Codes are written to a ``uint8`` view of the output
 (int8 as its two's-complement byte). The format reaches the kernels as a tag
 (:data:`FORMAT_TAGS`: an empty array whose dtype stands for it), so each format is a
