@@ -48,15 +48,17 @@ def placed(rows: int, n: int, offset: int) -> np.ndarray:
 
 
 def compile_kernels(folder: Path) -> Path:
+    """The C kernels compiled into ``folder``; RuntimeError without a C compiler or
+    without AVX-512."""
     compiler = shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        sys.exit("ceiling.py needs a C compiler (gcc)")
+        raise RuntimeError("ceiling.py needs a C compiler (gcc)")
     binary = folder / "ceiling_kernels"
     done = subprocess.run([compiler, "-O3", "-march=native", "-o", str(binary), str(SOURCE),
                            "-lm"], capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"compiling {SOURCE.name} failed (an AVX-512 CPU is needed):\n"
-                 f"{done.stderr}")
+        raise RuntimeError(f"compiling {SOURCE.name} failed (an AVX-512 CPU is needed):\n"
+                           f"{done.stderr}")
     return binary
 
 
@@ -76,7 +78,10 @@ def library_fraction(n: int, rows: int, x_offset: int, y_offset: int) -> tuple[f
 def main(sizes: list[int]) -> None:
     numba.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
-        binary = compile_kernels(Path(folder))
+        try:
+            binary = compile_kernels(Path(folder))
+        except RuntimeError as error:
+            sys.exit(str(error))
         print("LayerNorm forward, float32, 1 thread, in cache (x and y 1.5 MB, reused)")
         print(f"{'rows x n':>11} {'x/y offset':>11} {'C us':>8} {'C / memcpy':>11} "
               f"{'C error':>8} {'layernorm us':>13} {'/ np.copyto':>12}")

@@ -308,15 +308,19 @@ def _has_bounded_store_typed(fmt):
 
 def store_bounded_codes(fmt, view, vec, r, i):
     """:func:`store_codes` of a vector of a row quantized with its own dynamic scale
-    whose inverse is positive and finite (see :func:`bounded_row`)."""
-    store_int8_bounded(view, vec, r, i)
+    whose inverse is positive and finite (see :func:`bounded_row`): int8's bounded
+    store, the other formats' own."""
+    if has_bounded_store(fmt):
+        store_int8_bounded(view, vec, r, i)
+    else:
+        store_codes(fmt, view, vec, r, i)
 
 
 @overload(store_bounded_codes)
 def _store_bounded_codes_typed(fmt, view, vec, r, i):
-    store = store_int8_bounded if fmt.dtype == types.int8 else {
-        types.uint8: store_float8_e4m3fn, types.uint16: store_float8_e5m2}[fmt.dtype]
-    return lambda fmt, view, vec, r, i: store(view, vec, r, i)
+    if fmt.dtype == types.int8:
+        return lambda fmt, view, vec, r, i: store_int8_bounded(view, vec, r, i)
+    return lambda fmt, view, vec, r, i: store_codes(fmt, view, vec, r, i)
 
 
 @njit(inline="always", error_model="numpy")
