@@ -770,6 +770,59 @@ def test_the_autograd_node_runs_the_numpy_short_paths(monkeypatch, short_path_in
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("rms", [False, True])
+def test_recorded_calls_go_straight_to_the_autograd_node(monkeypatch, dtype, rms):
+    """A call that autograd records (grad mode on, an input requiring grad) on dense CPU
+    tensors reaches our node without the general route's per-call checks, with the
+    general route's bits for y, the statistics and every gradient; what that route would
+    refuse is refused alike, and what the node cannot view goes the general way."""
+    from layernorm._adapters import torch as adapter
+
+    tdt = TORCH_DTYPES[dtype]
+    n = 80
+
+    def run(**kw):
+        x = _randn(6, n, seed=74, dtype=tdt, loc=-1.5).requires_grad_()
+        w = _randn(n, seed=75, dtype=tdt).requires_grad_()
+        b = _randn(n, seed=76, dtype=tdt).requires_grad_()
+        gy = _randn(6, n, seed=77, dtype=tdt)
+        outs = (ln.rms_norm(x, n, w, return_stats=True, **kw) if rms else
+                ln.layer_norm(x, n, w, b, return_stats=True, **kw))
+        assert outs[0].grad_fn.name() == "_NormFunctionBackward"
+        assert all(not s.requires_grad for s in outs[1:])
+        outs[0].backward(gy)
+        return (*(t.detach() for t in outs), x.grad, w.grad, None if rms else b.grad)
+
+    general = run(backend="numba")  # the general route: its checks, then the node
+    checked = []
+    real_check = adapter._check_inputs
+    monkeypatch.setattr(adapter, "_check_inputs",
+                        lambda *a, **k: (checked.append(1), real_check(*a, **k))[1])
+    recorded = run()
+    assert not checked
+    for got, want in zip(recorded, general, strict=True):
+        if want is None:
+            assert got is None
+            continue
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    # Refused alike: a weight of another shape; a NumPy weight beside a tensor.
+    x = _randn(6, n, seed=78, dtype=tdt).requires_grad_()
+    call = ln.rms_norm if rms else ln.layer_norm
+    for bad, error in ((_randn(n + 1, seed=79, dtype=tdt).requires_grad_(), ValueError),
+                       (np.ones(n, np.float32), TypeError)):
+        messages = []
+        for kw in ({}, {"backend": "numba"}):
+            with pytest.raises(error) as info:
+                call(x, n, bad, **kw)
+            messages.append(str(info.value))
+        assert messages[0] == messages[1]
+    # What the node's views cannot read goes the general way (its checks run).
+    checked.clear()
+    y = call(x._neg_view(), n, _randn(n, seed=80, dtype=tdt).requires_grad_())
+    assert checked and y.grad_fn is not None
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 def test_offset_gains_take_the_numpy_short_path(short_path_inputs, dtype):
     """``weight_offset`` without autograd runs the NumPy short path with the gain formed

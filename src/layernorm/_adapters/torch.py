@@ -539,12 +539,18 @@ SHORT_PATH_TYPES = (torch.Tensor, torch.nn.Parameter)
 _NUMPY_VIEWABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
+#: What :func:`_numpy_views` returns where autograd records the call (grad mode on, an
+#: input requiring grad): :func:`short_layer_norm` then hands it to the autograd node
+#: itself (:func:`_recordable`).
+RECORDED: list[Any] = []
+
+
 def _numpy_views(*tensors: Any) -> list[Any] | None:
     """Zero-copy NumPy views of CPU tensors (None stays None) for the NumPy short path,
-    or None where the call needs this adapter's general route: autograd recording it,
-    forward-mode AD or a ``torch.func`` transform, another device, dtype, layout or
-    tensor subclass, the lazy negation bit; ``torch.compile`` (fake tensors) or
-    ``torch.jit.trace`` recording the call."""
+    :data:`RECORDED` where autograd records the call, or None where the call needs this
+    adapter's general route: forward-mode AD or a ``torch.func`` transform, another
+    device, dtype, layout or tensor subclass, the lazy negation bit; ``torch.compile``
+    (fake tensors) or ``torch.jit.trace`` recording the call."""
     if (getattr(fwad, "_current_level", 0) >= 0 or _compiling() or _tracing()
             or _transform_level() is not None):
         # (A torch.func transform wraps its inputs; Tensor.numpy() hands out unrelated
@@ -554,7 +560,7 @@ def _numpy_views(*tensors: Any) -> list[Any] | None:
         # Checked for every tensor before any view is made: autograd records the call.
         for t in tensors:
             if type(t) in SHORT_PATH_TYPES and t.requires_grad:
-                return None
+                return RECORDED
     views = []
     for t in tensors:
         if t is None:
@@ -603,14 +609,58 @@ def _tensors(result: Any) -> Any:
     return from_numpy(result)
 
 
+#: The route of CPU tensors: the Numba kernels.
+_CPU_ROUTE = Route("torch", "numba")
+
+
+def _recordable(*tensors: Any) -> bool:
+    """Whether a recorded call (:data:`RECORDED`) of ``tensors`` may go straight to the
+    autograd node on :data:`_CPU_ROUTE`, as the general route would send it after its
+    checks: dense CPU tensors (None allowed) of a dtype the node's NumPy views read, none
+    wrapped by a ``torch.func`` transform or batched, none a zero tensor or with the
+    negation or conjugation bit (whose views the node's short forward cannot make).
+    :func:`_numpy_views` has ruled out forward-mode AD, ``torch.compile``,
+    ``torch.jit.trace`` and active transforms."""
+    for t in tensors:
+        if t is None:
+            continue
+        if (type(t) not in SHORT_PATH_TYPES or t.dtype not in _NUMPY_VIEWABLE
+                or not t.is_cpu or t.layout is not torch.strided or t.is_nested
+                or (_IS_WRAPPED is not None and _IS_WRAPPED(t))
+                or (_IS_BATCHED is not None and _IS_BATCHED(t)) or t._is_zerotensor()
+                or t.is_neg() or t.is_conj()):
+            return False
+    return True
+
+
+def _recorded_norm(rms: bool, x: Any, normalized_shape: Any, weight: Any, bias: Any,
+                   eps: Any, axis: Any, return_stats: bool) -> Any:
+    """A recorded call through the autograd node (:class:`_NormFunction`), without the
+    general route's per-call checks, which :func:`_recordable` stands for (a one-row
+    call spent about half its time in them); None where it does not apply."""
+    if not _recordable(x, weight, bias):
+        return None
+    if rms:
+        y, rstd = _NormFunction.apply(x, weight, None,
+                                      (_CPU_ROUTE, True, normalized_shape, eps, axis))
+        return (y, rstd) if return_stats else y
+    y, mean, rstd = _NormFunction.apply(x, weight, bias,
+                                        (_CPU_ROUTE, False, normalized_shape, eps, axis))
+    return (y, mean, rstd) if return_stats else y
+
+
 def short_layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any,
                      axis: Any, return_stats: bool, weight_offset: Any = None) -> Any:
     """:func:`layernorm.layer_norm` of CPU tensors through the NumPy short path
     (:mod:`layernorm._fast`) on zero-copy views: the same kernels and bits as the general
     route, without its per-call conversions (an offset gain formed as that route forms
-    it, :func:`layernorm._fast.offset_weight`; None: not given). None where that path
-    does not take the call (then the caller goes the general way)."""
+    it, :func:`layernorm._fast.offset_weight`; None: not given); a call autograd records
+    (without an offset) straight through the autograd node. None where that path does
+    not take the call (then the caller goes the general way)."""
     views = _numpy_views(x, weight, bias)
+    if views is RECORDED:
+        return None if weight_offset is not None else _recorded_norm(
+            False, x, normalized_shape, weight, bias, eps, axis, return_stats)
     if views is None:
         return None
     w = _gain_view(views, weight_offset)
@@ -624,6 +674,9 @@ def short_rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: A
                    return_stats: bool, weight_offset: Any = None) -> Any:
     """:func:`short_layer_norm` for :func:`layernorm.rms_norm`."""
     views = _numpy_views(x, weight)
+    if views is RECORDED:
+        return None if weight_offset is not None else _recorded_norm(
+            True, x, normalized_shape, weight, None, eps, axis, return_stats)
     if views is None:
         return None
     w = _gain_view(views, weight_offset)
@@ -656,7 +709,7 @@ def _short_backward(route: Route, rms: bool, grad_y: Any, x: Any, mean: Any, rst
             bias is not None and bias.dtype != (x if weight is None else weight).dtype):
         return None
     views = _numpy_views(grad_y, x, mean, rstd, weight)
-    if views is None:
+    if views is None or views is RECORDED:
         return None
     grads = _fast_backward.gradients(views[0], views[1], views[2], views[3], views[4], ns,
                                      axis, None, rms)
