@@ -770,6 +770,44 @@ def test_the_autograd_node_runs_the_numpy_short_paths(monkeypatch, short_path_in
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_small_cpu_add_norm_calls_take_the_numpy_short_path(monkeypatch, dtype):
+    """``add_layer_norm``/``add_rms_norm`` of CPU tensors that autograd does not record
+    run the NumPy fused path on zero-copy views: the general route's bits for y, h and
+    the statistics (a float32 residual beside 16-bit x too, and a weight offset)."""
+    from layernorm import _fast_add
+
+    seen = []
+    real = _fast_add.add_norm
+    monkeypatch.setattr(_fast_add, "add_norm",
+                        lambda *a: (seen.append(type(a[0])), real(*a))[1])
+    tdt = TORCH_DTYPES[dtype]
+    for shape, rdt in (((1, 768), tdt), ((7, 300), torch.float32), ((3, 4, 64), tdt)):
+        n = shape[-1]
+        x = _randn(*shape, seed=81, dtype=tdt, loc=2.0)
+        r = _randn(*shape, seed=82, dtype=rdt, loc=-1.0)
+        w, b = _randn(n, seed=83, dtype=tdt), _randn(n, seed=84, dtype=tdt)
+        for kw in ({}, {"weight_offset": 1.0}):
+            for _ in range(2):  # the first call of a process may go the general way
+                seen.clear()
+                ours = (*ln.add_layer_norm(x, r, n, w, b, return_stats=True, **kw),
+                        *ln.add_rms_norm(x, r, n, w, return_stats=True, **kw))
+            assert seen == [np.ndarray, np.ndarray]
+            general = (*ln.add_layer_norm(x, r, n, w, b, return_stats=True, backend="numba",
+                                          **kw),
+                       *ln.add_rms_norm(x, r, n, w, return_stats=True, backend="numba", **kw))
+            for mine, theirs in zip(ours, general, strict=True):
+                assert type(mine) is torch.Tensor and mine.dtype == theirs.dtype
+                assert mine.shape == theirs.shape and torch.equal(mine, theirs)
+    # Not taken: a residual that is not a tensor (the general route's TypeError), and a
+    # call autograd records.
+    seen.clear()
+    with pytest.raises(TypeError, match="residual"):
+        ln.add_layer_norm(x, r.numpy() if rdt != torch.bfloat16 else np.ones(3), n, w, b)
+    y, _ = ln.add_rms_norm(x, r, n, w.clone().requires_grad_())
+    assert y.grad_fn is not None and not seen
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("rms", [False, True])
 def test_recorded_calls_go_straight_to_the_autograd_node(monkeypatch, dtype, rms):

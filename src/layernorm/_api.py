@@ -425,6 +425,14 @@ def _add_norm(x: Any, residual: Any, normalized_shape: Any, weight: Any, bias: A
                                                    return_stats, out, residual_out, rms))
             if result is not None:
                 return result
+    elif (type(x) in _TORCH_TENSORS and backend is None and out is None
+            and residual_out is None and quantize is None and scale is None
+            and residual_dtype is None):
+        result = _adapter("torch").short_add_norm(
+            x, residual, normalized_shape, weight, bias, eps, axis,
+            None if _no_offset(weight_offset) else weight_offset, return_stats, rms)
+        if result is not None:
+            return result
     where = route(x, backend)
     extras = {"weight_offset": weight_offset, "residual_dtype": residual_dtype,
               "quantize": quantize, "scale": scale, "return_stats": return_stats, "out": out,

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.autograd.forward_ad as fwad
 
-from .. import _engine, _fast, _fast_backward
+from .. import _engine, _fast, _fast_add, _fast_backward
 from .._dispatch import Route, check_companions, given_array
 from .._dtypes import accumulation_name, dtype_name
 from .._validate import check_float_dtype, check_no_internal_overlap, check_out
@@ -686,6 +686,24 @@ def short_rms_norm(x: Any, normalized_shape: Any, weight: Any, eps: Any, axis: A
                                    return_stats, None))
 
 
+def short_add_norm(x: Any, residual: Any, normalized_shape: Any, weight: Any, bias: Any,
+                   eps: Any, axis: Any, weight_offset: Any, return_stats: bool,
+                   rms: bool) -> Any:
+    """:func:`layernorm.add_layer_norm` (``rms``: :func:`layernorm.add_rms_norm`, ``bias``
+    None) of CPU tensors through the NumPy short path (:mod:`layernorm._fast_add`) on
+    zero-copy views, as :func:`short_layer_norm` does (a call autograd records goes the
+    general way, to its autograd node). None where that path does not take the call."""
+    views = _numpy_views(x, residual, weight, bias)
+    if views is None or views is RECORDED:
+        return None
+    w = views[2] if weight_offset is None else _fast.offset_weight(views[0], views[2],
+                                                                   weight_offset)
+    if w is _fast.GENERAL:
+        return None
+    return _tensors(_fast_add.add_norm(views[0], views[1], normalized_shape, w, views[3],
+                                       eps, axis, None, return_stats, None, None, rms))
+
+
 def _short_forward(route: Route, rms: bool, x: Any, ns: Any, weight: Any, bias: Any,
                    eps: Any, axis: Any) -> tuple[Any, Any, Any] | None:
     """``(y, mean, rstd)`` (``mean`` None for RMSNorm) of the autograd node's forward
@@ -1083,4 +1101,5 @@ add_norm = _eager(add_norm)
 
 __all__ = ["CPU_BRIDGE", "SHORT_PATH_TYPES", "Bridge", "add_norm", "backward_with",
            "forward_with", "from_numpy", "layer_norm", "layer_norm_backward", "rms_norm",
-           "rms_norm_backward", "short_layer_norm", "short_rms_norm", "to_numpy"]
+           "rms_norm_backward", "short_add_norm", "short_layer_norm", "short_rms_norm",
+           "to_numpy"]
