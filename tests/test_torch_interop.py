@@ -799,13 +799,59 @@ def test_small_cpu_add_norm_calls_take_the_numpy_short_path(monkeypatch, dtype):
             for mine, theirs in zip(ours, general, strict=True):
                 assert type(mine) is torch.Tensor and mine.dtype == theirs.dtype
                 assert mine.shape == theirs.shape and torch.equal(mine, theirs)
-    # Not taken: a residual that is not a tensor (the general route's TypeError), and a
-    # call autograd records.
+    # Not taken: a residual that is not a tensor (the general route's TypeError); a call
+    # autograd records goes to the autograd node (whose forward runs the fused path).
     seen.clear()
     with pytest.raises(TypeError, match="residual"):
         ln.add_layer_norm(x, r.numpy() if rdt != torch.bfloat16 else np.ones(3), n, w, b)
+    assert not seen
     y, _ = ln.add_rms_norm(x, r, n, w.clone().requires_grad_())
-    assert y.grad_fn is not None and not seen
+    assert y.grad_fn.name() == "_AddNormFunctionBackward"
+
+
+@pytest.mark.parametrize(("dtype", "rdtype"), [("float32", "float32"),
+                                              ("bfloat16", "bfloat16"),
+                                              ("float16", "float32")])
+@pytest.mark.parametrize("rms", [False, True])
+def test_the_add_norm_node_runs_the_numpy_fused_path(monkeypatch, dtype, rdtype, rms):
+    """The autograd node of a recorded ``add_`` call computes its forward on the NumPy
+    fused short path (h in the residual's dtype): the general route's bits for y, h and
+    every gradient; with ``residual_dtype`` another dtype, the general route."""
+    from layernorm import _fast_add
+    from layernorm._adapters import torch as adapter
+
+    calls = []
+    real = _fast_add.add_norm
+    monkeypatch.setattr(_fast_add, "add_norm", lambda *a: (calls.append(1), real(*a))[1])
+    tdt, rdt = TORCH_DTYPES[dtype], TORCH_DTYPES[rdtype]
+    n = 72
+
+    def run(**kw):
+        x = _randn(5, n, seed=85, dtype=tdt, loc=1.0).requires_grad_()
+        r = _randn(5, n, seed=86, dtype=rdt, loc=-2.0).requires_grad_()
+        w = _randn(n, seed=87, dtype=tdt).requires_grad_()
+        b = _randn(n, seed=88, dtype=tdt).requires_grad_()
+        gy, gh = _randn(5, n, seed=89, dtype=tdt), _randn(5, n, seed=90, dtype=rdt)
+        y, h = (ln.add_rms_norm(x, r, n, w, weight_offset=0.5, **kw) if rms
+                else ln.add_layer_norm(x, r, n, w, b, **kw))
+        torch.autograd.backward((y, h), (gy, gh.to(h.dtype)))
+        return y.detach(), h.detach(), x.grad, r.grad, w.grad, None if rms else b.grad
+
+    fast = run()
+    assert calls
+    monkeypatch.setattr(adapter, "short_add_norm", lambda *a: None)
+    calls.clear()
+    general = run()
+    assert not calls
+    for got, want in zip(fast, general, strict=True):
+        if want is None:
+            assert got is None
+            continue
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    monkeypatch.undo()
+    monkeypatch.setattr(_fast_add, "add_norm", lambda *a: (calls.append(1), real(*a))[1])
+    run(residual_dtype=torch.float64)
+    assert not calls
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -976,8 +976,15 @@ class _AddNormFunction(torch.autograd.Function):
     def forward(ctx: Any, x: Any, residual: Any, gain: Any, bias: Any,
                 spec: tuple[Any, ...]) -> Any:
         route, rms, ns, eps, axis, add, h_name = spec
-        y, h, _, mean, rstd = _add_forward(route, rms, x, residual, ns, gain, bias, eps, axis,
-                                           add, h_name, None, None, None, None)
+        short = None
+        if route.backend == "numba" and h_name == dtype_name(residual.dtype):
+            # The NumPy fused short path (grad mode is off here), h in residual's dtype.
+            short = short_add_norm(x, residual, ns, gain, bias, eps, axis, None, True, rms)
+        if short is not None:
+            y, h, mean, rstd = (short[0], short[1], None, short[2]) if rms else short
+        else:
+            y, h, _, mean, rstd = _add_forward(route, rms, x, residual, ns, gain, bias, eps,
+                                               axis, add, h_name, None, None, None, None)
         ctx.spec = spec
         ctx.dtypes = (x.dtype, residual.dtype)
         ctx.save_for_backward(h, gain, bias, mean, rstd)
