@@ -1324,6 +1324,48 @@ def test_jit_trace_records_the_computation_not_its_result():
                                rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["real", "fake"])
+def test_make_fx_records_the_computation_not_its_result(mode):
+    """``make_fx`` (a proxy dispatch mode; with ``tracing_mode="fake"``, fake tensors)
+    records torch's operations only: a graph traced through the kernels returned the
+    traced input's output for every input. Norms, the fused add, the backward and a
+    gradient through our autograd node, each traced and run on another input."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    example = _randn(3, 8, seed=67, dtype=torch.float32)
+    other = _randn(3, 8, seed=68, dtype=torch.float32) * 5 + 2
+    w = _randn(8, seed=69, dtype=torch.float32)
+    calls = {
+        "layer_norm": lambda t, w: ln.layer_norm(t, 8, w, w),
+        "rms_norm": lambda t, w: ln.rms_norm(t, 8, w),
+        "add_layer_norm": lambda t, w: ln.add_layer_norm(t, t.cos(), 8, w)[0],
+        "backward": lambda t, w: ln.layer_norm_backward(
+            t.sin(), t, *ln.layer_norm(t, 8, w, return_stats=True)[1:], w)[0],
+        "grad": lambda t, w: torch.autograd.grad(ln.layer_norm(t, 8, w).pow(3).sum(), t)[0],
+    }
+    for name, fn in calls.items():
+        src = example.clone().requires_grad_() if name == "grad" else example
+        graph = make_fx(fn, tracing_mode=mode)(src, w)
+        arg = other.clone().requires_grad_() if name == "grad" else other
+        want = fn(arg, w)
+        torch.testing.assert_close(graph(arg, w), want, rtol=1e-5, atol=1e-5, msg=name)
+        assert not torch.allclose(fn(src, w), want, atol=1e-2), name
+
+
+@pytest.mark.parametrize("module", ["LayerNorm", "RMSNorm"])
+def test_torch_export_of_the_modules(module):
+    """``torch.export`` traces with fake tensors (no data for a kernel): the drop-in
+    modules export as torch's do, and the program computes the norm of a new input."""
+    import layernorm.torch as lnt
+
+    ours = getattr(lnt, module)(8)
+    with torch.no_grad():
+        ours.weight.copy_(_randn(8, seed=70, dtype=torch.float32))
+    program = torch.export.export(ours, (_randn(3, 8, seed=71, dtype=torch.float32),))
+    other = _randn(3, 8, seed=72, dtype=torch.float32) * 3 - 1
+    torch.testing.assert_close(program.module()(other), ours(other), rtol=1e-5, atol=1e-5)
+
+
 def test_torch_calls_do_not_import_dynamo():
     # torch.compiler.disable imports torch._dynamo, about a second of a first call: the
     # adapter calls it only where Dynamo already traces the call.

@@ -142,13 +142,28 @@ def _tracing() -> bool:
     return torch._C._get_tracing_state() is not None
 
 
+#: ``torch._C._len_torch_dispatch_stack``: how many Python dispatch modes are active
+#: (0 where this torch has none to tell).
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+
+
+def _traced() -> bool:
+    """Whether the call is recorded rather than run: ``torch.jit.trace``
+    (:func:`_tracing`) or a Python dispatch mode (``make_fx``'s proxy mode, the fake
+    tensors of ``torch.export`` and ``make_fx(tracing_mode="fake")``, any
+    ``TorchDispatchMode``). Such a recorder sees torch's own operations only: the
+    outputs the kernels write through NumPy it would keep as constants (a traced graph
+    then returns them for any input), and a fake tensor has no data to read."""
+    return _dispatch_modes() > 0 or _tracing()
+
+
 def _differentiable_route(route: Route, *tensors: Any) -> Route:
     """``route``, or the generic route where forward-mode AD needs tangents, a
-    ``torch.func`` transform wraps an input or ``torch.jit.trace`` records the call: the
-    kernels have no forward derivative, cannot read a wrapper and are invisible to a
-    trace; torch's own operations on the generic path are not."""
+    ``torch.func`` transform wraps an input or the call is recorded (:func:`_traced`):
+    the kernels have no forward derivative, cannot read a wrapper and are invisible to a
+    recorder; torch's own operations on the generic path are not."""
     if route.backend != "array_api" and (_has_tangent(*tensors) or _transformed(*tensors)
-                                         or _tracing()):
+                                         or _traced()):
         return Route(route.library, "array_api")
     return route
 
@@ -550,8 +565,8 @@ def _numpy_views(*tensors: Any) -> list[Any] | None:
     :data:`RECORDED` where autograd records the call, or None where the call needs this
     adapter's general route: forward-mode AD or a ``torch.func`` transform, another
     device, dtype, layout or tensor subclass, the lazy negation bit; ``torch.compile``
-    (fake tensors) or ``torch.jit.trace`` recording the call."""
-    if (getattr(fwad, "_current_level", 0) >= 0 or _compiling() or _tracing()
+    (fake tensors) or a recorder (:func:`_traced`)."""
+    if (getattr(fwad, "_current_level", 0) >= 0 or _compiling() or _traced()
             or _transform_level() is not None):
         # (A torch.func transform wraps its inputs; Tensor.numpy() hands out unrelated
         # memory for a functionalize wrapper.)
@@ -619,8 +634,8 @@ def _recordable(*tensors: Any) -> bool:
     checks: dense CPU tensors (None allowed) of a dtype the node's NumPy views read, none
     wrapped by a ``torch.func`` transform or batched, none a zero tensor or with the
     negation or conjugation bit (whose views the node's short forward cannot make).
-    :func:`_numpy_views` has ruled out forward-mode AD, ``torch.compile``,
-    ``torch.jit.trace`` and active transforms."""
+    :func:`_numpy_views` has ruled out forward-mode AD, ``torch.compile``, recorders
+    (:func:`_traced`) and active transforms."""
     for t in tensors:
         if t is None:
             continue
