@@ -69,6 +69,24 @@ def test_state_dict_round_trip_and_errors():
     with pytest.raises(TypeError, match=r"state_dict\['weight'\] is a numpy\.ma\.MaskedArray"):
         layer.load_state_dict({"weight": masked, "bias": np.ones(5)})
     np.testing.assert_array_equal(layer.state_dict()["weight"], state["weight"].astype(np.float32))
+    # torch's spelling: a mismatch caught as its RuntimeError; strict=False loads what is
+    # given and reports the rest.
+    with pytest.raises(RuntimeError, match=r"missing \['bias'\]"):
+        layer.load_state_dict({"weight": np.ones(5)})
+    before = layer.bias.copy()
+    result = layer.load_state_dict({"weight": np.full(5, 3.0), "step": 1}, strict=False)
+    assert result == (["bias"], ["step"])
+    assert result.missing_keys == ["bias"] and result.unexpected_keys == ["step"]
+    np.testing.assert_array_equal(layer.weight, 3.0)
+    np.testing.assert_array_equal(layer.bias, before)
+    assert layer.load_state_dict(layer.state_dict()) == ([], [])
+    with pytest.raises(ValueError, match=r"\(5,\).*\(4,\)"):
+        layer.load_state_dict({"weight": np.ones(4)}, strict=False)
+    with pytest.raises(TypeError, match="strict"):
+        layer.load_state_dict(state, strict="no")
+    plain = ln.RMSNorm(5, elementwise_affine=False)
+    assert plain.load_state_dict({"weight": np.ones(5)}, strict=False) == ([], ["weight"])
+    assert plain.weight is None
 
 
 def _torch_layer_norm(torch, n):

@@ -8,13 +8,33 @@ from __future__ import annotations
 
 import importlib
 import types
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ._api import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 from ._dtypes import SUPPORTED, array_library, dtype_name
 from ._validate import as_int_tuple, check_eps, check_weight_offset
+
+
+class IncompatibleKeys(NamedTuple):
+    """What :meth:`LayerNorm.load_state_dict` did not match, as torch's
+    ``load_state_dict`` returns it."""
+
+    #: The layer's parameters the state did not give.
+    missing_keys: list[str]
+    #: The state's keys that are no parameter of the layer.
+    unexpected_keys: list[str]
+
+
+class StateDictKeyError(KeyError, RuntimeError):
+    """Keys of a state that are not exactly a layer's parameters (``strict=True``): a
+    :class:`KeyError`, and a :class:`RuntimeError` as torch's ``load_state_dict``
+    raises."""
+
+    def __str__(self) -> str:
+        # KeyError's str() is the repr of its argument; the message reads plainly.
+        return str(self.args[0]) if self.args else ""
 
 
 def _resolve_dtype(xp: Any, dtype: Any) -> Any:
@@ -202,23 +222,51 @@ class _Norm:
     def _names(self) -> tuple[str, ...]:
         return tuple(n for n in self._param_names if getattr(self, n) is not None)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> IncompatibleKeys:
         """Load ``weight``/``bias`` (arrays or torch tensors of the right shape).
 
         The values are copied (cast to the layer's dtype, on its namespace and device),
         as torch's ``load_state_dict`` does: later changes to the source do not reach
         the layer.
+
+        Parameters
+        ----------
+        state : dict
+            ``{"weight": ..., "bias": ...}`` (the layer's parameters; none without
+            ``elementwise_affine``).
+        strict : bool, default True
+            Whether the keys must be exactly the layer's parameters (else
+            :class:`StateDictKeyError`, a :class:`KeyError` and, as torch raises, a
+            :class:`RuntimeError`). With False, the parameters given are loaded and the
+            other keys ignored, as in torch.
+
+        Returns
+        -------
+        IncompatibleKeys
+            ``(missing_keys, unexpected_keys)``, as torch returns them.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import layernorm as ln
+        >>> layer = ln.LayerNorm(3)
+        >>> layer.load_state_dict({"weight": np.full(3, 2.0), "step": 7}, strict=False)
+        IncompatibleKeys(missing_keys=['bias'], unexpected_keys=['step'])
+        >>> layer.weight
+        array([2., 2., 2.], dtype=float32)
         """
+        if type(strict) is not bool:
+            raise TypeError(f"strict must be True or False, got {strict!r}")
         expected = set(self._names())
         missing = sorted(expected - set(state))
         unexpected = sorted(set(state) - expected)
-        if missing or unexpected:
-            raise KeyError(
+        if strict and (missing or unexpected):
+            raise StateDictKeyError(
                 f"state_dict keys mismatch for {type(self).__name__}: missing {missing}, "
                 f"unexpected {unexpected}; expected exactly {sorted(expected)}"
             )
         values = {}
-        for name in expected:
+        for name in sorted(expected - set(missing)):
             value = state[name]
             if not hasattr(value, "shape"):
                 raise TypeError(f"state_dict[{name!r}] must be an array or tensor of shape "
@@ -234,6 +282,7 @@ class _Norm:
             values[name] = _copied_as(self._xp, value, self._dtype, self._device)
         for name, value in values.items():
             setattr(self, name, value)
+        return IncompatibleKeys(missing, unexpected)
 
     def __getstate__(self) -> dict[str, Any]:
         """The layer's state for :mod:`pickle` and :func:`copy.deepcopy`: its namespace
