@@ -234,3 +234,11 @@ def test_array_api_strict_arrays_on_different_devices_are_a_type_error():
     other = xps.Device("device1")
     with pytest.raises(TypeError, match="device"):
         ln.layer_norm(x, weight=xps.ones(4, dtype=xps.float64, device=other))
+
+
+@pytest.mark.parametrize("backend", ["numba", "cupy"])
+def test_a_native_backend_refused_names_the_arrays_library(backend):
+    x = xps.asarray(np.linspace(-1.0, 1.0, 8).reshape(2, 4))
+    with pytest.raises(ValueError, match=rf"backend='{backend}' needs a .* as x, got an "
+                                         r"array of array_api_strict \(Array\)"):
+        ln.layer_norm(x, backend=backend)

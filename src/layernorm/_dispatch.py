@@ -184,8 +184,9 @@ def _torch_backend(x: Any, backend: str | None) -> str:
     return "array_api"
 
 
-def backend_for(library: str, backend: str | None) -> str:
-    """The backend for arrays of ``library`` (not torch), or ``backend`` if it fits.
+def backend_for(library: str, backend: str | None, x: Any = None) -> str:
+    """The backend for arrays of ``library`` (not torch), or ``backend`` if it fits
+    (else a ``ValueError`` naming ``x``'s library, when given, for an array-API array).
 
     Examples
     --------
@@ -200,7 +201,9 @@ def backend_for(library: str, backend: str | None) -> str:
     if backend == "array_api" or backend == native:
         return backend
     needs = {"numba": "a NumPy array", "cupy": "a CuPy array"}[backend]
-    raise ValueError(f"backend={backend!r} needs {needs} as x, got a {library} array")
+    got = f"an array of {describe(x)}" if library == "array_api" and x is not None \
+        else f"a {library} array"
+    raise ValueError(f"backend={backend!r} needs {needs} as x, got {got}")
 
 
 def route(x: Any, backend: str | None = None) -> Route:
@@ -234,7 +237,7 @@ def route(x: Any, backend: str | None = None) -> Route:
         if blocks == "torch":
             return Route(library, _torch_backend(meta, backend))
         return Route(library, backend_for(blocks, backend))
-    return Route(library, backend_for(library, backend))
+    return Route(library, backend_for(library, backend, x))
 
 
 def backend_name(x: Any) -> str:
