@@ -176,6 +176,17 @@ def test_layer_dtype_and_namespace():
     layer64 = ln.LayerNorm(4, dtype="float64")
     x = np.random.default_rng(4).standard_normal((3, 4))
     assert layer64(x).dtype == np.float64
+    # NumPy's other names of a float dtype, as residual_dtype= takes them.
+    for name, want in (("f4", np.float32), ("<f8", np.float64), ("single", np.float32),
+                       ("half", np.float16), ("e", np.float16)):
+        assert ln.RMSNorm(4, dtype=name).weight.dtype == want, name
+    # Names of a namespace's other attributes are no dtype (np.e, np.sum, torch.e).
+    for name in ("pi", "sum", "nope"):
+        with pytest.raises(TypeError, match=rf"dtype '{name}' is not a dtype of numpy"):
+            ln.LayerNorm(4, dtype=name)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"dtype 'e' is not a dtype of torch"):
+        ln.LayerNorm(4, dtype="e", xp=torch)
     # Layers of every other library's namespace: test_contract.py.
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import types
+import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -50,10 +51,23 @@ def _resolve_dtype(xp: Any, dtype: Any) -> Any:
         import ml_dtypes
 
         return ml_dtypes.bfloat16
-    try:
-        return getattr(xp, dtype)
-    except AttributeError:
-        raise TypeError(f"dtype {dtype!r} is not a dtype of {xp.__name__}") from None
+    found = getattr(xp, dtype, None)
+    if found is not None:
+        try:  # a dtype, not another attribute of the namespace (np.e, torch.sum)
+            xp.empty((0,), dtype=found)
+            return found
+        except (TypeError, ValueError):
+            pass
+    if getattr(xp, "__name__", "") == "numpy":
+        # NumPy's other names of a dtype ("f4", "<f8"), as residual_dtype= takes them
+        # (its warning for deprecated codes is not shown).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                return np.dtype(dtype).type
+            except TypeError:
+                pass
+    raise TypeError(f"dtype {dtype!r} is not a dtype of {xp.__name__}")
 
 
 def _is_torch_tensor(value: Any) -> bool:
