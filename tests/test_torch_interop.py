@@ -1366,6 +1366,29 @@ def test_torch_export_of_the_modules(module):
     torch.testing.assert_close(program.module()(other), ours(other), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("module", ["LayerNorm", "RMSNorm"])
+def test_fx_symbolic_trace_records_the_modules_calls(module):
+    """``torch.fx.symbolic_trace`` of a model holding the drop-in modules records their
+    norm calls as graph nodes (run on the real tensors): the graph computes what the
+    model does, bit for bit. (Traced into with proxies, the library's Python refused.)"""
+    import layernorm.torch as lnt
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = getattr(lnt, module)(8, weight_offset=0.5)
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.lin(self.norm(t))
+
+    net = Net()
+    graph = torch.fx.symbolic_trace(net)
+    assert any(node.op == "call_function" and "norm" in node.name for node in graph.graph.nodes)
+    x = _randn(5, 8, seed=73, dtype=torch.float32) * 3 + 1
+    assert torch.equal(graph(x), net(x))
+
+
 def test_torch_calls_do_not_import_dynamo():
     # torch.compiler.disable imports torch._dynamo, about a second of a first call: the
     # adapter calls it only where Dynamo already traces the call.

@@ -31,6 +31,13 @@ from ._validate import check_weight_offset
 
 __all__ = ["LayerNorm", "RMSNorm"]
 
+# ``torch.fx.symbolic_trace`` of a model holding these modules records their calls of
+# layer_norm / rms_norm as graph nodes (run on real tensors when the graph runs) instead
+# of tracing into the library's Python code with proxies, which its control flow
+# refuses; torch's own norm modules are leaves of such a trace.
+torch.fx.wrap("layer_norm")
+torch.fx.wrap("rms_norm")
+
 
 class _OffsetGain:
     """``weight_offset`` on top of a torch norm module: the gain is ``weight + offset``,
