@@ -1352,6 +1352,60 @@ def test_make_fx_records_the_computation_not_its_result(mode):
         assert not torch.allclose(fn(src, w), want, atol=1e-2), name
 
 
+def test_dispatch_modes_that_run_operations_keep_the_kernels():
+    """Dispatch modes that run what they see (``FlopCounterMode``, selective activation
+    checkpointing) are no recorders: the kernels run under them, with the bits of a
+    call outside them, and a non-reentrant checkpoint whose backward alone runs under
+    such a mode recomputes the same tensors (routing the calls under a mode to the
+    generic implementation made that a CheckpointError)."""
+    import torch.utils.checkpoint as cp
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = _randn(6, 32, seed=74, dtype=torch.float32, loc=1.0)
+    w = _randn(32, seed=75, dtype=torch.float32)
+    plain = ln.layer_norm(x, 32, w)
+    with FlopCounterMode(display=False):
+        assert torch.equal(ln.layer_norm(x, 32, w), plain)
+        assert torch.equal(ln.rms_norm(x, 32, w), ln.rms_norm(x, 32, w))
+
+    def run(checkpointed_backward_under_mode, sac=False):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        kwargs = {}
+        if sac:
+            policy = cp.create_selective_checkpoint_contexts(
+                lambda ctx, op, *a, **k: cp.CheckpointPolicy.PREFER_RECOMPUTE)
+            kwargs["context_fn"] = lambda: policy
+        y = cp.checkpoint(lambda a, b: ln.layer_norm(a, 32, b) * 2, xr, wr,
+                          use_reentrant=False, **kwargs)
+        assert torch.equal(y.detach(), plain * 2)
+        if checkpointed_backward_under_mode:
+            with FlopCounterMode(display=False):
+                y.sum().backward()
+        else:
+            y.sum().backward()
+        return xr.grad, wr.grad
+
+    reference = run(False)
+    for got in (run(True), run(False, sac=True)):
+        for g, want in zip(got, reference, strict=True):
+            assert torch.equal(g, want)
+
+
+def test_weight_offset_none_is_refused_on_every_path():
+    """``weight_offset=None`` is a TypeError (the contract's float), whatever path the
+    call would take: the torch short paths' None means "no offset" and took it."""
+    x = _randn(3, 8, seed=76, dtype=torch.float32)
+    w = _randn(8, seed=77, dtype=torch.float32)
+    calls = (lambda a: ln.layer_norm(a, 8, w, weight_offset=None),
+             lambda a: ln.rms_norm(a, 8, w, weight_offset=None),
+             lambda a: ln.add_layer_norm(a, a, 8, w, weight_offset=None),
+             lambda a: ln.add_rms_norm(a, a, 8, w, weight_offset=None))
+    for call in calls:
+        for a in (x, x, x.clone().requires_grad_()):  # twice: a known shape's plan too
+            with pytest.raises(TypeError, match="weight_offset must be a finite real"):
+                call(a)
+
+
 @pytest.mark.parametrize("module", ["LayerNorm", "RMSNorm"])
 def test_torch_export_of_the_modules(module):
     """``torch.export`` traces with fake tensors (no data for a kernel): the drop-in

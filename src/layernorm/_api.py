@@ -136,7 +136,9 @@ def layer_norm(
             if result is not None:
                 return result
     elif (type(x) in _TORCH_TENSORS and backend is None and out is None and quantize is None
-            and scale is None):
+            and scale is None and weight_offset is not None):
+        # (weight_offset=None is the general path's TypeError: the short path's None is
+        # "no offset")
         result = _adapter("torch").short_layer_norm(
             x, normalized_shape, weight, bias, eps, axis, return_stats,
             None if _no_offset(weight_offset) else weight_offset)
@@ -229,7 +231,7 @@ def rms_norm(
             if result is not None:
                 return result
     elif (type(x) in _TORCH_TENSORS and backend is None and out is None and quantize is None
-            and scale is None):
+            and scale is None and weight_offset is not None):  # as layer_norm
         result = _adapter("torch").short_rms_norm(
             x, normalized_shape, weight, eps, axis, return_stats,
             None if _no_offset(weight_offset) else weight_offset)
@@ -427,7 +429,7 @@ def _add_norm(x: Any, residual: Any, normalized_shape: Any, weight: Any, bias: A
                 return result
     elif (type(x) in _TORCH_TENSORS and backend is None and out is None
             and residual_out is None and quantize is None and scale is None
-            and residual_dtype is None):
+            and residual_dtype is None and weight_offset is not None):  # as layer_norm
         result = _adapter("torch").short_add_norm(
             x, residual, normalized_shape, weight, bias, eps, axis,
             None if _no_offset(weight_offset) else weight_offset, return_stats, rms)

@@ -142,19 +142,34 @@ def _tracing() -> bool:
     return torch._C._get_tracing_state() is not None
 
 
-#: ``torch._C._len_torch_dispatch_stack``: how many Python dispatch modes are active
-#: (0 where this torch has none to tell).
-_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+#: ``torch._C._get_dispatch_mode`` and the keys of torch's own recording dispatch modes:
+#: the proxy mode of ``make_fx``, fake tensors (``torch.export``, ``make_fx`` with
+#: ``tracing_mode="fake"``), functionalization. Other dispatch modes (``FlopCounterMode``,
+#: selective activation checkpointing, ``allow_mutation_on_saved_tensors``) run the
+#: operations they see, and the kernels with them: counting every mode sent such calls
+#: to the generic implementation, whose different saved tensors broke a checkpoint's
+#: recomputation and took 8x the time under selective checkpointing (found by a review).
+_get_dispatch_mode = getattr(torch._C, "_get_dispatch_mode", None)
+#: ``torch._C._len_torch_dispatch_stack``: how many dispatch modes are active, torch's
+#: own included (a cheaper first test; 1 where this torch cannot tell).
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
+_KEYS = getattr(torch._C, "_TorchDispatchModeKey", None)
+_RECORDING_MODES = tuple(getattr(_KEYS, name) for name in ("PROXY", "FAKE", "FUNCTIONAL")
+                         if hasattr(_KEYS, name))
 
 
 def _traced() -> bool:
     """Whether the call is recorded rather than run: ``torch.jit.trace``
-    (:func:`_tracing`) or a Python dispatch mode (``make_fx``'s proxy mode, the fake
-    tensors of ``torch.export`` and ``make_fx(tracing_mode="fake")``, any
-    ``TorchDispatchMode``). Such a recorder sees torch's own operations only: the
-    outputs the kernels write through NumPy it would keep as constants (a traced graph
-    then returns them for any input), and a fake tensor has no data to read."""
-    return _dispatch_modes() > 0 or _tracing()
+    (:func:`_tracing`) or one of torch's recording dispatch modes
+    (:data:`_RECORDING_MODES`: ``make_fx``, ``torch.export``). Such a recorder sees
+    torch's own operations only: the outputs the kernels write through NumPy it would
+    keep as constants (a traced graph then returns them for any input), and a fake
+    tensor has no data to read."""
+    if _get_dispatch_mode is not None and _dispatch_modes() > 0:
+        for key in _RECORDING_MODES:
+            if _get_dispatch_mode(key) is not None:
+                return True
+    return _tracing()
 
 
 def _differentiable_route(route: Route, *tensors: Any) -> Route:
