@@ -39,6 +39,16 @@ def _np64(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float64).numpy()
 
 
+def _assert_same_tensors(got: tuple, want: tuple) -> None:
+    """Each pair equal bit for bit, with the same dtype and shape (None where None)."""
+    for mine, theirs in zip(got, want, strict=True):
+        if theirs is None:
+            assert mine is None
+            continue
+        assert mine.dtype == theirs.dtype and mine.shape == theirs.shape
+        assert torch.equal(mine, theirs)
+
+
 # --------------------------------------------------------------------------- import hygiene
 
 
@@ -763,11 +773,7 @@ def test_the_autograd_node_runs_the_numpy_short_paths(monkeypatch, short_path_in
     backward_calls.clear()
     general = run()
     assert not short_path_inputs and not backward_calls
-    for got, want in zip(fast, general, strict=True):
-        if want is None:
-            assert got is None
-            continue
-        assert got.dtype == want.dtype and torch.equal(got, want)
+    _assert_same_tensors(fast, general)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
@@ -843,11 +849,7 @@ def test_the_add_norm_node_runs_the_numpy_fused_path(monkeypatch, dtype, rdtype,
     calls.clear()
     general = run()
     assert not calls
-    for got, want in zip(fast, general, strict=True):
-        if want is None:
-            assert got is None
-            continue
-        assert got.dtype == want.dtype and torch.equal(got, want)
+    _assert_same_tensors(fast, general)
     monkeypatch.undo()
     monkeypatch.setattr(_fast_add, "add_norm", lambda *a: (calls.append(1), real(*a))[1])
     run(residual_dtype=torch.float64)
@@ -885,11 +887,7 @@ def test_recorded_calls_go_straight_to_the_autograd_node(monkeypatch, dtype, rms
                         lambda *a, **k: (checked.append(1), real_check(*a, **k))[1])
     recorded = run()
     assert not checked
-    for got, want in zip(recorded, general, strict=True):
-        if want is None:
-            assert got is None
-            continue
-        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    _assert_same_tensors(recorded, general)
     # Refused alike: a weight of another shape; a NumPy weight beside a tensor.
     x = _randn(6, n, seed=78, dtype=tdt).requires_grad_()
     call = ln.rms_norm if rms else ln.layer_norm
