@@ -15,14 +15,16 @@ from ._api import (
     rms_norm_backward,
 )
 from ._dispatch import backend_name
-from .layer import LayerNorm, RMSNorm
+from .layer import IncompatibleKeys, LayerNorm, RMSNorm, StateDictKeyError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "IncompatibleKeys",
     "LargeBlockWarning",
     "LayerNorm",
     "RMSNorm",
+    "StateDictKeyError",
     "__version__",
     "add_layer_norm",
     "add_rms_norm",

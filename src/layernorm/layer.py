@@ -20,18 +20,39 @@ from ._validate import as_int_tuple, check_eps, check_weight_offset
 
 class IncompatibleKeys(NamedTuple):
     """What :meth:`LayerNorm.load_state_dict` did not match, as torch's
-    ``load_state_dict`` returns it."""
+    ``load_state_dict`` returns it.
 
-    #: The layer's parameters the state did not give.
+    Parameters
+    ----------
+    missing_keys : list of str
+        The layer's parameters the state did not give.
+    unexpected_keys : list of str
+        The state's keys that are no parameter of the layer.
+
+    Examples
+    --------
+    >>> IncompatibleKeys(["bias"], [])
+    IncompatibleKeys(missing_keys=['bias'], unexpected_keys=[])
+    """
+
     missing_keys: list[str]
-    #: The state's keys that are no parameter of the layer.
     unexpected_keys: list[str]
 
 
 class StateDictKeyError(KeyError, RuntimeError):
     """Keys of a state that are not exactly a layer's parameters (``strict=True``): a
     :class:`KeyError`, and a :class:`RuntimeError` as torch's ``load_state_dict``
-    raises."""
+    raises.
+
+    Examples
+    --------
+    >>> import layernorm as ln
+    >>> try:
+    ...     ln.RMSNorm(4).load_state_dict({"weight": [1.0] * 4, "step": 1})
+    ... except RuntimeError as error:
+    ...     print(type(error).__name__, isinstance(error, KeyError))
+    StateDictKeyError True
+    """
 
     def __str__(self) -> str:
         # KeyError's str() is the repr of its argument; the message reads plainly.
