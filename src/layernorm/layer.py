@@ -59,26 +59,30 @@ class StateDictKeyError(KeyError, RuntimeError):
         return str(self.args[0]) if self.args else ""
 
 
+def _dtype_of(xp: Any, dtype: Any) -> bool:
+    """Whether the namespace ``xp`` takes ``dtype`` as a dtype."""
+    try:
+        xp.empty((0,), dtype=dtype)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def _resolve_dtype(xp: Any, dtype: Any) -> Any:
     if not isinstance(dtype, str):
-        try:  # another library's dtype object (torch.float16 for a NumPy layer)
-            xp.empty((0,), dtype=dtype)
-        except (TypeError, ValueError):
+        if not _dtype_of(xp, dtype):  # another library's (torch.float16, NumPy layer)
             name = getattr(xp, "__name__", type(xp).__name__)
             raise TypeError(f"dtype must be a dtype of {name} or a name such as 'float32' "
-                            f"(the parameters' float dtype), got {dtype!r}") from None
+                            f"(the parameters' float dtype), got {dtype!r}")
         return dtype
     if dtype == "bfloat16" and getattr(xp, "__name__", "") == "numpy":
         import ml_dtypes
 
         return ml_dtypes.bfloat16
     found = getattr(xp, dtype, None)
-    if found is not None:
-        try:  # a dtype, not another attribute of the namespace (np.e, torch.sum)
-            xp.empty((0,), dtype=found)
-            return found
-        except (TypeError, ValueError):
-            pass
+    # a dtype, not another attribute of the namespace (np.e, torch.sum)
+    if found is not None and _dtype_of(xp, found):
+        return found
     if getattr(xp, "__name__", "") == "numpy":
         # NumPy's other names of a dtype ("f4", "<f8"), as residual_dtype= takes them
         # (its warning for deprecated codes is not shown).

@@ -575,6 +575,14 @@ _NUMPY_VIEWABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 RECORDED: list[Any] = []
 
 
+def _plain_tensor(t: Any) -> bool:
+    """Whether ``t`` is a plain tensor (or parameter) of a dtype the short paths view,
+    neither batched by autograd nor a zero tensor (``Tensor.numpy()`` hands out
+    unrelated memory for one, which has no storage)."""
+    return (type(t) in SHORT_PATH_TYPES and t.dtype in _NUMPY_VIEWABLE
+            and not (_IS_BATCHED is not None and _IS_BATCHED(t)) and not t._is_zerotensor())
+
+
 def _numpy_views(*tensors: Any) -> list[Any] | None:
     """Zero-copy NumPy views of CPU tensors (None stays None) for the NumPy short path,
     :data:`RECORDED` where autograd records the call, or None where the call needs this
@@ -597,10 +605,7 @@ def _numpy_views(*tensors: Any) -> list[Any] | None:
             views.append(None)
             continue
         dtype = t.dtype
-        if (type(t) not in SHORT_PATH_TYPES or dtype not in _NUMPY_VIEWABLE
-                or (_IS_BATCHED is not None and _IS_BATCHED(t)) or t._is_zerotensor()):
-            # (Tensor.numpy() hands out unrelated memory for a zero tensor, which has
-            # no storage.)
+        if not _plain_tensor(t):
             return None
         if t.requires_grad:
             t = t.detach()
@@ -646,18 +651,16 @@ _CPU_ROUTE = Route("torch", "numba")
 def _recordable(*tensors: Any) -> bool:
     """Whether a recorded call (:data:`RECORDED`) of ``tensors`` may go straight to the
     autograd node on :data:`_CPU_ROUTE`, as the general route would send it after its
-    checks: dense CPU tensors (None allowed) of a dtype the node's NumPy views read, none
-    wrapped by a ``torch.func`` transform or batched, none a zero tensor or with the
-    negation or conjugation bit (whose views the node's short forward cannot make).
+    checks: plain tensors (:func:`_plain_tensor`; None allowed), dense and on the CPU,
+    none wrapped by a ``torch.func`` transform or with the negation or conjugation bit
+    (whose views the node's short forward cannot make).
     :func:`_numpy_views` has ruled out forward-mode AD, ``torch.compile``, recorders
     (:func:`_traced`) and active transforms."""
     for t in tensors:
         if t is None:
             continue
-        if (type(t) not in SHORT_PATH_TYPES or t.dtype not in _NUMPY_VIEWABLE
-                or not t.is_cpu or t.layout is not torch.strided or t.is_nested
-                or (_IS_WRAPPED is not None and _IS_WRAPPED(t))
-                or (_IS_BATCHED is not None and _IS_BATCHED(t)) or t._is_zerotensor()
+        if (not _plain_tensor(t) or not t.is_cpu or t.layout is not torch.strided
+                or t.is_nested or (_IS_WRAPPED is not None and _IS_WRAPPED(t))
                 or t.is_neg() or t.is_conj()):
             return False
     return True
