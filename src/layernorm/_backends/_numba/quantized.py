@@ -120,6 +120,7 @@ from .forward_rows import (
     PLAIN,
     TILE_ROWS,
     ln_raw_rows,
+    prefetch_target,
     rms_rows_rescued,
     rms_rstd,
     short_group_moments,
@@ -732,7 +733,8 @@ def ln_short_quant_rows(xv, qv, qbv, wv, bv, tv, eps, n, mean_out, rstd_out, fmt
     for first in range(0, rows, LANES):
         if stop < rows:
             break
-        short_group_moments(xv, qbv, sv, wv64, first, rows - 1, n, eps, ahead)
+        short_group_moments(xv, prefetch_target(qbv, n), sv, wv64, first, rows - 1, n, eps,
+                            ahead)
         for i in range(imin(LANES, rows - first)):
             k = first + i
             shift, mean, rstd, mo = short_row_moments(xv, sv, wv64, k, i, n, eps, tv)
