@@ -164,6 +164,44 @@ def test_in_place(case, xd):
     assert_bitwise(y, y_ref)
 
 
+SPLIT_BUFFERS = {  # x and the residual as parts of one buffer that share no element
+    "row halves": (lambda buf: (buf[:, :16], buf[:, 16:])),
+    "even and odd rows": (lambda buf: (buf[0::2, :16], buf[1::2, :16])),
+}
+
+
+@pytest.mark.parametrize("split", list(SPLIT_BUFFERS))
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("add", [ln.add_layer_norm, ln.add_rms_norm])
+def test_in_place_on_parts_of_one_buffer(add, swap, split):
+    """y and h into x and the residual where both are parts of one buffer with no element
+    in common (their bounds overlap): the same bits as separate arrays, never refused as
+    sharing memory."""
+    buf = data((8, 32), "float32", 5)
+    x, r = SPLIT_BUFFERS[split](buf)
+    w = data((16,), "float32", 6)
+    y_ref, h_ref = add(x.copy(), r.copy(), weight=w)
+    out, residual_out = (r, x) if swap else (x, r)
+    y, h = add(x, r, weight=w, out=out, residual_out=residual_out)
+    assert y is out and h is residual_out
+    assert_bitwise(y, y_ref)
+    assert_bitwise(h, h_ref)
+    x, r = SPLIT_BUFFERS[split](buf)  # the buffer holds them
+    assert_bitwise(r if swap else x, y_ref)
+    assert_bitwise(x if swap else r, h_ref)
+
+
+def test_outputs_with_an_element_in_common_are_refused():
+    """Outputs whose elements overlap in part stay a ValueError: y and h need their own."""
+    x, r = data((4, 16), "float32", 0), data((4, 16), "float32", 1)
+    buf = data((4, 32), "float32", 2)
+    for out, residual_out in ((buf[:, :16], buf[:, 8:24]), (buf[:, 8:24], buf[:, :16]),
+                              (buf[:, ::2], buf[:, :16])):
+        with pytest.raises(ValueError, match="out and residual_out share memory"):
+            ln.add_layer_norm(x, r, out=out, residual_out=residual_out)
+    assert_bitwise(x, data((4, 16), "float32", 0))  # nothing written
+
+
 def test_in_place_rms_strided_out():
     x = data((4, 32), "float32", 0)
     r = data((4, 32), "float32", 1)
@@ -1547,6 +1585,17 @@ def test_torch_in_place_and_grad_errors():
         ln.add_layer_norm(xg, r0, out=torch.empty(3, 8))
     with pytest.raises(ValueError, match="out and residual_out share memory"):
         ln.add_layer_norm(x0, r0, out=x, residual_out=x)
+    buf0 = torch.randn(4, 16, generator=torch.Generator().manual_seed(5))
+    for swap in (False, True):  # the two halves of each row of one tensor
+        buf = buf0.clone()
+        x, r = buf[:, :8], buf[:, 8:]
+        y_ref, h_ref = ln.add_rms_norm(x.clone(), r.clone())
+        out, residual_out = (r, x) if swap else (x, r)
+        y, h = ln.add_rms_norm(x, r, out=out, residual_out=residual_out)
+        assert y is out and h is residual_out
+        assert torch.equal(y, y_ref) and torch.equal(h, h_ref)
+        with pytest.raises(ValueError, match="out and residual_out share memory"):
+            ln.add_rms_norm(buf0[:, :8], buf0[:, 8:], out=buf[:, :8], residual_out=buf[:, 4:12])
 
 
 # The quantizing one-pass kernels (Numba): rows normalized into float32 scratch, then

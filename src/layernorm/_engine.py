@@ -947,11 +947,32 @@ def unshared(xp: Any, may_share: Any, target: Any, *params: Any) -> tuple[Any, .
                  for p in params)
 
 
-def check_distinct_outputs(xp_may_share: Any, out: Any, residual_out: Any) -> None:
-    """``out`` (y) and ``residual_out`` (h) cannot be the same memory."""
+def check_distinct_outputs(share: Any, out: Any, residual_out: Any) -> None:
+    """``out`` (y) and ``residual_out`` (h) cannot have an element in common; ``share``
+    tells exactly (:func:`shares_elements`), so that the two halves of each row of one
+    buffer, or its even and odd rows, can take y and h in place of x and the residual."""
     if out is not None and residual_out is not None and (
-            out is residual_out or xp_may_share(out, residual_out)):
+            out is residual_out or share(out, residual_out)):
         raise ValueError("out and residual_out share memory; y and h need separate arrays")
+
+
+def extent(arr: Any) -> _layout.Extent:
+    """Where a NumPy or CuPy array's elements lie (its array interface)."""
+    iface = getattr(arr, "__array_interface__", None) or arr.__cuda_array_interface__
+    itemsize = np.dtype(iface["typestr"]).itemsize
+    shape = tuple(iface["shape"])
+    strides = iface.get("strides")
+    if strides is None:  # C-contiguous
+        strides = tuple(itemsize * math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return _layout.Extent(int(iface["data"][0]), shape, tuple(strides), itemsize)
+
+
+def shares_elements(a: Any, b: Any) -> bool:
+    """Whether the NumPy or CuPy arrays ``a`` and ``b`` have a byte in common (exactly:
+    ``may_share_memory`` only compares their bounds)."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.shares_memory(a, b))
+    return _layout.share_bytes(extent(a), extent(b))
 
 
 def _address(a: Any) -> int:
@@ -1138,7 +1159,7 @@ def add_normalize(x: Any, residual: Any, route: Route, normalized_shape: Any, we
     offset, quantize = check_extras(xp, req_x, weight, weight_offset, quantize, scale, out)
     if residual_out is not None:
         check_residual_out(residual_out, req_x, h_name)
-        check_distinct_outputs(xp.may_share_memory, out, residual_out)
+        check_distinct_outputs(shares_elements, out, residual_out)
     if accumulation_name(h_name) == req_x.acc:
         fused = fused_rows(xp, x, residual, req_x, h_name, gain(xp, weight, offset, req_x.acc),
                            None if rms else bias, eps, rms, out, residual_out, quantize, scale)

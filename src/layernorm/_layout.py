@@ -104,3 +104,41 @@ def c_contiguous(arr: Any) -> Any:
     if flags is not None and hasattr(flags, "c_contiguous") and not flags.c_contiguous:
         return arr.copy(order="C")
     return arr
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Where a strided array's elements lie: the address of its first element, its shape,
+    its strides in bytes and its element size. Any library's array has one (NumPy's
+    ``__array_interface__``, CuPy's ``__cuda_array_interface__``, torch's ``data_ptr``)."""
+
+    address: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        # Read by NumPy to lay an address-only array over the extent; its elements are
+        # never read (the address may be a GPU's).
+        return {"data": (self.address, True), "shape": self.shape, "strides": self.strides,
+                "typestr": f"|V{self.itemsize}", "version": 3}
+
+
+def share_bytes(a: Extent, b: Extent) -> bool:
+    """Whether two strided arrays have a byte in common: exactly, not only whether their
+    bounds overlap (two halves of each row of one buffer share no byte).
+
+    Examples
+    --------
+    >>> rows = Extent(4096, (4, 16), (128, 4), 4)      # elements 0-15 of rows of 32
+    >>> share_bytes(rows, Extent(4096 + 64, (4, 16), (128, 4), 4))  # elements 16-31
+    False
+    >>> share_bytes(rows, Extent(4096 + 32, (4, 16), (128, 4), 4))  # elements 8-23
+    True
+    """
+    if 0 in a.shape or 0 in b.shape:
+        return False
+    import numpy as np  # (only here: the module's other helpers take any library)
+
+    return bool(np.shares_memory(np.asarray(a), np.asarray(b)))

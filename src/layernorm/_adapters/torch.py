@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.autograd.forward_ad as fwad
 
-from .. import _engine, _fast, _fast_add, _fast_backward
+from .. import _engine, _fast, _fast_add, _fast_backward, _layout
 from .._dispatch import Route, check_companions, given_array
 from .._dtypes import accumulation_name, dtype_name
 from .._validate import check_float_dtype, check_no_internal_overlap, check_out
@@ -1072,6 +1072,16 @@ def _share_storage(a: Any, b: Any) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+def _share_elements(a: Any, b: Any) -> bool:
+    """Whether the tensors ``a`` and ``b`` have a byte in common (exactly: two halves of
+    each row of one storage do not)."""
+    if not _share_storage(a, b):
+        return False
+    return _layout.share_bytes(*(_layout.Extent(
+        t.data_ptr(), tuple(t.shape), tuple(s * t.element_size() for s in t.stride()),
+        t.element_size()) for t in (a, b)))
+
+
 def add_norm(x: Any, residual: Any, route: Route, normalized_shape: Any, weight: Any,
              bias: Any, eps: Any, *, axis: Any, rms: bool, weight_offset: Any,
              residual_dtype: Any, quantize: Any, scale: Any, return_stats: bool, out: Any,
@@ -1093,7 +1103,7 @@ def add_norm(x: Any, residual: Any, route: Route, normalized_shape: Any, weight:
                                             out)
     if residual_out is not None:
         _engine.check_residual_out(residual_out, req_x, h_name)
-        _engine.check_distinct_outputs(_share_storage, out, residual_out)
+        _engine.check_distinct_outputs(_share_elements, out, residual_out)
     gain = _engine.gain(xp, weight, offset, accumulation_name(h_name))
     if route.backend != "array_api" and quantize is None and _wants_grad(x, residual, gain,
                                                                           bias):
