@@ -242,3 +242,25 @@ def test_a_native_backend_refused_names_the_arrays_library(backend):
     with pytest.raises(ValueError, match=rf"backend='{backend}' needs a .* as x, got an "
                                          r"array of array_api_strict \(Array\)"):
         ln.layer_norm(x, backend=backend)
+
+
+def test_strict_empty_rows_backward_and_underflowing_scale_are_quiet():
+    """Rows of no elements (backward) and a row whose dynamic scale amax / qmax rounds to
+    0 give what the NumPy path gives, without NumPy's warnings leaking out (the test
+    suite turns warnings into errors): the mean of an empty slice, a division by 0."""
+    x0 = np.ones((4, 0), np.float32)
+    x, w = xps.asarray(x0), xps.asarray(np.ones(0, np.float32))
+    _, mean, rstd = ln.layer_norm(x, weight=w, return_stats=True)
+    for got, want in zip(ln.layer_norm_backward(x, x, mean, rstd, weight=w),
+                         ln.layer_norm_backward(x0, x0, np.asarray(mean), np.asarray(rstd),
+                                                weight=np.asarray(w)), strict=True):
+        assert got.shape == want.shape
+    _, rstd = ln.rms_norm(x, weight=w, return_stats=True)
+    gx, gw = ln.rms_norm_backward(x, x, rstd, weight=w)
+    assert (gx.shape, gw.shape) == ((4, 0), (0,))
+    tiny = np.array([[1e-30, -2e-30, 3e-30, 0, 0, 0, 0, 0]], np.float32)
+    q, s = ln.rms_norm(xps.asarray(tiny), eps=1e30, quantize="int8")
+    q_np, s_np = ln.rms_norm(tiny, eps=1e30, quantize="int8")
+    assert float(np.asarray(s)[0, 0]) == float(s_np[0, 0]) == 0.0
+    np.testing.assert_array_equal(np.asarray(q), q_np)
+    assert q_np.tolist() == [[127, -128, 127, 0, 0, 0, 0, 0]]  # saturated, zeros kept

@@ -714,6 +714,14 @@ def quantize_rows(xp: Any, y32: Any, axes: tuple[int, ...], fmt: str, scale: Any
     """
     qmax = QUANTIZE_QMAX[fmt]
     target = dtype_of(xp, fmt)  # TypeError early for libraries without the format
+    # A row whose amax / qmax rounds to 0 has 1 / scale = inf, and its codes saturate
+    # (zeros: NaN -> int8 0), as the kernels write; NumPy-backed namespaces would warn.
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        return _quantized(xp, y32, axes, fmt, scale, acc, qmax, target)
+
+
+def _quantized(xp: Any, y32: Any, axes: tuple[int, ...], fmt: str, scale: Any, acc: str,
+               qmax: float, target: Any) -> tuple[Any, Any]:
     if scale is None:
         if math.prod(y32.shape[a] for a in axes) == 0:  # rows of no elements: amax 0
             kept = tuple(1 if i in axes else d for i, d in enumerate(y32.shape))

@@ -246,6 +246,14 @@ def _other_axes(ndim: int, axes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(i for i in range(ndim) if i not in axes)
 
 
+def _row_mean(xp: Any, a: Any, axes: tuple[int, ...]) -> Any:
+    """The mean over the normalized axes, keepdims; 0 for rows of no elements (NumPy
+    warns of an empty slice there; the value is never used: grad_x has no element)."""
+    if _is_empty_row(a, axes):
+        return xp.sum(a, axis=axes, keepdims=True)
+    return xp.mean(a, axis=axes, keepdims=True)
+
+
 def layer_norm_backward(
     xp: Any, grad_y: Any, x: Any, mean: Any, rstd: Any, weight: Any, axes: tuple[int, ...],
     bshape: tuple[int, ...], acc_name: str,
@@ -256,8 +264,8 @@ def layer_norm_backward(
     r, down = _lifted(xp, xp.astype(rstd, acc), acc_name)
     xhat = ((xp.astype(x, acc) - xp.astype(mean, acc)) * r) * down
     g = dy * _param(xp, weight, bshape, acc) if weight is not None else dy
-    mean_g = xp.mean(g, axis=axes, keepdims=True)
-    mean_gx = xp.mean(g * xhat, axis=axes, keepdims=True)
+    mean_g = _row_mean(xp, g, axes)
+    mean_gx = _row_mean(xp, g * xhat, axes)
     grad_x = (((g - mean_g) - xhat * mean_gx) * r) * down
     other = _other_axes(x.ndim, axes)
     grad_w = xp.sum(dy * xhat, axis=other)
@@ -275,7 +283,7 @@ def rms_norm_backward(
     r, down = _lifted(xp, xp.astype(rstd, acc), acc_name)
     xhat = (xp.astype(x, acc) * r) * down
     g = dy * _param(xp, weight, bshape, acc) if weight is not None else dy
-    mean_gx = xp.mean(g * xhat, axis=axes, keepdims=True)
+    mean_gx = _row_mean(xp, g * xhat, axes)
     grad_x = ((g - xhat * mean_gx) * r) * down
     grad_w = xp.sum(dy * xhat, axis=_other_axes(x.ndim, axes))
     return c_contiguous(xp.astype(grad_x, x.dtype)), grad_w
