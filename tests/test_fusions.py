@@ -175,14 +175,16 @@ SPLIT_BUFFERS = {  # x and the residual as parts of one buffer that share no ele
 @pytest.mark.parametrize("add", [ln.add_layer_norm, ln.add_rms_norm])
 def test_in_place_on_parts_of_one_buffer(add, swap, split):
     """y and h into x and the residual where both are parts of one buffer with no element
-    in common (their bounds overlap): the same bits as separate arrays, never refused as
-    sharing memory."""
+    in common (their bounds overlap): the one-pass kernel, the same bits as separate
+    arrays, never refused as sharing memory."""
     buf = data((8, 32), "float32", 5)
     x, r = SPLIT_BUFFERS[split](buf)
     w = data((16,), "float32", 6)
     y_ref, h_ref = add(x.copy(), r.copy(), weight=w)
     out, residual_out = (r, x) if swap else (x, r)
-    y, h = add(x, r, weight=w, out=out, residual_out=residual_out)
+    with fused_calls() as calls:
+        y, h = add(x, r, weight=w, out=out, residual_out=residual_out)
+    assert calls  # the one-pass kernel, not the composition
     assert y is out and h is residual_out
     assert_bitwise(y, y_ref)
     assert_bitwise(h, h_ref)

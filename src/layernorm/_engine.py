@@ -1108,13 +1108,14 @@ def fused_rows(xp: Any, x: Any, residual: Any, req: Request, h_name: str | None,
             outs.append((given, view))
         params = [p for p in (gain_, bias) if p is not None]
         views_out = [v for _, v in outs]
+        def overlap(a: Any, b: Any) -> bool:  # bounds first: the exact test costs more
+            return bool(xp.may_share_memory(a, b)) and shares_elements(a, b)
+
         for k, o3 in enumerate(views_out):
             exact_ok = quantize is None or k == 1  # the codes never alias an input
-            if any(xp.may_share_memory(o3, a) and not (exact_ok and _same_view(o3, a))
-                   for a in views) \
-                    or any(xp.may_share_memory(o3, other)
-                           for j, other in enumerate(views_out) if j != k) \
-                    or any(xp.may_share_memory(o3, p) for p in params):
+            if any(overlap(o3, a) and not (exact_ok and _same_view(o3, a)) for a in views) \
+                    or any(overlap(o3, other) for j, other in enumerate(views_out) if j != k) \
+                    or any(overlap(o3, p) for p in params):
                 return None
         y, y3 = outs[0]
         h, h3 = outs[1] if residual is not None else (None, None)
