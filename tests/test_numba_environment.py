@@ -171,7 +171,8 @@ _NO_JIT = textwrap.dedent(
     rng = np.random.default_rng(6)
     for dtype, tol in ((np.float32, 1e-5), (np.float64, 1e-12)):
         # Rows (LayerNorm's short-row path and the long-row path) and channels-first.
-        for shape, axes in (((5, 20), (1,)), ((3, 150), (1,)), ((2, 6, 3), (1,))):
+        for shape, axes in (((5, 20), (1,)), ((1, 20), (1,)), ((3, 150), (1,)),
+                            ((2, 6, 3), (1,))):
             n = shape[1]
             x = (4.0 + rng.standard_normal(shape)).astype(dtype)
             w, b = (rng.standard_normal(n).astype(dtype) for _ in range(2))
@@ -195,6 +196,14 @@ _NO_JIT = textwrap.dedent(
         assert q.dtype == want_q.dtype
         np.testing.assert_array_equal(q.view(np.uint8), want_q.view(np.uint8))
         np.testing.assert_array_equal(s, want_s)
+        # LayerNorm: short rows (scales of sixteen rows at once) and long ones.
+        for shape in ((3, 37), (1, 20), (4, 300)):
+            x = (rng.standard_normal(shape) * 2).astype(np.float32)
+            q, s = ln.layer_norm(x, quantize=fmt)
+            want_q, want_s = _engine.quantize_rows(np, ln.layer_norm(x), (1,), fmt, None,
+                                                   "float32")
+            np.testing.assert_array_equal(q.view(np.uint8), want_q.view(np.uint8))
+            np.testing.assert_array_equal(s, want_s)
     # Really Python: the kernels are plain functions, not dispatchers.
     assert isinstance(backend.load_kernels().ln_forward_serial, types.FunctionType)
     print("ok")

@@ -58,8 +58,10 @@ def narrow(value, out):
 
 
 def cast(value, like):
-    """``value`` converted to the float type of the scalar ``like``."""
-    return np.asarray(like).dtype.type(value)
+    """``value`` converted to the float type of the scalar ``like`` (one beyond its range
+    becomes infinity, as the compiled conversion gives, without NumPy's warning)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(like).dtype.type(value)
 
 
 # ``widen``, ``narrow`` and ``cast`` are typed by a template and lowered directly (as

@@ -26,9 +26,13 @@ __all__ = [
     "down8",
     "fma",
     "fold1",
+    "fold1_max",
     "fold2",
+    "fold2_max",
     "fold4",
+    "fold4_max",
     "fold8",
+    "fold8_max",
     "get",
     "hmax_bits",
     "lane",
@@ -39,6 +43,7 @@ __all__ = [
     "raw",
     "rounded",
     "runtime",
+    "scales_of",
     "scratch_block",
     "splat",
     "sqrt",
@@ -103,7 +108,7 @@ def _down(h: int) -> Any:
 down8, down4, down2, down1 = _down(8), _down(4), _down(2), _down(1)
 
 
-def _fold(h: int) -> Any:
+def _fold(h: int, largest: bool = False) -> Any:
     per_vector = WIDTH // (2 * h)
     low = []
     for k in range(WIDTH):
@@ -114,13 +119,18 @@ def _fold(h: int) -> Any:
 
     def fold(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         both = np.concatenate((a, b))
+        if largest:  # the larger bit pattern of the two lanes (float32, as vabsmax)
+            bits = both.view(np.int32)
+            return np.maximum(bits[low_index], bits[low_index + h]).view(np.float32)
         return both[low_index] + both[low_index + h]
 
-    fold.__doc__ = f"One level (``h = {h}``) of the lane tree for several rows at once."
+    fold.__doc__ = (f"One level (``h = {h}``) of the lane tree for several rows at once"
+                    + (" (largest bit patterns)." if largest else "."))
     return fold
 
 
 fold8, fold4, fold2, fold1 = _fold(8), _fold(4), _fold(2), _fold(1)
+fold8_max, fold4_max, fold2_max, fold1_max = (_fold(h, largest=True) for h in (8, 4, 2, 1))
 
 
 def sqrt(vec: np.ndarray) -> np.ndarray:
@@ -180,8 +190,9 @@ def put(view: np.ndarray, r: int, i: int, value: Any) -> None:
 
 
 def vaddress(view: np.ndarray, r: int, i: int) -> int:
-    """Address of element ``[r, i]``."""
-    return int(view[r, i:].ctypes.data)
+    """Address of element ``[r, i]``: arithmetic, as the intrinsic's (row ``r`` need not
+    exist: :func:`.forward_rows.prefetch_target` takes row 1 of one-row views)."""
+    return int(view.ctypes.data) + r * view.strides[0] + i * view.itemsize
 
 
 def prefetch_at(address: int, offset: int, write: bool) -> None:
@@ -203,6 +214,12 @@ def vabsmax(acc: np.ndarray, vec: np.ndarray) -> np.ndarray:
     """Lanes with the larger bit pattern of ``acc`` and ``|vec|`` (float32)."""
     bits = np.maximum(acc.view(np.int32), vec.view(np.int32) & 0x7FFFFFFF)
     return bits.view(np.float32)
+
+
+def scales_of(amax: np.ndarray, qmax: np.ndarray) -> np.ndarray:
+    """Lane-wise ``amax / qmax``, 1 where ``amax`` is zero (float32)."""
+    with np.errstate(divide="ignore", over="ignore", under="ignore", invalid="ignore"):
+        return np.where(amax == 0, np.float32(1.0), amax / qmax).astype(np.float32)
 
 
 def hmax_bits(vec: np.ndarray) -> Any:
