@@ -729,12 +729,12 @@ def ln_short_rows(xv, yv, wv, bv, tv, eps, n, mean_out, rstd_out, r0, r1, s0):
     """
     sv, wv64 = short_scratch(eps)
     ahead = short_rows_ahead(xv, r1 - r0, n)
+    target = prefetch_target(yv, n)
     stop = r1
     for first in range(r0, r1, LANES):
         if stop < r1:
             break
-        short_group_moments(xv, prefetch_target(yv, n), sv, wv64, first, r1 - 1, n, eps,
-                            ahead)
+        short_group_moments(xv, target, sv, wv64, first, r1 - 1, n, eps, ahead)
         for i in range(imin(LANES, r1 - first)):
             shift, mean, rstd, mo = short_row_moments(xv, sv, wv64, first + i, i, n, eps, tv)
             if needs_rescaling(xv, first + i, n, rstd):

@@ -729,12 +729,12 @@ def ln_short_quant_rows(xv, qv, qbv, wv, bv, tv, eps, n, mean_out, rstd_out, fmt
     for i in range(LANES):  # a partial group's unused lanes: zeros, never garbage
         vstore(topv, splat(np.float32(0.0)), i, 0)
     ahead = short_rows_ahead(xv, rows, n)
+    target = prefetch_target(qbv, n)
     stop = rows
     for first in range(0, rows, LANES):
         if stop < rows:
             break
-        short_group_moments(xv, prefetch_target(qbv, n), sv, wv64, first, rows - 1, n, eps,
-                            ahead)
+        short_group_moments(xv, target, sv, wv64, first, rows - 1, n, eps, ahead)
         for i in range(imin(LANES, rows - first)):
             k = first + i
             shift, mean, rstd, mo = short_row_moments(xv, sv, wv64, k, i, n, eps, tv)
