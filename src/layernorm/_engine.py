@@ -714,14 +714,6 @@ def quantize_rows(xp: Any, y32: Any, axes: tuple[int, ...], fmt: str, scale: Any
     """
     qmax = QUANTIZE_QMAX[fmt]
     target = dtype_of(xp, fmt)  # TypeError early for libraries without the format
-    # A row whose amax / qmax rounds to 0 has 1 / scale = inf, and its codes saturate
-    # (zeros: NaN -> int8 0), as the kernels write; NumPy-backed namespaces would warn.
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        return _quantized(xp, y32, axes, fmt, scale, acc, qmax, target)
-
-
-def _quantized(xp: Any, y32: Any, axes: tuple[int, ...], fmt: str, scale: Any, acc: str,
-               qmax: float, target: Any) -> tuple[Any, Any]:
     if scale is None:
         if math.prod(y32.shape[a] for a in axes) == 0:  # rows of no elements: amax 0
             kept = tuple(1 if i in axes else d for i, d in enumerate(y32.shape))
@@ -734,22 +726,25 @@ def _quantized(xp: Any, y32: Any, axes: tuple[int, ...], fmt: str, scale: Any, a
     else:
         inv = static_inverse(xp, scale, acc)
         returned = scale
-    if scale is None:
-        inv = 1.0 / s
-    v = y32 * inv
-    if fmt == "int8":
-        v = xp.where(xp.isnan(v), xp.zeros_like(v), v)
-        v = _saturate(xp, xp.round(v), -128.0, 127.0)
-    else:
-        v = _saturate(xp, v, -qmax, qmax)
-        if acc == "float64":
-            v = _float32_round_to_odd(xp, v)
-        # One NaN code, as the kernels write: the sign of y32 * (1 / scale) for a NaN
-        # row would depend on the library's multiply loop (so on the batch's shape).
-        v = xp.where(xp.isnan(v), xp.full_like(v, math.nan), v)
-    if _is_native_namespace(xp):
-        return v.astype(target), returned
-    return xp.astype(v, target), returned
+    # A row whose amax / qmax rounds to 0 has 1 / scale = inf, and its codes saturate
+    # (zeros: NaN -> int8 0), as the kernels write; NumPy-backed namespaces would warn.
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        if scale is None:
+            inv = 1.0 / s
+        v = y32 * inv
+        if fmt == "int8":
+            v = xp.where(xp.isnan(v), xp.zeros_like(v), v)
+            v = _saturate(xp, xp.round(v), -128.0, 127.0)
+        else:
+            v = _saturate(xp, v, -qmax, qmax)
+            if acc == "float64":
+                v = _float32_round_to_odd(xp, v)
+            # One NaN code, as the kernels write: the sign of y32 * (1 / scale) for a NaN
+            # row would depend on the library's multiply loop (so on the batch's shape).
+            v = xp.where(xp.isnan(v), xp.full_like(v, math.nan), v)
+        if _is_native_namespace(xp):
+            return v.astype(target), returned
+        return xp.astype(v, target), returned
 
 
 def _into(out: Any, value: Any) -> Any:
@@ -964,9 +959,14 @@ def check_distinct_outputs(share: Any, out: Any, residual_out: Any) -> None:
         raise ValueError("out and residual_out share memory; y and h need separate arrays")
 
 
+def _interface(arr: Any) -> dict[str, Any]:
+    """A NumPy or CuPy array's array interface (CuPy's is the CUDA one)."""
+    return getattr(arr, "__array_interface__", None) or arr.__cuda_array_interface__
+
+
 def extent(arr: Any) -> _layout.Extent:
     """Where a NumPy or CuPy array's elements lie (its array interface)."""
-    iface = getattr(arr, "__array_interface__", None) or arr.__cuda_array_interface__
+    iface = _interface(arr)
     itemsize = np.dtype(iface["typestr"]).itemsize
     shape = tuple(iface["shape"])
     strides = iface.get("strides")
@@ -984,8 +984,7 @@ def shares_elements(a: Any, b: Any) -> bool:
 
 
 def _address(a: Any) -> int:
-    iface = getattr(a, "__array_interface__", None) or a.__cuda_array_interface__
-    return int(iface["data"][0])
+    return int(_interface(a)["data"][0])
 
 
 def _same_view(a: Any, b: Any) -> bool:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -139,6 +141,4 @@ def share_bytes(a: Extent, b: Extent) -> bool:
     """
     if 0 in a.shape or 0 in b.shape:
         return False
-    import numpy as np  # (only here: the module's other helpers take any library)
-
     return bool(np.shares_memory(np.asarray(a), np.asarray(b)))

@@ -59,7 +59,7 @@ class StateDictKeyError(KeyError, RuntimeError):
         return str(self.args[0]) if self.args else ""
 
 
-def _dtype_of(xp: Any, dtype: Any) -> bool:
+def _takes_dtype(xp: Any, dtype: Any) -> bool:
     """Whether the namespace ``xp`` takes ``dtype`` as a dtype."""
     try:
         xp.empty((0,), dtype=dtype)
@@ -70,7 +70,7 @@ def _dtype_of(xp: Any, dtype: Any) -> bool:
 
 def _resolve_dtype(xp: Any, dtype: Any) -> Any:
     if not isinstance(dtype, str):
-        if not _dtype_of(xp, dtype):  # another library's (torch.float16, NumPy layer)
+        if not _takes_dtype(xp, dtype):  # another library's (torch.float16, NumPy layer)
             name = getattr(xp, "__name__", type(xp).__name__)
             raise TypeError(f"dtype must be a dtype of {name} or a name such as 'float32' "
                             f"(the parameters' float dtype), got {dtype!r}")
@@ -81,7 +81,7 @@ def _resolve_dtype(xp: Any, dtype: Any) -> Any:
         return ml_dtypes.bfloat16
     found = getattr(xp, dtype, None)
     # a dtype, not another attribute of the namespace (np.e, torch.sum)
-    if found is not None and _dtype_of(xp, found):
+    if found is not None and _takes_dtype(xp, found):
         return found
     if getattr(xp, "__name__", "") == "numpy":
         # NumPy's other names of a dtype ("f4", "<f8"), as residual_dtype= takes them
