@@ -542,16 +542,22 @@ def cancelled(m2, ss, tab):
     return m2 < np.float64(get(tab, 0, TAB_CANCEL)) * ss
 
 
-@callee_njit
-def redo(xr, r, n, shift, mu, tab):
+@njit(inline="always", error_model="numpy")
+def redone(xr, r, n, shift, mu):
     """(shift, shifted mean, M2) of a unit-stride row, redone with the shift
-    ``shift + mu`` (step 4; ``mu`` in the accumulation type): for the paths that
-    compute the first pass themselves (short rows, columns); :func:`row_moments`
-    redoes in its own loop."""
+    ``shift + mu`` (step 4; ``mu`` in the accumulation type), inlined: for a row loop
+    that checks :func:`cancelled` itself (:func:`.forward_rows.ln_long_rows`)."""
     shift = shift + mu
     a, q, ta, tq = lane_sums(xr, r, n, shift)
     mu2, m2, _ = moments(a, q, ta, tq, n)
     return shift, mu2, (m2 if not m2 < 0.0 else 0.0)
+
+
+@callee_njit
+def redo(xr, r, n, shift, mu, tab):
+    """:func:`redone` as a called function: for the paths that compute the first pass
+    themselves (short rows, columns); :func:`row_moments` redoes in its own loop."""
+    return redone(xr, r, n, shift, mu)
 
 
 @njit(inline="always", error_model="numpy")
