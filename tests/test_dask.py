@@ -197,9 +197,100 @@ def test_dask_and_numpy_weights_and_dask_only_errors():
         ln.layer_norm(x, out=np.empty((12, 10), np.float32))
     with pytest.raises(ValueError, match="backend"):
         ln.layer_norm(x, backend="cupy")
-    unknown = x[x[:, 0] > 0]
-    with pytest.raises(ValueError, match="unknown chunk sizes"):
+    # Unknown row counts are fine (test_unknown_row_counts_*); unknown row lengths not.
+    unknown = x[:, x[0] > 0]
+    with pytest.raises(ValueError, match=r"unknown chunk sizes along the normalized axes \[1\]"):
         ln.layer_norm(unknown)
+
+
+def _masked_rows(rng, shape, chunks):
+    """A Dask array of the rows of a NumPy array that a boolean mask keeps (row counts
+    unknown until computed: NaN chunk sizes), and those rows as a NumPy array."""
+    xn = random_rows(rng, shape, "float32", loc=3.0)
+    keep = rng.random(shape[0]) < 0.6
+    x = da.from_array(xn, chunks=chunks)[da.from_array(keep, chunks=chunks[0])]
+    assert np.isnan(x.shape[0]), "the mask should leave the row count unknown"
+    return x, xn[keep]
+
+
+def test_unknown_row_counts_forward_equals_numpy_path():
+    """Rows are independent, so a Dask x whose row counts are unknown (after boolean
+    indexing) runs block by block as any other: every forward gives NumPy's bits on the
+    kept rows, and the results keep x's unknown row chunks."""
+    rng = np.random.default_rng(11)
+    x, xn = _masked_rows(rng, (90, 40), (25, 16))
+    r, rn = (x * -0.5 + 1.0).astype(np.float32), (xn * -0.5 + 1.0).astype(np.float32)
+    w = (1.0 + rng.standard_normal(40)).astype(np.float32)
+    b = rng.standard_normal(40).astype(np.float32)
+    y, mean, rstd = ln.layer_norm(x, weight=w, bias=b, return_stats=True)
+    assert np.isnan(y.shape[0]) and len(y.chunks[0]) == len(x.chunks[0])
+    for got, want in zip((y, mean, rstd), ln.layer_norm(xn, weight=w, bias=b,
+                                                       return_stats=True), strict=True):
+        np.testing.assert_array_equal(got.compute(), want)
+    np.testing.assert_array_equal(ln.rms_norm(x, weight=w).compute(), ln.rms_norm(xn, weight=w))
+    for got, want in zip(ln.layer_norm(x, weight=w, quantize="int8"),
+                         ln.layer_norm(xn, weight=w, quantize="int8"), strict=True):
+        np.testing.assert_array_equal(got.compute(), want)
+    q = ln.layer_norm(x, quantize="int8", scale=0.05)[0].compute()
+    np.testing.assert_array_equal(q, ln.layer_norm(xn, quantize="int8", scale=0.05)[0])
+    for got, want in zip(ln.add_rms_norm(x, r, weight=w, weight_offset=1.0),
+                         ln.add_rms_norm(xn, rn, weight=w, weight_offset=1.0), strict=True):
+        np.testing.assert_array_equal(got.compute(), want)
+
+
+def test_unknown_row_counts_backward_equals_known_chunks():
+    """The backward with unknown row counts: grad_x is NumPy's; the parameter gradients
+    are the per-block partials summed in block order, the bits of the same call once the
+    chunk sizes are known."""
+    rng = np.random.default_rng(12)
+    x, xn = _masked_rows(rng, (80, 24), (20, 24))
+    w = (1.0 + rng.standard_normal(24)).astype(np.float32)
+    gy = (x * 0.5 + 1.0).astype(np.float32)
+    _, mean, rstd = ln.layer_norm(x, weight=w, return_stats=True)
+    grads = [g.compute() for g in ln.layer_norm_backward(gy, x, mean, rstd, weight=w,
+                                                         grad_residual=x)]
+    xk, gyk = x.compute_chunk_sizes(), gy.compute_chunk_sizes()
+    _, mk, rk = ln.layer_norm(xk, weight=w, return_stats=True)
+    known = [g.compute() for g in ln.layer_norm_backward(gyk, xk, mk, rk, weight=w,
+                                                         grad_residual=xk)]
+    for got, want in zip(grads, known, strict=True):
+        np.testing.assert_array_equal(got, want)
+    gyn = (xn * 0.5 + 1.0).astype(np.float32)
+    want_x = ln.layer_norm_backward(gyn, xn, *ln.layer_norm(xn, weight=w, return_stats=True)[1:],
+                                    weight=w, grad_residual=xn)[0]
+    np.testing.assert_array_equal(grads[0], want_x)
+    ref = reference.layer_norm_backward(gyn, xn, (1,), w)
+    np.testing.assert_allclose(grads[1], ref[1], rtol=1e-4, atol=1e-4)
+    rms = [g.compute() for g in ln.rms_norm_backward(gy, x, ln.rms_norm(x, return_stats=True)[1],
+                                                     weight=w)]
+    rms_known = [g.compute() for g in ln.rms_norm_backward(
+        gyk, xk, ln.rms_norm(xk, return_stats=True)[1], weight=w)]
+    for got, want in zip(rms, rms_known, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_unknown_row_counts_errors_name_the_argument():
+    """What cannot line up with unknown row counts is refused when the call is made: a
+    normalized axis of unknown size, a companion of known shape or other chunks, an
+    array scale; shape errors of the known axes say how the unknown sizes appear."""
+    rng = np.random.default_rng(13)
+    x, xn = _masked_rows(rng, (60, 16), (20, 16))
+    with pytest.raises(ValueError, match=r"normalized axes \[0\]"):
+        ln.layer_norm(x, axis=0)
+    with pytest.raises(ValueError, match=r"normalized axes \[0\]"):
+        ln.layer_norm(x, normalized_shape=(5, 16))
+    _, mean, rstd = ln.layer_norm(x, return_stats=True)
+    with pytest.raises(ValueError, match="grad_y must be a Dask array"):
+        ln.layer_norm_backward(np.ones((len(xn), 16), np.float32), x, mean, rstd)
+    doubled = da.concatenate([x, x])
+    with pytest.raises(ValueError, match="residual has 6 chunks of unknown size along axis 0 "
+                                         "where x has 3"):
+        ln.add_layer_norm(x, doubled)
+    with pytest.raises(ValueError, match=r"residual must have shape .*got shape \(1, 8\).*"
+                                         r"appear as 1"):
+        ln.add_layer_norm(x, x[:, :8])
+    with pytest.raises(ValueError, match="scale= as an array needs x's row counts"):
+        ln.layer_norm(x, quantize="int8", scale=np.full((1, 1), 0.1, np.float32))
 
 
 def test_dask_scale_is_used_lazily_and_checked_per_block():

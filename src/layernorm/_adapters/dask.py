@@ -120,12 +120,104 @@ def _block_library(x: Any) -> str:
     return "numpy" if meta is None else library_of(meta)
 
 
+#: Arguments that share x's rows (every non-normalized axis): with a Dask x whose row
+#: counts are unknown (NaN chunk sizes, as after boolean indexing), these may have
+#: unknown sizes too, on the same axes and in as many chunks; every other array
+#: argument (weight, bias, scale) must have known sizes.
+_ROW_COMPANIONS = ("residual", "grad_y", "grad_residual", "mean", "rstd")
+
+
+def _unknown_axes(arr: Any) -> tuple[int, ...]:
+    """Axes of ``arr`` (a Dask array) whose chunk sizes are unknown (NaN); () for others."""
+    return tuple(i for i, s in enumerate(getattr(arr, "shape", ()))
+                 if isinstance(s, float) and math.isnan(s))
+
+
 def _check_known_shape(x: Any, name: str = "x") -> None:
-    if any(isinstance(s, float) and math.isnan(s) for s in x.shape):
+    if _unknown_axes(x):
         raise ValueError(
             f"{name} has unknown chunk sizes (shape {x.shape}); call "
             f"{name}.compute_chunk_sizes() first"
         )
+
+
+def _check_like_x(x: Any, arr: Any, name: str) -> None:
+    """A row companion of ``x`` has unknown sizes exactly where ``x`` has, along which
+    both have as many chunks (blockwise pairs their blocks; each block's call then
+    checks that the sizes agree)."""
+    mine, xs = set(_unknown_axes(arr)), set(_unknown_axes(x))
+    if mine - xs:
+        _check_known_shape(arr, name)
+    if not xs:
+        return
+    if getattr(arr, "ndim", None) != x.ndim or xs - mine:
+        raise ValueError(
+            f"x has unknown chunk sizes along axes {sorted(xs)} (shape {x.shape}), so "
+            f"{name} must be a Dask array with x's number of dimensions and unknown chunk "
+            f"sizes along the same axes; got {describe(arr)} of shape {arr.shape} (or call "
+            f"x.compute_chunk_sizes() and pass arrays of known shape)"
+        )
+    for i in sorted(xs):
+        if len(arr.chunks[i]) != len(x.chunks[i]):
+            raise ValueError(
+                f"{name} has {len(arr.chunks[i])} chunks of unknown size along axis {i} "
+                f"where x has {len(x.chunks[i])}; pass arrays chunked alike along axes "
+                f"of unknown size (or call compute_chunk_sizes() on both)"
+            )
+
+
+def _check_rows_known(x: Any, normalized_shape: Any, axis: Any) -> None:
+    """The normalized axes of ``x`` have known sizes (the kernels need whole rows of a
+    known length); only the other axes may be unknown."""
+    unknown = _unknown_axes(x)
+    if not unknown:
+        return
+    ndim = x.ndim
+    try:
+        if axis is not None:
+            given = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+            axes = {int(a) % ndim for a in given if -ndim <= int(a) < ndim}
+        elif normalized_shape is not None:
+            count = (1 if isinstance(normalized_shape, (int, np.integer))
+                     else len(tuple(normalized_shape)))
+            axes = set(range(max(ndim - count, 0), ndim))
+        else:
+            axes = {ndim - 1}
+    except (TypeError, ValueError):  # not axes at all: the engine's error
+        return
+    bad = sorted(axes.intersection(unknown))
+    if bad:
+        raise ValueError(
+            f"x has unknown chunk sizes along the normalized axes {bad} (shape {x.shape}); "
+            f"call x.compute_chunk_sizes() first (only the other axes may be unknown)"
+        )
+
+
+def _standin(arr: Any) -> Any:
+    """``arr``, or for a Dask array with unknown sizes a NumPy array of its dtype that
+    takes no memory, each unknown size as 1: what the engine's checks of shapes and
+    dtypes see (:func:`_check_like_x` has checked the unknown axes)."""
+    unknown = _unknown_axes(arr)
+    if not unknown:
+        return arr
+    shape = tuple(1 if i in unknown else int(s) for i, s in enumerate(arr.shape))
+    return np.broadcast_to(np.zeros((), arr.dtype), shape)
+
+
+class _UnknownSizesShown:
+    """Re-raises the engine's ValueError or TypeError about a call on :func:`_standin`
+    shapes with a note that the unknown sizes of ``x`` appear as 1 in it."""
+
+    def __init__(self, x: Any) -> None:
+        self.x = x
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+        if kind in (ValueError, TypeError) and _unknown_axes(self.x):
+            raise kind(f"{error} (x has shape {self.x.shape}: its unknown chunk sizes "
+                       f"appear as 1 here)") from error
 
 
 def _check_common(x: Any, out: Any, **others: Any) -> str:
@@ -136,14 +228,16 @@ def _check_common(x: Any, out: Any, **others: Any) -> str:
             "out= is not supported for Dask arrays (they are immutable); store the lazy "
             "result with dask.array.store instead"
         )
-    _check_known_shape(x)
     blocks = _block_library(x)
     for name, arr in others.items():
         if arr is None:
             continue
         lib = library_of(arr)
-        if lib == "dask":
+        if name in _ROW_COMPANIONS:
+            _check_like_x(x, arr, name)
+        elif lib == "dask":
             _check_known_shape(arr, name)
+        if lib == "dask":
             lib = _block_library(arr)
         if lib != blocks:
             raise TypeError(
@@ -154,9 +248,12 @@ def _check_common(x: Any, out: Any, **others: Any) -> str:
 
 
 def _rows_rechunked(x: Any, axes: tuple[int, ...]) -> Any:
-    """``x`` with every normalized axis in one block, blocks kept about the input's size."""
+    """``x`` with every normalized axis in one block, blocks kept about the input's size
+    (with unknown row counts, :func:`_unknown_axes`, the other axes as they are)."""
     if all(len(x.chunks[a]) <= 1 for a in axes):
         return x
+    if _unknown_axes(x):
+        return x.rechunk({a: x.shape[a] for a in axes})
     itemsize = x.dtype.itemsize
     target = max(_largest_block_bytes(x), 1)
     block = [max(c) if c else 0 for c in x.chunks]
@@ -225,7 +322,9 @@ def _forward(rms: bool, x: Any, dask_route: Route, ns: Any, weight: Any, bias: A
              axis: Any, return_stats: bool, out: Any, backend: Any) -> Any:
     params = {"weight": weight} if rms else {"weight": weight, "bias": bias}
     _check_common(x, out, **params)
-    req = _engine.request(x, dask_route, ns, axis, **params)
+    _check_rows_known(x, ns, axis)
+    with _UnknownSizesShown(x):
+        req = _engine.request(_standin(x), dask_route, ns, axis, **params)
     eps = _engine.resolve_eps(eps, req, rms)
     axes = req.layout.axes
     xr = _rows_rechunked(x, axes)
@@ -259,12 +358,15 @@ def _fused(rms: bool, x: Any, residual: Any, dask_route: Route, ns: Any, weight:
             "residual_out= is not supported for Dask arrays (they are immutable); store the "
             "lazy h with dask.array.store instead"
         )
-    req = _engine.request(x, dask_route, ns, axis, **params)
+    _check_rows_known(x, ns, axis)
+    with _UnknownSizesShown(x):
+        req = _engine.request(_standin(x), dask_route, ns, axis, **params)
     y_dtype = x.dtype
     h_dtype = None
     stats_req = req
     if residual is not None:
-        r_name = _engine.check_residual(residual, req)
+        with _UnknownSizesShown(x):
+            r_name = _engine.check_residual(_standin(residual), req)
         _, h_name = _engine.sum_dtypes(req.dtype, r_name, residual_dtype)
         h_dtype = _engine.dtype_of(np, h_name)
         stats_req = _engine.Request(req.layout, h_name, accumulation_name(h_name), req.backend)
@@ -273,6 +375,11 @@ def _fused(rms: bool, x: Any, residual: Any, dask_route: Route, ns: Any, weight:
     lazy_scale = scale_array is not None and library_of(scale_array, "scale") == "dask"
     if lazy_scale:
         _check_known_shape(scale_array, "scale")
+    if scale_array is not None and _unknown_axes(x):
+        raise ValueError(
+            f"scale= as an array needs x's row counts, but x has unknown chunk sizes "
+            f"(shape {x.shape}); pass a float scale or call x.compute_chunk_sizes() first"
+        )
     check_companions(x, "dask", scale=scale_array)
     offset, quantize = _engine.check_extras(np, req, weight, weight_offset, quantize, scale,
                                             None)
@@ -361,10 +468,13 @@ def _backward(rms: bool, grad_y: Any, x: Any, dask_route: Route, mean: Any, rstd
     stats = {"rstd": rstd} if rms else {"mean": mean, "rstd": rstd}
     extra = {} if grad_residual is None else {"grad_residual": grad_residual}
     _check_common(x, None, grad_y=grad_y, weight=weight, **stats, **extra)
-    req = _engine.request(x, dask_route, ns, axis, weight=weight)
-    _engine.check_backward(grad_y, req, **stats)
+    _check_rows_known(x, ns, axis)
+    with _UnknownSizesShown(x):
+        req = _engine.request(_standin(x), dask_route, ns, axis, weight=weight)
+        _engine.check_backward(_standin(grad_y), req,
+                               **{k: _standin(v) for k, v in stats.items()})
+        _engine.check_grad_residual(_standin(grad_residual), req)
     offset = _engine.check_weight_offset(weight_offset, weight is not None, req.acc)
-    _engine.check_grad_residual(grad_residual, req)
     axes = req.layout.axes
     xr = _rows_rechunked(x, axes)
     stats_chunks = _stats_chunks(xr.chunks, axes)
