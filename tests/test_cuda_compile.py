@@ -1181,6 +1181,24 @@ def test_emulation_constant_rows_with_a_tiny_eps(emulator, monkeypatch):
         assert np.isnan(back(y)).all(), name
 
 
+@pytest.mark.slow
+def test_emulation_rows_whose_spread_is_the_smallest_subnormal(emulator, monkeypatch):
+    """float64 rows whose differences are units of 2**-1074, eps=0 (audit finding):
+    measured on halves (rounded to 0) they looked constant and gave inf/NaN; the
+    rescaled path measures them in full, in the row and the cols kernels."""
+    emulator.install(monkeypatch)
+    t = np.finfo(np.float64).smallest_subnormal
+    x = np.array([[t, 0, 0, 0], [0, -t, 0, t], [3 * t, t, 2 * t, 0]], np.float64)
+    units = (x - x[:, :1]) * 2.0**1000 * 2.0**74  # exact integers
+    d = units - units.mean(1, keepdims=True)
+    want = d / np.sqrt((d * d).mean(1, keepdims=True))
+    layouts = {"rows": (x.reshape(3, 4, 1), lambda a: a[:, :, 0]),
+               "cols": (np.ascontiguousarray(x.T)[None], lambda a: a[0].T)}
+    for name, (x3, back) in layouts.items():
+        y, _, _ = _emu_forward(x3, "float64", False, None, None, eps=0.0)
+        np.testing.assert_allclose(back(y), want, rtol=0, atol=1e-12, err_msg=name)
+
+
 def _rescaled_reference(x, w, b, rms, eps):
     """Float64 LayerNorm/RMSNorm of finite rows of any magnitude: each row scaled by the
     power of two that brings max|x| into [0.5, 1) (scale invariance), as the contract

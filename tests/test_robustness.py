@@ -237,6 +237,31 @@ def test_rows_whose_squares_overflow_are_normalized(name, dtype, scale, backend)
     assert np.array_equal(y[1], FUNCTIONS[name](x[1:2], backend=backend)[0])
 
 
+@pytest.mark.parametrize("backend", [None, "array_api"])
+def test_float64_rows_whose_spread_is_the_smallest_subnormal(backend):
+    """float64 rows whose differences are a few units of 2**-1074 (audit finding): their
+    halves round (half of 2**-1074 is 0), so measured on halves the rows looked constant
+    and eps=0 gave inf/NaN; measured in full they are scaled up like any tiny row. The
+    reference is the same rows times 2**1074 (exact), normalized in float64."""
+    t = np.finfo(np.float64).smallest_subnormal
+    tiny = np.finfo(np.float64).tiny
+    rows = [[t, 0, 0, 0], [0, -t, 0, t], [tiny, np.nextafter(tiny, 1), tiny, tiny],
+            [3 * t, t, 2 * t, 0]]
+    x = np.array(rows, np.float64)
+    units = (x - x[:, :1]) * 2.0**1000 * 2.0**74  # exact integers
+    d = units - units.mean(1, keepdims=True)
+    want = d / np.sqrt((d * d).mean(1, keepdims=True))
+    np.testing.assert_allclose(ln.layer_norm(x, eps=0.0, backend=backend), want,
+                               rtol=0, atol=1e-12)
+    for row, expected in zip(x, want, strict=True):  # and alone, through the short path
+        got = ln.layer_norm(row[None], eps=0.0, backend=backend)[0]
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12)
+    scaled = x * 2.0**1000 * 2.0**74
+    want_rms = scaled / np.sqrt((scaled * scaled).mean(1, keepdims=True))
+    np.testing.assert_allclose(ln.rms_norm(x, eps=0.0, backend=backend), want_rms,
+                               rtol=0, atol=1e-12)
+
+
 def _kernel_path_layouts(rng, dtype, scale):
     """(x, axis) pairs of random rows times ``scale`` reaching each kernel path: short
     rows, long rows, strided rows (gathered), columns (inner > 1), and enough elements

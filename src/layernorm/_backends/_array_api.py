@@ -144,20 +144,26 @@ def _inverse_sqrt(xp: Any, var: Any, eps: float, scale: Any, acc_name: str) -> A
 
 
 def _row_scale(xp: Any, d: Any, axes: tuple[int, ...], acc_name: str, eps: float, *,
-               halved: bool = False) -> Any:
+               halves: Any = None) -> Any:
     """Per-row power of two that brings a huge finite row's magnitude to [1, 2), or a tiny
     one's up (when ``eps`` is too small to hide its squares), else 1.
 
-    With ``halved``, ``d`` holds half of the values measured (whose full size may
-    overflow); the scale returned is still the one for the full values.
+    With ``halves`` (half of each value of ``d``), a row whose ``d`` overflows is measured
+    on its halves; the scale returned is still the one for the full values. (Halves
+    alone would not do: half a subnormal is rounded, and a float64 row of differences
+    ``[2**-1074, 0, 0, 0]`` then looked constant.)
     """
     amax = xp.max(xp.abs(d), axis=axes, keepdims=True)
-    half = 1.0 if halved else 0.0
-    threshold = _RESCALE_FROM[acc_name] / 2 if halved else _RESCALE_FROM[acc_name]
-    huge = (amax >= threshold) & xp.isfinite(amax)
+    half = xp.zeros_like(amax)
+    if halves is not None:
+        amax_half = xp.max(xp.abs(halves), axis=axes, keepdims=True)
+        overflowed = ~xp.isfinite(amax) & xp.isfinite(amax_half)
+        amax = xp.where(overflowed, amax_half, amax)
+        half = xp.where(overflowed, xp.ones_like(amax), half)
+    shrink = xp.pow(0.5, half)  # 1, or 1/2 where measured on halves
+    huge = (amax >= _RESCALE_FROM[acc_name] * shrink) & xp.isfinite(amax)
     if eps < _TINY_EPS[acc_name]:
-        tiny_below = _TINY_BELOW[acc_name] / 2 if halved else _TINY_BELOW[acc_name]
-        tiny = (amax < tiny_below) & (amax > 0)
+        tiny = (amax < _TINY_BELOW[acc_name] * shrink) & (amax > 0)
         most = _MAX_EXPONENT[acc_name]
         if eps > 0:
             most = min(most, float((_SCALED_EPS_EXPONENT[acc_name] - math.log2(eps)) // 2))
@@ -202,8 +208,9 @@ def layer_norm(
     xa = xp.astype(x, acc)
     shift = _first_of_rows(xa, axes)
     # The difference of two huge finite values (3e38 - -3e38 in float32) overflows: the
-    # scale is measured on halves, and both terms are scaled (exactly) before subtracting.
-    scale = _row_scale(xp, xa * 0.5 - shift * 0.5, axes, acc_name, eps, halved=True)
+    # scale of such a row is measured on halves, and both terms are scaled (exactly)
+    # before subtracting.
+    scale = _row_scale(xp, xa - shift, axes, acc_name, eps, halves=xa * 0.5 - shift * 0.5)
     shift_scaled = shift * scale
     d = xa * scale - shift_scaled
     mean_d = xp.mean(d, axis=axes, keepdims=True)

@@ -75,21 +75,30 @@ def usable_rstd(rstd):
 @callee_njit
 def _power_of_two_scale(xr, r, n, eps, shifted):
     """``2**-e`` with ``m * 2**-e`` in ``[0.5, 1)``, ``m`` the largest ``|x|`` of the row
-    (with ``shifted``, the largest ``|x - x[0]|``, measured on halves so that it cannot
-    overflow), at most what keeps ``eps * 2**-2e`` finite and at most ``2**1000``; 1.0 when
-    ``m`` is 0 (a row of zeros, or with ``shifted`` a constant row: nothing to scale, and
-    a scaling down could only make ``eps`` underflow); 0.0 for a row holding a NaN or an
-    infinity (no rescaling can help those)."""
-    half_first = np.float64(widen(get(xr, r, 0))) * 0.5 if shifted else 0.0
-    half_max = 0.0
+    (with ``shifted``, the largest ``|x - x[0]|``), at most what keeps ``eps * 2**-2e``
+    finite and at most ``2**1000``; 1.0 when ``m`` is 0 (a row of zeros, or with
+    ``shifted`` a constant row: nothing to scale, and a scaling down could only make
+    ``eps`` underflow); 0.0 for a row holding a NaN or an infinity (no rescaling can
+    help those).
+
+    ``m`` is measured in full where the differences are finite (a difference of
+    subnormals is exact, their halves are not: a float64 row ``[2**-1074, 0, 0, 0]``
+    measured on halves looked constant) and on halves where they overflow."""
+    first = np.float64(widen(get(xr, r, 0))) if shifted else 0.0
+    half_first = first * 0.5
+    half_max = full_max = 0.0
     for i in range(n):
         v = np.float64(widen(get(xr, r, i)))
         if not abs(v) < math.inf:  # NaN or infinity
             return 0.0
         half_max = max(half_max, abs(v * 0.5 - half_first))
-    if half_max == 0.0:
+        full_max = max(full_max, abs(v - first))  # infinity if it overflows
+    if full_max == 0.0:
         return 1.0
-    exponent = -(math.frexp(half_max)[1] + 1)
+    if full_max < math.inf:
+        exponent = -math.frexp(full_max)[1]
+    else:
+        exponent = -(math.frexp(half_max)[1] + 1)
     if exponent > 0:  # a tiny row: scaled up, eps with it
         limit = _SCALED_EPS_MAX_EXPONENT
         e = np.float64(eps)

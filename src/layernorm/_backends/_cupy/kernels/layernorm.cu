@@ -657,21 +657,27 @@ __device__ __noinline__ bool rescaled_row(const T* xr, i64 xs1, TY* yr, i64 ys1,
                                           const A* w, const A* b, A* mean_out, A* rstd_out,
                                           i64 row, int part, int parts,
                                           QuantOut<A> qz = QuantOut<A>()) {
-  // The largest |x| (LayerNorm: |x - x[0]|), measured on halves: it cannot overflow.
-  const double half_first = RMS ? 0.0 : (double)to_acc(xr[0]) * 0.5;
-  double half_max = 0.0;
+  // The largest |x| (LayerNorm: |x - x[0]|): in full where that is finite (a difference
+  // of subnormals is exact, their halves are not), else measured on halves.
+  const double first_full = RMS ? 0.0 : (double)to_acc(xr[0]);
+  const double half_first = first_full * 0.5;
+  double half_max = 0.0, full_max = 0.0;
   for (i64 i = 0; i < n; ++i) {
     const double v = (double)to_acc(xr[i * xs1]);
     if (!(fabs(v) <= 1.7976931348623157e308)) return false;  // NaN or infinity
     const double a = fabs(v * 0.5 - half_first);
     half_max = a > half_max ? a : half_max;
+    const double f = fabs(v - first_full);  // infinity if the difference overflows
+    full_max = f > full_max ? f : full_max;
   }
   // s = 2^-e. Nothing to scale (zeros; LayerNorm: a constant row, whose rstd is
   // 1 / sqrt(eps)): unscaled, since a scaling down could only make eps underflow.
   int e = 0;
-  if (half_max > 0.0) {
+  if (full_max > 1.7976931348623157e308) {
     frexp(half_max, &e);  // half_max = m * 2^e, m in [0.5, 1): the largest is m * 2^(e + 1)
-    e += 1;               // -1073..1025
+    e += 1;               // 1025
+  } else if (full_max > 0.0) {
+    frexp(full_max, &e);  // -1073..1024
   }
   if (e < 0) {  // a tiny row, scaled up: eps * s^2 must stay finite
     int most = 1000;
