@@ -86,7 +86,7 @@ from .rowmath import (
     lane_sums_from,
     lane_sums_tail,
     moments,
-    redone,
+    redo,
     row_chunk,
     row_moments,
     row_shift,
@@ -439,14 +439,15 @@ def ln_long_rows(xv, yv, wv, bv, tv, eps, n, stream, mean_out, rstd_out, r0, r1,
             put_stat(mean_out, s0 + (r - r0), mo)
             put_stat(rstd_out, s0 + (r - r0), rstd)
         # Step 4 for row rn, checked after row r's output pass (rn is written in the
-        # next iteration): the rare redo is then no longer between the two halves of
-        # the output pass, where its vectors competed with xh and xt for registers.
+        # next iteration): the rare redo (a call, rowmath.checked_moments) is then no
+        # longer between the two halves of the output pass, where the inlined redo's
+        # vectors competed with xh and xt for registers (a call there clobbered them).
         # Measured, float32, 1 thread, kernel alone in cache, 15 shapes x placements
         # of (732, 256), (242, 768), (183, 1024), time over a plain Numba kernel
         # without checks, two runs: checked in between 1.10, 1.08; here 1.07, 1.04;
         # no check at all 1.04.
         if cancelled(m2, ss, tv):
-            nshift, mu, m2 = redone(xv, rn, n, nshift, cast(mu, nshift))
+            nshift, mu, m2 = redo(xv, rn, n, nshift, cast(mu, nshift), tv)
             nmean, nmo, nrstd = finish(nshift, mu, m2, n, eps)
         shift, mean, mo, rstd = nshift, nmean, nmo, nrstd
     if stream is not None:

@@ -542,22 +542,16 @@ def cancelled(m2, ss, tab):
     return m2 < np.float64(get(tab, 0, TAB_CANCEL)) * ss
 
 
-@njit(inline="always", error_model="numpy")
-def redone(xr, r, n, shift, mu):
+@callee_njit
+def redo(xr, r, n, shift, mu, tab):
     """(shift, shifted mean, M2) of a unit-stride row, redone with the shift
-    ``shift + mu`` (step 4; ``mu`` in the accumulation type), inlined: for a row loop
-    that checks :func:`cancelled` itself (:func:`.forward_rows.ln_long_rows`)."""
+    ``shift + mu`` (step 4; ``mu`` in the accumulation type): the rare second first
+    pass, a called function so that the row loops that check for it do not inline a
+    second copy of the first pass."""
     shift = shift + mu
     a, q, ta, tq = lane_sums(xr, r, n, shift)
     mu2, m2, _ = moments(a, q, ta, tq, n)
     return shift, mu2, (m2 if not m2 < 0.0 else 0.0)
-
-
-@callee_njit
-def redo(xr, r, n, shift, mu, tab):
-    """:func:`redone` as a called function: for the paths that compute the first pass
-    themselves (short rows, columns); :func:`row_moments` redoes in its own loop."""
-    return redone(xr, r, n, shift, mu)
 
 
 @njit(inline="always", error_model="numpy")
@@ -565,18 +559,16 @@ def checked_moments(xr, r, n, shift, a, q, ta, tq, tab):
     """(shift, shifted mean, M2) of a unit-stride row from its first pass's lane sums
     ``a``, ``q`` and totals ``ta``, ``tq`` (for ``shift``): steps 3-4 of the row
     arithmetic, the row redone when the first pass cancelled."""
-    # One loop, so that the moments are compiled once: the second iteration is the redo
-    # of step 4 (rare), with the shift moved by the mean. (With a separate redo
-    # function, a cold first call compiled it too: 0.1-0.3 s more of 2.8-3.3 s,
-    # measured by Numba's pipeline times.) A first pass that is not cancelled has
-    # M2 >= CANCEL * SS >= 0 or NaN, so the clamp changes only a redo.
-    for attempt in range(2):
-        if attempt == 1:
-            a, q, ta, tq = lane_sums(xr, r, n, shift)
-        mu, m2, ss = moments(a, q, ta, tq, n)
-        if attempt == 1 or not cancelled(m2, ss, tab):
-            break
-        shift = shift + cast(mu, shift)
+    # The redo is a call (compiled once per process for all the kernels that check):
+    # inlined, it made each kernel compile the first pass twice. Cold cache, Numba's
+    # compile events, float32 (64, 256) after a plain call, two runs: quantized int8
+    # with a given scale 1.83-1.95 -> 1.65-1.69 s, rows of 4096 quantized 2.06-2.08 ->
+    # 1.78-1.87 s; the kernels' speed is unchanged (public calls in cache, four
+    # placements of x and y each at n = 256-16384, plain and int8). A first pass that
+    # is not cancelled has M2 >= CANCEL * SS >= 0 or NaN, so the clamp changes nothing.
+    mu, m2, ss = moments(a, q, ta, tq, n)
+    if cancelled(m2, ss, tab):
+        return redo(xr, r, n, shift, cast(mu, shift), tab)
     return shift, mu, (m2 if not m2 < 0.0 else 0.0)
 
 
