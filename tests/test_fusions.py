@@ -1029,6 +1029,33 @@ def test_quantize_static_scale_saturates(fmt):
     assert q.astype(np.float64).min() == (-128 if fmt == "int8" else -QMAX[fmt])
 
 
+@pytest.mark.parametrize("lib", ["numpy", "torch", "array_api", "dask"])
+def test_quantize_static_scale_of_bfloat16(lib):
+    """A bfloat16 scale array is a real dtype like float16 (audit finding: refused as
+    "not a real dtype"): used as its values, exactly widened, on every library."""
+    rng = np.random.default_rng(31)
+    x = data((6, 32), "float32", 0, 2.0)
+    scale = (0.01 + rng.random((6, 1))).astype(ml_dtypes.bfloat16)
+    want = ln.layer_norm(x, quantize="int8", scale=scale.astype(np.float32))[0]
+    if lib == "torch":
+        torch = optional("torch")
+        got = ln.layer_norm(torch.from_numpy(x), quantize="int8",
+                            scale=torch.from_numpy(scale.astype(np.float32)).bfloat16())[0]
+        got = got.numpy()
+    elif lib == "dask":
+        da = optional("dask.array")
+        got = ln.layer_norm(da.from_array(x, chunks=(4, 32)), quantize="int8",
+                            scale=da.from_array(scale, chunks=(4, 1)))[0].compute()
+    else:
+        kw = {"backend": "array_api"} if lib == "array_api" else {}
+        got = ln.layer_norm(x, quantize="int8", scale=scale, **kw)[0]
+    assert_bitwise(got, want)
+    bad = scale.copy()
+    bad[3] = 0
+    with pytest.raises(ValueError, match="scale must be positive and finite"):
+        ln.layer_norm(x, quantize="int8", scale=bad)
+
+
 def test_quantize_rounds_half_to_even():
     x = np.array([[-1.0, 1.0]] * 1, np.float32)  # LayerNorm with eps=0 gives exactly [-1, 1]
     q, _ = ln.layer_norm(x, weight=np.array([2.5, 3.5], np.float32), eps=0.0, quantize="int8",
