@@ -36,6 +36,7 @@ from ._scalars import cast, imax, imin, narrow, widen
 from ._simd import (
     affine,
     alive,
+    downward_passes_pay,
     fma,
     get,
     itemsize,
@@ -204,8 +205,16 @@ TILED_PARALLEL_MIN_BYTES = 8 << 10
 #: x + 64 / 128 / 192-256 / any other offset: (90, 2048) 53 / 38 / 35 / 31 us,
 #: (242, 768) 38 / 33 / 31 / 28.6 us. The pipelined order (``PLAIN``, rows below
 #: ``SEQUENTIAL_MIN_ROW``) keeps its upward pass: a direction chosen at run time in its
-#: interleaved loop cost every call 5-12% at n = 768-1024.
-ALIAS_WINDOW = 2048
+#: interleaved loop cost every call 5-12% at n = 768-1024. Only where downward passes
+#: pay (:func:`._simd.downward_passes_pay`, AMD cores; 0 elsewhere): on an Intel Xeon
+#: (Sapphire Rapids), float32, 1 thread, in cache, x 16 bytes past a page, w and b
+#: apart, y at x + 0 / 16-48 / 64 / 96 / 128-1024 bytes, downwards where the window
+#: said so / always upwards, two runs: (44, 4096) 34-36 / 58-65 / 35-37 / 59-61 / 33-38
+#: us against 34-34 / 37-41 / 35 / 39-40 / 33-36 us; (90, 2048) 30-33 / 46-54 / 33-35 /
+#: 47-48 / 32-36 against 33-34 / 35-37 / 31-33 / 35-36 / 30-33 us; (120, 1536) and
+#: (22, 8192) alike. (Arrays allocated one after another often lie 16-48 bytes apart
+#: modulo 4 KiB, the allocator's chunk headers: y = np.empty_like(x) lands there.)
+ALIAS_WINDOW = 2048 if downward_passes_pay() else 0
 #: The short-row path prefetches (a hint, no effect on results) the rows two blocks of
 #: ``LANES`` rows ahead, x for reading and y for writing, in runs of rows of at least
 #: this many bytes of x (beyond a core's L2, so read from L3 or DRAM: a serial call;
