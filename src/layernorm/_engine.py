@@ -666,7 +666,7 @@ def check_scale(xp: Any, scale: Any, stats_shape: tuple[int, ...], acc: str) -> 
         raise ValueError(f"scale must be broadcastable to the statistics' shape {stats_shape}, "
                          f"got shape {shape}")
     kind = dtype_name(scale.dtype)
-    if not (kind.startswith(("float", "bfloat", "int", "uint"))):
+    if not kind.startswith(("float", "bfloat", "int", "uint")):
         raise TypeError(f"scale must have a real dtype, got dtype {kind}")
     good = _known(xp.all((scale > 0) & xp.isfinite(scale)))
     if good is False:

@@ -143,20 +143,19 @@ def _inverse_sqrt(xp: Any, var: Any, eps: float, scale: Any, acc_name: str) -> A
     return xp.where(small, lifted, 1.0 / xp.sqrt(plain))
 
 
-def _row_scale(xp: Any, d: Any, axes: tuple[int, ...], acc_name: str, eps: float, *,
-               halves: Any = None) -> Any:
-    """Per-row power of two that brings a huge finite row's magnitude to [1, 2), or a tiny
-    one's up (when ``eps`` is too small to hide its squares), else 1.
+def _row_scale(xp: Any, amax: Any, acc_name: str, eps: float, *,
+               amax_half: Any = None) -> Any:
+    """Per-row power of two that brings a huge finite row's magnitude ``amax`` (keepdims,
+    its largest ``|x|``) to [1, 2), or a tiny one's up (when ``eps`` is too small to hide
+    its squares), else 1.
 
-    With ``halves`` (half of each value of ``d``), a row whose ``d`` overflows is measured
-    on its halves; the scale returned is still the one for the full values. (Halves
-    alone would not do: half a subnormal is rounded, and a float64 row of differences
-    ``[2**-1074, 0, 0, 0]`` then looked constant.)
+    With ``amax_half`` (the same measured on halves of the values), a row whose
+    ``amax`` overflowed is measured on its halves; the scale returned is still the one
+    for the full values. (Halves alone would not do: half a subnormal is rounded, and a
+    float64 row of differences ``[2**-1074, 0, 0, 0]`` then looked constant.)
     """
-    amax = xp.max(xp.abs(d), axis=axes, keepdims=True)
     half = xp.zeros_like(amax)
-    if halves is not None:
-        amax_half = xp.max(xp.abs(halves), axis=axes, keepdims=True)
+    if amax_half is not None:
         overflowed = ~xp.isfinite(amax) & xp.isfinite(amax_half)
         amax = xp.where(overflowed, amax_half, amax)
         half = xp.where(overflowed, xp.ones_like(amax), half)
@@ -207,10 +206,16 @@ def layer_norm(
         return c_contiguous(xp.astype(x, x.dtype, copy=True)), mean, rstd
     xa = xp.astype(x, acc)
     shift = _first_of_rows(xa, axes)
-    # The difference of two huge finite values (3e38 - -3e38 in float32) overflows: the
+    # The largest |x - shift| of a row is that of its largest or its smallest element (a
+    # rounded difference grows with x): two reductions, no array of differences. The
+    # difference of two huge finite values (3e38 - -3e38 in float32) overflows: the
     # scale of such a row is measured on halves, and both terms are scaled (exactly)
     # before subtracting.
-    scale = _row_scale(xp, xa - shift, axes, acc_name, eps, halves=xa * 0.5 - shift * 0.5)
+    top = xp.max(xa, axis=axes, keepdims=True)
+    bottom = xp.min(xa, axis=axes, keepdims=True)
+    scale = _row_scale(xp, xp.maximum(top - shift, shift - bottom), acc_name, eps,
+                       amax_half=xp.maximum(top * 0.5 - shift * 0.5,
+                                            shift * 0.5 - bottom * 0.5))
     shift_scaled = shift * scale
     d = xa * scale - shift_scaled
     mean_d = xp.mean(d, axis=axes, keepdims=True)
@@ -238,7 +243,7 @@ def rms_norm(
     if _is_empty_row(x, axes):
         return c_contiguous(xp.astype(x, x.dtype, copy=True)), _empty_rows(xp, x, axes, acc)[1]
     xa = xp.astype(x, acc)
-    scale = _row_scale(xp, xa, axes, acc_name, eps)
+    scale = _row_scale(xp, xp.max(xp.abs(xa), axis=axes, keepdims=True), acc_name, eps)
     xs = xa * scale
     rstd_scaled = _inverse_sqrt(xp, xp.mean(xs * xs, axis=axes, keepdims=True), eps, scale,
                                 acc_name)
